@@ -1,0 +1,1 @@
+"""dcp_volumes: fast, fault-tolerant PyTorch checkpoints and training inputs on remote volumes."""

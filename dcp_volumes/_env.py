@@ -1,0 +1,51 @@
+"""Environment variables, read in this one place.
+
+| variable                    | meaning                                          |
+|-----------------------------|--------------------------------------------------|
+| ``DCP_VOLUMES_STAGING``     | default local staging dir for checkpoint writes  |
+| ``DCP_VOLUMES_CACHE``       | default local cache dir for training inputs      |
+| ``DCP_VOLUMES_MAX_RETRIES`` | attempts per volume call on transient errors     |
+"""
+
+from __future__ import annotations
+
+import os
+
+STAGING = "DCP_VOLUMES_STAGING"
+CACHE = "DCP_VOLUMES_CACHE"
+MAX_RETRIES = "DCP_VOLUMES_MAX_RETRIES"
+
+
+def staging_dir() -> str | None:
+    """The staging directory the user configured, if any."""
+    return os.environ.get(STAGING) or None
+
+
+def cache_dir() -> str | None:
+    """The cache directory the user configured, if any."""
+    return os.environ.get(CACHE) or None
+
+
+def max_retries(default: int) -> int:
+    """Retry budget for transient volume errors."""
+    raw = os.environ.get(MAX_RETRIES)
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        from dcp_volumes._exceptions import ConfigurationError
+
+        raise ConfigurationError(
+            f"{MAX_RETRIES}={raw!r} is not an integer; set it to a count such as 5 or unset it."
+        ) from None
+    return max(1, value)
+
+
+def world_info() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size) as torchrun sets them."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return rank, world, local_rank, local_world
