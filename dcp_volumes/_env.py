@@ -5,6 +5,7 @@
 | ``DCP_VOLUMES_STAGING``     | default local staging dir for checkpoint writes  |
 | ``DCP_VOLUMES_CACHE``       | default local cache dir for training inputs      |
 | ``DCP_VOLUMES_MAX_RETRIES`` | attempts per volume call on transient errors     |
+| ``DCP_VOLUMES_STORAGE_OPTIONS`` | JSON object of fsspec options for the CLI    |
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 STAGING = "DCP_VOLUMES_STAGING"
 CACHE = "DCP_VOLUMES_CACHE"
 MAX_RETRIES = "DCP_VOLUMES_MAX_RETRIES"
+STORAGE_OPTIONS = "DCP_VOLUMES_STORAGE_OPTIONS"
 
 
 def staging_dir() -> str | None:
@@ -49,3 +51,8 @@ def world_info() -> tuple[int, int, int, int]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     return rank, world, local_rank, local_world
+
+
+def storage_options() -> str | None:
+    """The JSON text of ``DCP_VOLUMES_STORAGE_OPTIONS`` (used by the CLI), if set."""
+    return os.environ.get(STORAGE_OPTIONS) or None

@@ -103,6 +103,9 @@ _ACCESS_CODES = frozenset(
         "InvalidToken",
     }
 )
+_CREDENTIAL_ERRORS = frozenset(
+    {"NoCredentialsError", "PartialCredentialsError", "ClientAuthenticationError"}
+)
 _MISSING_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound", "BucketNotFound"})
 _EXISTS_CODES = frozenset({"412", "PreconditionFailed", "BlobAlreadyExists", "ConditionNotMet"})
 _TRANSIENT_ERRNOS = frozenset(
@@ -384,7 +387,7 @@ class Volume:
         if (
             isinstance(exc, PermissionError)
             or codes & _ACCESS_CODES
-            or names & {"NoCredentialsError", "ClientAuthenticationError", "PartialCredentialsError"}
+            or names & _CREDENTIAL_ERRORS
         ):
             return VolumeAccessError(
                 f"Cannot {op} {where}: access denied or credentials missing/invalid ({detail}). "
@@ -534,7 +537,9 @@ class Volume:
         full = self.full_path(relpath)
         return self._call("read", relpath, lambda: self.fs.cat_file(full, start=start, end=end))
 
-    def read_ranges(self, ranges: Sequence[tuple[str, int, int]], *, concurrency: int = 16) -> list[bytes]:
+    def read_ranges(
+        self, ranges: Sequence[tuple[str, int, int]], *, concurrency: int = 16
+    ) -> list[bytes]:
         """Read many ``(relpath, start, end)`` ranges concurrently, results in input order."""
         if not ranges:
             return []

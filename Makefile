@@ -1,0 +1,47 @@
+# Set-up and checks. `make test` works from a fresh clone: it creates .venv,
+# installs the CPU torch wheel, the package with its dev/bench extras, and
+# Azurite (npm) into .tools/, then runs pytest. Stamps make repeats fast.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := test
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+AZURITE_VERSION := 3.35.0
+AZURITE := .tools/node_modules/.bin/azurite-blob
+INSTALL_STAMP := $(VENV)/.dcp-volumes-installed
+PYTEST_ARGS ?=
+
+.PHONY: test lint demo setup
+
+setup: $(INSTALL_STAMP) $(AZURITE)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and on its own: the CPU wheel lies on this machine's disk and
+# pip finds it through the machine's pip config. Installed only when missing
+# or of another version, so pip never reaches for a (CUDA) torch from an index.
+# Re-runs when pyproject.toml changes (new dependencies).
+$(INSTALL_STAMP): pyproject.toml constraints.txt | $(PY)
+	if ! $(PY) -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null; then \
+		$(PY) -m pip install 'torch==$(TORCH_VERSION)'; \
+	fi
+	$(PY) -m pip install -c constraints.txt -e '.[dev,bench]'
+	touch $@
+
+$(AZURITE):
+	npm install --prefix .tools --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION)
+	test -x $@
+
+test: setup
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+lint: $(INSTALL_STAMP)
+	$(VENV)/bin/ruff check .
+
+demo: setup
+	$(VENV)/bin/dcp-volumes demo

@@ -1,0 +1,468 @@
+"""Rank-side half of bench_checkpoint.py: what each gloo rank does and times.
+
+Every rank holds its own state dict (distinct keys per rank, so DCP's
+de-duplication of replicated tensors never drops one) and runs the methods it
+is given in order. A method is a number of saves (or loads); for each save the
+rank records the time until the call gave control back to training
+(``blocking_s``) and until the checkpoint was committed (``e2e_s``), and its
+RSS peak above the RSS it had just before the method began.
+
+Save methods:
+
+``memcpy``          torch ``copy_`` into preallocated (faulted-in) tensors: the
+                    floor of any staging copy; the blocking target is relative to it.
+``local_fs``        stock ``FileSystemWriter`` to local disk (thread_count=8,
+                    sync_files=False): DCP serialisation without a network.
+``raw_put``         the same bytes as parallel PUTs of chunk objects (boto3).
+``raw_multipart``   the same bytes as one parallel multipart upload (boto3).
+                    The link floor is the faster of the two.
+``fsspec_t1/_t8``   ``dcp.save`` with stock ``FsspecWriter`` (thread_count 1 / 8).
+``fsspec_async``    ``dcp.async_save`` with ``FsspecWriter`` (thread_count=8).
+``s3tc``            ``dcp.save`` with s3torchconnector's ``S3StorageWriter``
+                    (thread_count=8).
+``vw_sync/_async``  ``dcp.save`` / ``dcp.async_save`` with ``VolumeWriter``,
+                    one writer reused across saves (its staging buffers too).
+
+``load`` runs the readers: parallel whole-object GETs of the raw chunks,
+parallel ranged GETs of the raw multipart object (the download floor is the
+faster), ``FsspecReader``, s3torchconnector's ``S3StorageReader`` and
+``VolumeReader``, the last three on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from _common import MiB, RssSampler, current_rss, max_rss_lifetime, release_free_memory
+from _raw import (
+    ByteSource,
+    boto3_client,
+    chunk_size,
+    get_chunks,
+    get_ranges,
+    put_chunks,
+    put_multipart,
+)
+
+SAVE_METHODS = (
+    "memcpy",
+    "local_fs",
+    "raw_put",
+    "raw_multipart",
+    "fsspec_t1",
+    "fsspec_t8",
+    "fsspec_async",
+    "s3tc",
+    "vw_sync",
+    "vw_async",
+)
+LOAD_METHODS = ("raw_get", "raw_ranged", "fsspec_reader", "s3tc_reader", "vw_reader")
+RAW_SAVES = ("raw_put", "raw_multipart")
+RAW_LOADS = ("raw_get", "raw_ranged")
+ASYNC_METHODS = frozenset({"fsspec_async", "vw_async"})
+
+UPLOAD_STREAMS = 8  # VolumeWriter's default upload_concurrency
+DOWNLOAD_STREAMS = 16  # VolumeReader's default read_concurrency
+PEER_THREADS = 8  # thread_count of the stock writers: their best on this link
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a rank needs; pickled to the spawned ranks."""
+
+    link: str
+    methods: tuple[str, ...]
+    size_bytes: int
+    tensor_bytes: int
+    repeats: int
+    bucket: str
+    prefix: str  # key prefix of this link's objects, e.g. "remote"
+    endpoint: str  # what clients talk to (the proxy on the remote link)
+    direct_endpoint: str  # the server itself, for housekeeping outside the timings
+    storage_options: dict[str, Any]
+    isolated: bool  # one fresh pair of processes per method (ru_maxrss is then exact)
+    load_source: str | None = None  # checkpoint URL the DCP readers load
+    keep: tuple[str, ...] = field(default=())  # methods whose last save the loads need
+
+
+def url(job: Job, *parts: str) -> str:
+    return f"s3://{job.bucket}/" + "/".join((job.prefix, *parts))
+
+
+def save_url(job: Job, method: str, i: int) -> str:
+    return url(job, method, f"save{i}")
+
+
+def raw_prefix(job: Job, method: str, rank: int, i: int) -> str:
+    return f"{job.prefix}/{method}/save{i}/rank{rank}"
+
+
+# ---------------------------------------------------------------------------
+# State
+# ---------------------------------------------------------------------------
+
+
+def make_state(rank: int, size_bytes: int, tensor_bytes: int) -> dict[str, Any]:
+    """``size_bytes`` of float32 tensors with keys unique to this rank."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1234 + rank)
+    n = max(1, size_bytes // tensor_bytes)
+    numel = tensor_bytes // 4
+    return {
+        "model": {
+            f"rank{rank}.layer{i:03d}.weight": torch.rand(numel, generator=gen) for i in range(n)
+        }
+    }
+
+
+def state_tensors(state: dict[str, Any]) -> list[Any]:
+    return list(state["model"].values())
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state_tensors(state))
+
+
+def byte_source(state: dict[str, Any]) -> ByteSource:
+    """Zero-copy byte views of the tensors: the raw transfers move exactly these bytes."""
+    return ByteSource([memoryview(t.numpy()).cast("B") for t in state_tensors(state)])
+
+
+def fingerprint(state: dict[str, Any]) -> list[float]:
+    return [float(t.double().sum()) for t in state_tensors(state)]
+
+
+def s3tc_config() -> Any:
+    from s3torchconnector import S3ClientConfig
+
+    # Path-style: the endpoint is an IP address, not a virtual-host name.
+    return S3ClientConfig(force_path_style=True)
+
+
+def purge(job: Job, prefix: str, keep_last: bool) -> None:
+    """Delete a method's objects (keeping its last save when the loads need it)."""
+    client = boto3_client(job.direct_endpoint, 4)
+    keep = f"{prefix}/save{job.repeats - 1}/" if keep_last else None
+    token: dict[str, Any] = {}
+    while True:
+        page = client.list_objects_v2(Bucket=job.bucket, Prefix=prefix + "/", **token)
+        keys = [o["Key"] for o in page.get("Contents", [])]
+        doomed = [{"Key": k} for k in keys if keep is None or not k.startswith(keep)]
+        for i in range(0, len(doomed), 1000):
+            client.delete_objects(Bucket=job.bucket, Delete={"Objects": doomed[i : i + 1000]})
+        if not page.get("IsTruncated"):
+            return
+        token = {"ContinuationToken": page["NextContinuationToken"]}
+
+
+def _failures() -> tuple[type[BaseException], ...]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    # DCP raises CheckpointException, a BaseException, on every rank when any fails.
+    return (Exception, CheckpointException)
+
+
+_FAILURES = _failures()
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for the table; the full traceback goes to stderr."""
+    traceback.print_exception(exc)
+    failures = getattr(exc, "failures", None)  # CheckpointException: rank -> (exc, frames)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+# ---------------------------------------------------------------------------
+# Saves
+# ---------------------------------------------------------------------------
+
+
+def _dcp_sync(state: dict[str, Any], writer: Any, checkpoint_id: str | None = None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, storage_writer=writer, checkpoint_id=checkpoint_id)
+
+
+def _dcp_async(
+    state: dict[str, Any], writer: Any, checkpoint_id: str | None = None
+) -> tuple[float, Any]:
+    """Start an async save; returns (seconds training was blocked, upload future)."""
+    import torch.distributed.checkpoint as dcp
+
+    t0 = time.perf_counter()
+    resp = dcp.async_save(state, storage_writer=writer, checkpoint_id=checkpoint_id)
+    staging = getattr(resp, "staging_completion", None)
+    if staging is not None:  # an AsyncSaveResponse: training may go on once staged
+        staging.result()
+        resp = resp.upload_completion
+    return time.perf_counter() - t0, resp
+
+
+class Saver:
+    """One method's state across its repeated saves (writer, buffers, pools)."""
+
+    def __init__(self, job: Job, method: str, rank: int, state: dict[str, Any]) -> None:
+        self.job, self.method, self.rank, self.state = job, method, rank, state
+        self.tmp = tempfile.mkdtemp(prefix=f"dcpv-bench-{method}-r{rank}-")
+        self.writer: Any = None
+        self.pool: ThreadPoolExecutor | None = None
+        self.dst: list[Any] = []
+        if method == "memcpy":
+            import torch
+
+            self.dst = [torch.empty_like(t) for t in state_tensors(state)]
+            for dst, src in zip(self.dst, state_tensors(state)):
+                dst.copy_(src)  # preallocated and warm, as reused staging buffers are
+        elif method in RAW_SAVES:
+            self.client = boto3_client(job.endpoint, UPLOAD_STREAMS * 2)
+            self.pool = ThreadPoolExecutor(UPLOAD_STREAMS)
+            self.src = byte_source(state)
+            self.chunk = chunk_size(self.src.total, UPLOAD_STREAMS)
+        elif method in ("vw_sync", "vw_async"):
+            from dcp_volumes import VolumeWriter
+
+            self.writer = VolumeWriter(
+                url(job, method), storage_options=job.storage_options, staging_dir=self.tmp
+            )
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        close = getattr(self.writer, "close", None)
+        if callable(close):
+            close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def save(self, i: int) -> tuple[float, float]:
+        """One save; returns (blocking seconds, end-to-end seconds)."""
+        job, m = self.job, self.method
+        t0 = time.perf_counter()
+        if m == "memcpy":
+            for dst, src in zip(self.dst, state_tensors(self.state)):
+                dst.copy_(src)
+        elif m == "local_fs":
+            from torch.distributed.checkpoint import FileSystemWriter
+
+            w = FileSystemWriter(f"{self.tmp}/save{i}", thread_count=PEER_THREADS, sync_files=False)
+            _dcp_sync(self.state, w)
+        elif m == "raw_put":
+            prefix = raw_prefix(job, m, self.rank, i)
+            put_chunks(self.client, self.pool, job.bucket, prefix, self.src, self.chunk)
+        elif m == "raw_multipart":
+            key = raw_prefix(job, m, self.rank, i) + ".bin"
+            put_multipart(self.client, self.pool, job.bucket, key, self.src, self.chunk)
+        elif m in ("fsspec_t1", "fsspec_t8", "fsspec_async"):
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            # A new writer per save: FsspecWriter.reset(checkpoint_id) drops the
+            # storage options (the endpoint), so the path must come at construction.
+            w = FsspecWriter(
+                save_url(job, m, i),
+                thread_count=1 if m == "fsspec_t1" else PEER_THREADS,
+                sync_files=False,
+                **job.storage_options,
+            )
+            if m == "fsspec_async":
+                blocking, fut = _dcp_async(self.state, w)
+                fut.result()
+                return blocking, time.perf_counter() - t0
+            _dcp_sync(self.state, w)
+        elif m == "s3tc":
+            from s3torchconnector.dcp import S3StorageWriter
+
+            w = S3StorageWriter(
+                region="us-east-1",
+                path=save_url(job, m, i),
+                s3client_config=s3tc_config(),
+                thread_count=PEER_THREADS,
+            )
+            _dcp_sync(self.state, w)
+        elif m == "vw_sync":
+            _dcp_sync(self.state, self.writer, save_url(job, m, i))
+        elif m == "vw_async":
+            blocking, fut = _dcp_async(self.state, self.writer, save_url(job, m, i))
+            fut.result()
+            return blocking, time.perf_counter() - t0
+        else:
+            raise ValueError(f"unknown method {m!r}")
+        e2e = time.perf_counter() - t0
+        return e2e, e2e
+
+
+def run_save_method(
+    job: Job,
+    method: str,
+    rank: int,
+    state: dict[str, Any],
+    sampler: RssSampler,
+    barrier: Callable[[], None],
+) -> dict[str, Any]:
+    """``job.repeats`` saves with one method: times and memory peak of each."""
+    release_free_memory()
+    barrier()
+    # Taken before the method allocates anything: its writer, buffers and
+    # staging copies all count as its extra memory.
+    baseline = current_rss()
+    saves: list[dict[str, Any]] = []
+    error = None
+    saver: Saver | None = None
+    try:
+        saver = Saver(job, method, rank, state)
+        for i in range(job.repeats):
+            barrier()
+            sampler.reset()
+            blocking, e2e = saver.save(i)
+            saves.append({"blocking_s": blocking, "e2e_s": e2e, "peak_extra": sampler.peak - baseline})
+    except _FAILURES as exc:
+        error = _describe(exc)
+    finally:
+        if saver is not None:
+            saver.close()
+    return {
+        "saves": saves,
+        "error": error,
+        "baseline_rss": baseline,
+        # ru_maxrss is exact but covers the process's whole life: only
+        # meaningful when this method is all the process did.
+        "lifetime_peak_extra": max_rss_lifetime() - baseline if job.isolated else None,
+    }
+
+
+# ---------------------------------------------------------------------------
+# Loads
+# ---------------------------------------------------------------------------
+
+
+def _make_reader(job: Job, name: str) -> Any:
+    if job.load_source is None:
+        raise RuntimeError("no checkpoint to load")
+    if name == "fsspec_reader":
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(job.load_source, **job.storage_options)
+    if name == "s3tc_reader":
+        from s3torchconnector.dcp import S3StorageReader
+
+        return S3StorageReader(
+            region="us-east-1", path=job.load_source, s3client_config=s3tc_config()
+        )
+    if name == "vw_reader":
+        from dcp_volumes import VolumeReader
+
+        return VolumeReader(job.load_source, storage_options=job.storage_options)
+    raise ValueError(f"unknown reader {name!r}")
+
+
+def _raw_loads(
+    job: Job, rank: int, name: str, state: dict[str, Any], barrier: Callable[[], None]
+) -> list[dict[str, Any]]:
+    src = byte_source(state)
+    size = chunk_size(src.total, UPLOAD_STREAMS)
+    client = boto3_client(job.endpoint, DOWNLOAD_STREAMS * 2)
+    buf = bytearray(src.total)
+    runs = []
+    with ThreadPoolExecutor(DOWNLOAD_STREAMS) as pool:
+        for _ in range(job.repeats):
+            np.frombuffer(buf, dtype=np.uint8)[:] = 0  # a load that reads nothing must not pass
+            barrier()
+            t0 = time.perf_counter()
+            if name == "raw_get":
+                prefix = raw_prefix(job, "raw_put", rank, job.repeats - 1)
+                get_chunks(client, pool, job.bucket, prefix, buf, size)
+            else:
+                key = raw_prefix(job, "raw_multipart", rank, job.repeats - 1) + ".bin"
+                # As many ranges as streams, as a reader that fills its streams would.
+                per = max(MiB, -(-src.total // DOWNLOAD_STREAMS))
+                get_ranges(client, pool, job.bucket, key, buf, per)
+            runs.append({"e2e_s": time.perf_counter() - t0, "verified": src.equals(buf)})
+    return runs
+
+
+def run_loads(
+    job: Job, rank: int, state: dict[str, Any], barrier: Callable[[], None]
+) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    expected = fingerprint(state)
+    out: dict[str, Any] = {}
+    for name in LOAD_METHODS:
+        runs: list[dict[str, Any]] = []
+        error = None
+        try:
+            if name in RAW_LOADS:
+                runs = _raw_loads(job, rank, name, state, barrier)
+            else:
+                for _ in range(job.repeats):
+                    for t in state_tensors(state):
+                        t.zero_()  # a load that reads nothing must not pass
+                    reader = _make_reader(job, name)
+                    barrier()
+                    t0 = time.perf_counter()
+                    dcp.load(state, storage_reader=reader)
+                    dt = time.perf_counter() - t0
+                    runs.append({"e2e_s": dt, "verified": fingerprint(state) == expected})
+        except _FAILURES as exc:
+            error = _describe(exc)
+        out[name] = {"runs": runs, "error": error}
+        barrier()
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The rank entry point (run through tests/dist.py run_ranks)
+# ---------------------------------------------------------------------------
+
+
+def rank_main(rank: int, world_size: int, jobs: tuple[Job, ...]) -> list[dict[str, Any]]:
+    """One rank: build the state, run each job's methods in order, return the measurements."""
+    import os
+
+    import torch.distributed as dist
+
+    def barrier() -> None:
+        dist.barrier()
+
+    out = []
+    state: dict[str, Any] | None = None
+    for job in jobs:
+        if state is None or state_bytes(state) != job.size_bytes:
+            state = make_state(rank, job.size_bytes, job.tensor_bytes)
+        # s3torchconnector takes its endpoint from the environment only.
+        os.environ["AWS_ENDPOINT_URL"] = job.endpoint
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        results: dict[str, Any] = {"state_bytes": state_bytes(state), "methods": {}}
+        with RssSampler() as sampler:
+            for method in job.methods:
+                t0 = time.perf_counter()
+                if method == "load":
+                    release_free_memory()
+                    barrier()
+                    results["methods"]["load"] = run_loads(job, rank, state, barrier)
+                else:
+                    results["methods"][method] = run_save_method(
+                        job, method, rank, state, sampler, barrier
+                    )
+                barrier()
+                if rank == 0 and method not in ("memcpy", "local_fs", "load"):
+                    purge(job, f"{job.prefix}/{method}", keep_last=method in job.keep)
+                if rank == 0 and not job.isolated:
+                    print(f"[{job.link}] {method}: {time.perf_counter() - t0:.1f} s", flush=True)
+                barrier()
+        out.append(results)
+    return out

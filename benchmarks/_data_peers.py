@@ -1,0 +1,127 @@
+"""The datasets bench_data.py compares, as picklable module-level classes.
+
+Every one yields the file's bytes as a uint8 tensor (tensors travel from the
+DataLoader workers through shared memory, so the pipe is never the limit),
+made the same way (``to_tensor``) so only *how the bytes are fetched* differs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+
+def to_tensor(data: bytes | bytearray) -> torch.Tensor:
+    """The sample: the file's bytes as a writable uint8 tensor."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def read_local(path: str) -> torch.Tensor:
+    """Transform for a local path (the local-disk row and ``VolumeDataset``'s cached copy)."""
+    with open(path, "rb") as f:
+        return to_tensor(f.read())
+
+
+def read_s3_reader(reader: Any) -> torch.Tensor:
+    """Transform of s3torchconnector's datasets (they hand over an ``S3Reader``)."""
+    return to_tensor(reader.read())
+
+
+def collate_list(samples: list[Any]) -> list[Any]:
+    """Batches are lists: files differ in size, and stacking would add a copy."""
+    return list(samples)
+
+
+class LocalFiles(Dataset[torch.Tensor]):
+    """The same files in a local directory, read with ``open`` (the local-disk floor)."""
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self.paths = list(paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return read_local(self.paths[i])
+
+
+class _PerProcessFs:
+    """An fsspec filesystem created lazily in each worker process (never shared over fork)."""
+
+    def __init__(self, storage_options: dict[str, Any]) -> None:
+        self.storage_options = storage_options
+        self._fs: Any = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"storage_options": self.storage_options, "_fs": None, "_pid": -1}
+
+    @property
+    def fs(self) -> Any:
+        if self._fs is None or self._pid != os.getpid():
+            import fsspec
+
+            self._fs = fsspec.filesystem("s3", skip_instance_cache=True, **self.storage_options)
+            self._pid = os.getpid()
+        return self._fs
+
+
+class NaiveFsspec(Dataset[torch.Tensor]):
+    """Reads each file through fsspec on every access (what most custom datasets do)."""
+
+    def __init__(self, urls: Sequence[str], storage_options: dict[str, Any]) -> None:
+        self.urls = list(urls)
+        self._fs = _PerProcessFs(storage_options)
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return to_tensor(self._fs.fs.cat_file(self.urls[i]))
+
+
+class FsspecFileCache(Dataset[torch.Tensor]):
+    """fsspec's ``filecache::`` protocol: downloads whole files on first open, then local."""
+
+    def __init__(self, urls: Sequence[str], storage_options: dict[str, Any], cache_dir: str) -> None:
+        self.urls = list(urls)
+        self.storage_options = storage_options
+        self.cache_dir = cache_dir
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import fsspec
+
+        with fsspec.open(
+            "filecache::" + self.urls[i],
+            mode="rb",
+            s3=self.storage_options,
+            filecache={"cache_storage": self.cache_dir},
+        ) as f:
+            return to_tensor(f.read())
+
+
+def raw_concurrent_gets(
+    endpoint: str, bucket: str, keys: Sequence[str], threads: int
+) -> tuple[float, int]:
+    """GET every key once with a thread pool; returns (seconds, bytes)."""
+    from _raw import boto3_client
+
+    client = boto3_client(endpoint, threads * 2)
+    client.head_bucket(Bucket=bucket)  # connect and sign once outside the timing
+
+    def get(key: str) -> int:
+        return len(to_tensor(client.get_object(Bucket=bucket, Key=key)["Body"].read()))
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(get, keys))
+    return time.perf_counter() - t0, total

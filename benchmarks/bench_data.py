@@ -1,0 +1,570 @@
+"""Data benchmark: VolumeDataset + DataLoader against the usual ways of reading training files.
+
+Side by side in one run, over the same files on moto's S3 server (a separate
+process), every loader with batch_size=16 and 2 workers (stock loaders with
+persistent workers and prefetch_factor=4, as ours defaults to):
+
+* ``local``     the same files in a local directory, a plain map-style Dataset;
+* ``naive``     a map-style Dataset that reads each file through fsspec every time;
+* ``filecache`` the same through fsspec's ``filecache::`` (download once, then local);
+* ``s3tc``      s3torchconnector's ``S3MapDataset``;
+* ``ours``      ``VolumeDataset`` + ``dcp_volumes.DataLoader`` (fresh cache: epoch 1 cold);
+* ``raw``       raw concurrent GETs of every file with a thread pool (no DataLoader).
+
+Experiments (each prints a table):
+
+1. throughput on loopback, no compute: a small-file set and a large-file set,
+   epoch 1 (cold) and epoch 2 (warm) samples/s;
+2. fetch latency with a compute step per batch (20 ms, and for ours also a
+   step longer than its per-batch fetch time): ``fetch_seconds`` p50/p95, the
+   time the training loop waits in ``next()``;
+3. the cold epoch behind a remote-like link (a proxy adding 20 ms before each
+   request and capping each connection at 200 Mbit/s), on a subset.
+
+Usage::
+
+    python benchmarks/bench_data.py            # full run (< ~10 min)
+    python benchmarks/bench_data.py --quick    # smoke test (< 60 s)
+
+Writes benchmarks/results/data.json and data.png (``--quick``: data_quick.*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    MiB,
+    REMOTE_BANDWIDTH_BPS,
+    REMOTE_LATENCY_S,
+    format_table,
+    link_endpoint,
+    load_average,
+    machine_info,
+    percentile,
+    pyplot,
+    results_path,
+    write_json,
+)
+
+BUCKET = "data"
+ROWS = ("local", "naive", "filecache", "s3tc", "ours", "raw")
+LABELS = {
+    "local": "local disk, plain Dataset",
+    "naive": "naive fsspec Dataset",
+    "filecache": "fsspec filecache",
+    "s3tc": "s3torchconnector S3MapDataset",
+    "ours": "VolumeDataset + DataLoader",
+    "ours_slow_step": "VolumeDataset, step > fetch",
+    "raw": "raw concurrent GETs",
+}
+WARM_VS_LOCAL = 0.9
+COLD_VS_RAW = 0.8
+COLD_VS_NAIVE_REMOTE = 3.0
+# fetch_seconds p50 counts as "near zero" at <= this share of the compute step.
+NEAR_ZERO_SHARE = 0.1
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (< 60 s)")
+    p.add_argument("--link", choices=("both", "loopback", "remote"), default="both")
+    p.add_argument("--small-files", type=int, default=None, help="default 2000 (quick 64)")
+    p.add_argument("--small-kib", type=int, default=100)
+    p.add_argument("--large-files", type=int, default=None, help="default 64 (quick 16)")
+    p.add_argument("--large-mib", type=int, default=None, help="default 8 (quick 1)")
+    p.add_argument("--compute-ms", type=float, default=20.0, help="compute step per batch")
+    p.add_argument("--compute-files", type=int, default=None,
+                   help="small files in the compute-step runs (default 640, quick 32)")
+    p.add_argument("--remote-small", type=int, default=None,
+                   help="small files in the remote-link runs (default 320, quick 32)")
+    p.add_argument("--remote-large", type=int, default=None,
+                   help="large files in the remote-link runs (default 16)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--raw-threads", type=int, default=16,
+                   help="threads of the raw GET row (ours: 2 workers x 8 fetch threads)")
+    args = p.parse_args(argv)
+    q = args.quick
+    args.small_files = args.small_files or (64 if q else 2000)
+    args.large_files = args.large_files or (16 if q else 64)
+    args.large_mib = args.large_mib or (1 if q else 8)
+    args.compute_files = min(args.small_files, args.compute_files or (32 if q else 640))
+    args.remote_small = min(args.small_files, args.remote_small or (32 if q else 320))
+    args.remote_large = min(args.large_files, args.remote_large or 16)
+    # The longest compute step of the "step > fetch" run (it adapts to the cold rate).
+    args.max_step_s = 0.15 if q else 0.5
+    return args
+
+
+# ---------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FileSet:
+    name: str  # "small" / "large"
+    keys: tuple[str, ...]
+    size: int
+    local_dir: str
+
+    def subset(self, n: int) -> FileSet:
+        return FileSet(self.name, self.keys[:n], self.size, self.local_dir)
+
+    def urls(self) -> list[str]:
+        return [f"s3://{BUCKET}/{k}" for k in self.keys]
+
+    def local_paths(self) -> list[str]:
+        return [str(Path(self.local_dir) / k) for k in self.keys]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.size * len(self.keys)
+
+
+def make_files(server: Any, root: Path, name: str, count: int, size: int) -> FileSet:
+    """Upload ``count`` distinct files of ``size`` bytes and write the same files locally."""
+    import numpy as np
+
+    from _raw import boto3_client
+
+    base = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8).tobytes()
+    keys = tuple(f"{name}/f{i:05d}.bin" for i in range(count))
+    client = boto3_client(server.endpoint, 32)
+    local = root / "local"
+
+    def one(i: int) -> None:
+        data = i.to_bytes(8, "little") + base[8:]
+        client.put_object(Bucket=BUCKET, Key=keys[i], Body=data)
+        path = local / keys[i]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(count)))
+    return FileSet(name, keys, size, str(local))
+
+
+# ---------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def make_loader(
+    row: str, files: FileSet, storage_options: dict[str, Any], args: argparse.Namespace,
+    tmp: Path, full_set: bool,
+) -> Iterator[Any]:
+    import torch
+    from torch.utils.data import DataLoader as TorchLoader
+
+    from _data_peers import (
+        FsspecFileCache,
+        LocalFiles,
+        NaiveFsspec,
+        collate_list,
+        read_local,
+        read_s3_reader,
+    )
+
+    cache_dir = tempfile.mkdtemp(prefix=f"{row}-cache-", dir=tmp)
+    loader: Any
+    if row == "ours":
+        try:
+            from dcp_volumes import DataLoader, VolumeDataset
+        except ImportError:  # TODO(dev): until the exports land
+            from dcp_volumes.data._dataset import VolumeDataset
+            from dcp_volumes.data._loader import DataLoader
+
+        source: Any = f"s3://{BUCKET}/{files.name}/" if full_set else files.urls()
+        ds = VolumeDataset(
+            source,
+            cache_dir=cache_dir,
+            storage_options=storage_options,
+            transform=read_local,
+            shuffle=True,
+            seed=0,
+        )
+        loader = DataLoader(
+            ds, batch_size=args.batch_size, num_workers=args.workers, collate_fn=collate_list
+        )
+    else:
+        if row == "local":
+            dataset: Any = LocalFiles(files.local_paths())
+        elif row == "naive":
+            dataset = NaiveFsspec(files.urls(), storage_options)
+        elif row == "filecache":
+            dataset = FsspecFileCache(files.urls(), storage_options, cache_dir)
+        elif row == "s3tc":
+            from s3torchconnector import S3ClientConfig, S3MapDataset
+
+            dataset = S3MapDataset.from_objects(
+                files.urls(),
+                region="us-east-1",
+                endpoint=storage_options["client_kwargs"]["endpoint_url"],
+                transform=read_s3_reader,
+                s3client_config=S3ClientConfig(force_path_style=True),
+            )
+        else:
+            raise ValueError(f"unknown row {row!r}")
+        loader = TorchLoader(
+            dataset,
+            batch_size=args.batch_size,
+            num_workers=args.workers,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(0),
+            collate_fn=collate_list,
+            persistent_workers=True,
+            prefetch_factor=4,
+        )
+    try:
+        yield loader
+    finally:
+        iterator = getattr(loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        del loader
+        gc.collect()
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def run_epochs(loader: Any, epochs: int, compute_s: float) -> list[dict[str, Any]]:
+    """Iterate ``epochs`` epochs as a training loop would; time each and each ``next()``."""
+    out = []
+    for _ in range(epochs):
+        fetch: list[float] = []
+        samples = nbytes = 0
+        t0 = time.perf_counter()
+        it = iter(loader)
+        while True:
+            tf = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            fetch.append(time.perf_counter() - tf)
+            samples += len(batch)
+            nbytes += sum(int(t.numel()) for t in batch)
+            if compute_s:
+                time.sleep(compute_s)  # the training step (the GIL is free, as on a GPU)
+        seconds = time.perf_counter() - t0
+        out.append({"seconds": seconds, "samples": samples, "bytes": nbytes, "fetch_seconds": fetch})
+    return out
+
+
+def run_row(
+    row: str, files: FileSet, endpoint: str, server: Any, args: argparse.Namespace, tmp: Path,
+    *, epochs: int, compute_s: float, full_set: bool,
+) -> dict[str, Any]:
+    from _data_peers import raw_concurrent_gets
+
+    result: dict[str, Any] = {"row": row, "compute_s": compute_s, "files": len(files.keys),
+                              "file_bytes": files.size, "error": None, "epochs": []}
+    t0 = time.perf_counter()
+    try:
+        if row == "raw":
+            secs, nbytes = raw_concurrent_gets(endpoint, BUCKET, files.keys, args.raw_threads)
+            result["epochs"] = [
+                {"seconds": secs, "samples": len(files.keys), "bytes": nbytes, "fetch_seconds": []}
+            ]
+        else:
+            with make_loader(
+                row, files, server.storage_options(endpoint), args, tmp, full_set
+            ) as loader:
+                result["epochs"] = run_epochs(loader, epochs, compute_s)
+                metrics = getattr(loader, "metrics", None)
+                if metrics is not None:  # ours: what the loader itself reports
+                    own = list(metrics.fetch_seconds)
+                    result["loader_metrics_fetch_p50_s"] = percentile(own, 50)
+                    result["loader_metrics_fetch_p95_s"] = percentile(own, 95)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        result["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    for e in result["epochs"]:
+        e["files_s"] = e["samples"] / e["seconds"]
+        e["mib_s"] = e["bytes"] / MiB / e["seconds"]
+        e["fetch_p50_s"] = percentile(e["fetch_seconds"], 50)
+        e["fetch_p95_s"] = percentile(e["fetch_seconds"], 95)
+    print(
+        f"  {files.name:5s} {row:10s} compute {compute_s * 1000:4.0f} ms: "
+        + ", ".join(f"{e['files_s']:8.1f} files/s" for e in result["epochs"])
+        + (f"  ERROR {result['error']}" if result["error"] else "")
+        + f"  ({time.perf_counter() - t0:.1f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Experiments
+# ---------------------------------------------------------------------------
+
+
+def _epoch(res: dict[str, Any] | None, i: int) -> dict[str, Any] | None:
+    if not res or res["error"] or len(res["epochs"]) <= i:
+        return None
+    return res["epochs"][i]
+
+
+def _rate(res: dict[str, Any] | None, i: int) -> float:
+    e = _epoch(res, i)
+    return e["files_s"] if e else math.nan
+
+
+def run_all(args: argparse.Namespace, server: Any, sets: dict[str, FileSet], tmp: Path) -> dict:
+    experiments: dict[str, Any] = {}
+    if args.link in ("both", "loopback"):
+        exp: dict[str, Any] = {"link": "loopback", "compute_s": 0.0, "sets": {}}
+        print("experiment 1: throughput, loopback, no compute step", file=sys.stderr)
+        for name, files in sets.items():
+            exp["sets"][name] = {
+                row: run_row(row, files, server.endpoint, server, args, tmp, epochs=2,
+                             compute_s=0.0, full_set=True)
+                for row in ROWS
+            }
+        experiments["throughput"] = exp
+
+        compute_s = args.compute_ms / 1000
+        print(f"experiment 2: fetch_seconds with a {args.compute_ms:.0f} ms step, loopback",
+              file=sys.stderr)
+        files = sets["small"].subset(args.compute_files)
+        rows = {
+            row: run_row(row, files, server.endpoint, server, args, tmp, epochs=2,
+                         compute_s=compute_s, full_set=False)
+            for row in ("naive", "filecache", "s3tc", "ours")
+        }
+        # A step longer than ours' cold per-batch fetch time (from experiment 1):
+        # the prefetch should then hide the fetch entirely.
+        cold = _rate(exp["sets"]["small"]["ours"], 0)
+        wanted = 2.0 * args.batch_size / cold if cold > 0 else math.inf
+        slow_step = min(max(compute_s, wanted), args.max_step_s)
+        rows["ours_slow_step"] = run_row("ours", files, server.endpoint, server, args, tmp,
+                                         epochs=1, compute_s=slow_step, full_set=False)
+        experiments["compute"] = {
+            "link": "loopback",
+            "compute_s": compute_s,
+            "slow_step_s": slow_step,
+            "ours_cold_fetch_per_batch_s": args.batch_size / cold if cold > 0 else math.nan,
+            "sets": {"small": rows},
+        }
+    if args.link in ("both", "remote"):
+        print("experiment 3: cold epoch behind the remote-like link", file=sys.stderr)
+        with link_endpoint(server, "remote") as endpoint:
+            exp = {"link": "remote", "compute_s": 0.0, "sets": {}}
+            for name, n in (("small", args.remote_small), ("large", args.remote_large)):
+                files = sets[name].subset(n)
+                exp["sets"][name] = {
+                    row: run_row(row, files, endpoint, server, args, tmp, epochs=1,
+                                 compute_s=0.0, full_set=False)
+                    for row in ("naive", "filecache", "s3tc", "ours", "raw")
+                }
+            experiments["remote"] = exp
+    return experiments
+
+
+def check_targets(experiments: dict[str, Any]) -> dict[str, Any]:
+    checks: dict[str, Any] = {}
+
+    def add(name: str, value: float, target: str, met: bool) -> None:
+        checks[name] = {"value": value, "target": target, "met": bool(met) and not math.isnan(value)}
+
+    thr = experiments.get("throughput")
+    if thr:
+        for name, rows in thr["sets"].items():
+            v = _rate(rows["ours"], 1) / _rate(rows["local"], 1)
+            add(f"loopback/{name}: warm vs local disk", v, f">= {WARM_VS_LOCAL}", v >= WARM_VS_LOCAL)
+            v = _rate(rows["ours"], 0) / _rate(rows["raw"], 0)
+            add(f"loopback/{name}: cold vs raw GETs", v, f">= {COLD_VS_RAW}", v >= COLD_VS_RAW)
+    rem = experiments.get("remote")
+    if rem:
+        for name, rows in rem["sets"].items():
+            v = _rate(rows["ours"], 0) / _rate(rows["raw"], 0)
+            add(f"remote/{name}: cold vs raw GETs", v, f">= {COLD_VS_RAW}", v >= COLD_VS_RAW)
+            v = _rate(rows["ours"], 0) / _rate(rows["naive"], 0)
+            add(f"remote/{name}: cold vs naive", v, f">= {COLD_VS_NAIVE_REMOTE}",
+                v >= COLD_VS_NAIVE_REMOTE)
+    comp = experiments.get("compute")
+    if comp:
+        rows = comp["sets"]["small"]
+        e = _epoch(rows["ours_slow_step"], 0)
+        if e:
+            share = e["fetch_p50_s"] / rows["ours_slow_step"]["compute_s"]
+            add("compute: cold fetch p50 / step (step > fetch)", share,
+                f"<= {NEAR_ZERO_SHARE}", share <= NEAR_ZERO_SHARE)
+        e = _epoch(rows["ours"], 1)
+        if e:
+            share = e["fetch_p50_s"] / comp["compute_s"]
+            add("compute: warm fetch p50 / step", share, f"<= {NEAR_ZERO_SHARE}",
+                share <= NEAR_ZERO_SHARE)
+    return checks
+
+
+# ---------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------
+
+
+def _ms(e: dict[str, Any] | None) -> str:
+    if not e or not e["fetch_seconds"]:
+        return "-"
+    return f"{e['fetch_p50_s'] * 1000:.1f} / {e['fetch_p95_s'] * 1000:.1f}"
+
+
+def table(rows: dict[str, Any], ref: dict[str, Any] | None = None) -> str:
+    headers = ["method", "epoch 1 (cold) files/s", "cold MiB/s", "epoch 2 (warm) files/s",
+               "warm MiB/s", "cold fetch p50/p95 ms", "warm fetch p50/p95 ms",
+               "warm x local", "cold x raw"]
+    local, raw = rows.get("local"), rows.get("raw")
+    out = []
+    for row, res in rows.items():
+        label = LABELS.get(row, row)
+        if res["compute_s"]:
+            label += f" (step {res['compute_s'] * 1000:.0f} ms)"
+        if res["error"]:
+            out.append([label, f"FAILED: {res['error'][:70]}", *["-"] * 7])
+            continue
+        c, w = _epoch(res, 0), _epoch(res, 1)
+        out.append([
+            label,
+            c["files_s"] if c else None,
+            c["mib_s"] if c else None,
+            w["files_s"] if w else None,
+            w["mib_s"] if w else None,
+            _ms(c),
+            _ms(w),
+            _rate(res, 1) / _rate(local, 1) if w and local else None,
+            _rate(res, 0) / _rate(raw, 0) if c and raw and row != "raw" else None,
+        ])
+    return format_table(headers, out)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    panels = []
+    for exp_name, exp in report["experiments"].items():
+        if exp_name == "compute":
+            continue
+        for set_name, rows in exp["sets"].items():
+            panels.append((f"{exp_name} ({exp['link']}): {set_name} files", rows))
+    comp = report["experiments"].get("compute")
+    n = len(panels) + (1 if comp else 0)
+    fig, axes = plt.subplots(1, max(n, 1), figsize=(5.2 * max(n, 1), 4.6), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], panels):
+        names = [r for r in rows if not rows[r]["error"]]
+        x = range(len(names))
+        cold = [_rate(rows[r], 0) for r in names]
+        warm = [_rate(rows[r], 1) if _epoch(rows[r], 1) else 0 for r in names]
+        ax.bar([i - 0.2 for i in x], cold, width=0.4, label="epoch 1 (cold)", color="tab:blue")
+        ax.bar([i + 0.2 for i in x], warm, width=0.4, label="epoch 2 (warm)", color="tab:green")
+        ax.set_xticks(list(x), [LABELS[r].replace(" ", "\n", 1) for r in names], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("files/s (log, higher is better)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    if comp:
+        ax = axes[0][len(panels)]
+        rows = comp["sets"]["small"]
+        names = [r for r in rows if not rows[r]["error"]]
+        for k, (i, label) in enumerate(((0, "cold"), (1, "warm"))):
+            vals = [(_epoch(rows[r], i) or {}).get("fetch_p50_s", 0) * 1000 for r in names]
+            ax.bar([j + (k - 0.5) * 0.4 for j in range(len(names))], vals, width=0.4,
+                   label=f"fetch p50, {label}")
+        ax.set_xticks(range(len(names)), [LABELS[r].replace(" ", "\n", 1) for r in names],
+                      fontsize=7)
+        ax.set_ylabel("ms waited in next() per batch (lower is better)")
+        ax.set_title(f"fetch_seconds p50, {comp['compute_s'] * 1000:.0f} ms step", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(report["command"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from tests.emulators import MotoServer
+
+    command = "python benchmarks/bench_data.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    report: dict[str, Any] = {
+        "benchmark": "data",
+        "command": command.strip(),
+        "config": {
+            k: getattr(args, k)
+            for k in ("small_files", "small_kib", "large_files", "large_mib", "compute_ms",
+                      "compute_files", "remote_small", "remote_large", "batch_size", "workers",
+                      "raw_threads", "link")
+        },
+        "machine": machine_info(),
+    }
+    report["config"]["remote_link"] = {"latency_s": REMOTE_LATENCY_S,
+                                       "bandwidth_bps": REMOTE_BANDWIDTH_BPS}
+    t_start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="dcpv-bench-data-"))
+    try:
+        with MotoServer(mode="process") as server:
+            server.create_bucket(BUCKET)
+            # s3torchconnector's client (in the loader workers) reads credentials from
+            # the environment; the endpoint is passed explicitly per run.
+            os.environ.update(
+                {k: v for k, v in server.env().items() if k != "AWS_ENDPOINT_URL"}
+            )
+            sets = {
+                "small": make_files(server, tmp, "small", args.small_files, args.small_kib * 1024),
+                "large": make_files(server, tmp, "large", args.large_files, args.large_mib * MiB),
+            }
+            print(f"uploaded the files in {time.perf_counter() - t_start:.1f} s", file=sys.stderr)
+            report["experiments"] = run_all(args, server, sets, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    report["targets"] = check_targets(report["experiments"])
+    report["wall_s"] = time.perf_counter() - t_start
+    report["machine"]["load_average_end"] = load_average()
+    stem = "data_quick" if args.quick else "data"
+    json_path = write_json(f"{stem}.json", report)
+    png_path = results_path(f"{stem}.png")
+    plot(report, png_path)
+
+    titles = {
+        "throughput": "throughput, loopback, no compute step",
+        "compute": f"fetch_seconds with a {args.compute_ms:.0f} ms compute step per batch, "
+                   "loopback",
+        "remote": f"cold epoch behind the remote-like link (+{REMOTE_LATENCY_S * 1000:.0f} ms "
+                  f"per request, {REMOTE_BANDWIDTH_BPS / 1e6:.0f} Mbit/s per connection)",
+    }
+    for exp_name, exp in report["experiments"].items():
+        for set_name, rows in exp["sets"].items():
+            any_row = next(iter(rows.values()))
+            size = any_row["file_bytes"]
+            size_s = f"{size / MiB:.0f} MiB" if size >= MiB else f"{size / 1024:.0f} KiB"
+            print(f"\n## {titles[exp_name]}: {any_row['files']} x {size_s} files\n")
+            print(table(rows))
+    print("\n## targets\n")
+    print(format_table(
+        ["check", "value", "target", "met"],
+        [[k, v["value"], v["target"], v["met"]] for k, v in report["targets"].items()],
+    ))
+    la0, la1 = report["machine"]["load_average_start"], report["machine"]["load_average_end"]
+    print(f"\nload average start {la0[0]:.2f}, end {la1[0]:.2f}; wall {report['wall_s']:.0f} s"
+          f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The DCP side of dcp_volumes: storage writer/reader, manifest and checkpoint lifecycle."""

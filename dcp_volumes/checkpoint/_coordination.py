@@ -1,0 +1,120 @@
+"""Rank roles and agreement for the manager's collective calls.
+
+DCP propagates an error raised inside its own phases to every rank, but
+anything a rank does *before* entering ``dcp.save`` (calling ``state_dict()``
+on ``Stateful`` objects, staging, checking the target) fails on that rank
+alone, and the other ranks would then wait in a collective until the process
+group times out. ``Coordinator.agree`` closes that gap: every rank reports
+its status in one ``all_gather_object`` and, if any rank failed, every rank
+raises before anything is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+
+from dcp_volumes import _env
+from dcp_volumes._exceptions import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+# dcp.save/load warn on every call made without a process group, even when the
+# caller asked for no_dist explicitly; for a single-process manager it is noise.
+_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def summary(exc: BaseException) -> str:
+    """``Type: first line of the message`` (bounded), for logs and cross-rank reports."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+
+
+class Coordinator:
+    """This process's role in checkpoint collectives.
+
+    Args:
+        process_group: the group to use; ``None`` creates a private gloo group
+            over all ranks when ``torch.distributed`` is initialised (a
+            collective call: every rank must construct its manager), so that
+            a background save never interleaves with the training loop's
+            collectives on the default group.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed:
+            self.group: dist.ProcessGroup | None = process_group or dist.new_group(
+                backend="gloo"
+            )
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+            self.local_rank = _env.world_info()[2]
+        else:
+            self.group = None
+            self.rank, self.world_size, self.local_rank = 0, 1, 0
+            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Rank 0 of the group: it lists, deletes and decides."""
+        return self.rank == 0
+
+    def agree(self, what: str, error: BaseException | None) -> None:
+        """Return on every rank if no rank failed; otherwise raise on every rank.
+
+        A failed rank raises its own error; the others raise a ``CheckpointError``
+        naming the first failed rank and its error.
+        """
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        mine = None if error is None else summary(error)
+        statuses: list[Any] = [None] * self.world_size
+        dist.all_gather_object(statuses, mine, group=self.group)
+        if error is not None:
+            raise error
+        failed = [(rank, text) for rank, text in enumerate(statuses) if text is not None]
+        if failed:
+            rank, text = failed[0]
+            raise CheckpointError(
+                f"Could not {what}: rank {rank} failed ({text}). Every rank stopped before "
+                "writing, so nothing was committed; fix that rank's error and retry."
+            )
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]
+
+
+class Prestaged:
+    """An AsyncStager handing ``dcp.async_save`` a state dict staged beforehand.
+
+    The manager stages before the ranks agree to save, so that a staging
+    failure on one rank stops the save on every rank.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self, staged: dict[str, Any]) -> None:
+        self._staged = staged
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return self._staged
+
+    def synchronize_staging(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

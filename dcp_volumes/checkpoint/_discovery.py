@@ -1,0 +1,268 @@
+"""Finding checkpoints under a root and deciding which ones are complete.
+
+Layout (documented in ``CheckpointManager``)::
+
+    <root>/step-00000100/.metadata                    commit marker, written last
+    <root>/step-00000100/.dcp_volumes.manifest.json   sizes + checksums of the data files
+    <root>/step-00000100/<data files>
+
+Directories written by other tools are recognised too when their name carries
+a step number in a common form (``step-100``, ``step_100``, ``100``,
+``checkpoint-100``, ``ckpt_100``, ``global_step100``, ``iter-100``).
+
+A checkpoint is *complete* when ``.metadata`` exists and, when it has a
+manifest, every file of the manifest is on the volume with the recorded size
+(checksums are compared only when asked: ``verify_checkpoint``). Stock DCP
+checkpoints have no manifest: ``.metadata`` alone makes them complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from dcp_volumes._exceptions import CheckpointCorruptError, CheckpointNotFoundError
+from dcp_volumes._volume import FileInfo, Volume
+from dcp_volumes.checkpoint._manifest import (
+    MANIFEST_NAME,
+    METADATA_NAME,
+    Manifest,
+    check_listing,
+    verify_checksums,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Directory name of the checkpoint of ``step`` written by ``CheckpointManager``.
+STEP_DIR_FORMAT = "step-{step:08d}"
+
+_CANONICAL = re.compile(r"^step-(\d{8,})$")
+_STEP_NAME = re.compile(
+    r"^(?:(?:step|steps|checkpoint|ckpt|global_step|global-step|iter|iteration)[-_]?)?(\d+)$",
+    re.IGNORECASE,
+)
+# Listing many checkpoint prefixes is latency-bound on object stores.
+_LIST_CONCURRENCY = 16
+
+
+def step_dir(step: int) -> str:
+    """The directory name for ``step`` (``step-00000100``)."""
+    return STEP_DIR_FORMAT.format(step=step)
+
+
+def parse_step(name: str) -> int | None:
+    """The step number a checkpoint directory name carries, or ``None``."""
+    match = _STEP_NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
+def is_canonical(name: str) -> bool:
+    """Whether ``name`` is in the manager's own ``step-XXXXXXXX`` form."""
+    return _CANONICAL.match(name) is not None
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory under a root, complete or not.
+
+    Attributes:
+        step: training step, parsed from the directory name.
+        url: URL (plain path for local volumes) of the checkpoint directory.
+        complete: ``.metadata`` exists and the files match the manifest.
+        name: the directory name below the root (``step-00000100``).
+        size: bytes of all files in the directory.
+        num_files: number of files in the directory.
+        created: creation time (Unix seconds) where known: the manifest's, else
+            the newest file's modification time.
+        managed: it carries a dcp_volumes manifest (``False`` for stock DCP ones).
+        problems: why it is not complete (empty when complete).
+    """
+
+    step: int
+    url: str
+    complete: bool
+    name: str = ""
+    size: int | None = None
+    num_files: int | None = None
+    created: float | None = None
+    managed: bool = False
+    problems: tuple[str, ...] = ()
+
+
+def sort_key(info: CheckpointInfo) -> tuple[int, int, str]:
+    # Oldest first; of two directories with one step, the canonical one counts as newer.
+    return (info.step, 1 if is_canonical(info.name) else 0, info.name)
+
+
+def inspect_dir(volume: Volume, name: str, step: int) -> CheckpointInfo | None:
+    """Describe the checkpoint directory ``name``; ``None`` if it is not a checkpoint.
+
+    A directory without ``.metadata`` counts as a (partial) checkpoint only if it
+    is in the canonical form or holds DCP or manifest files, so that unrelated
+    directories that happen to be named by a number are left alone.
+    """
+    listing = volume.list(name)
+    prefix = f"{name}/"
+    files = [
+        FileInfo(path=f.path[len(prefix) :], size=f.size, etag=f.etag, mtime=f.mtime)
+        for f in listing
+        if f.path.startswith(prefix)
+    ]
+    names = {f.path for f in files}
+    has_metadata = METADATA_NAME in names
+    has_manifest = MANIFEST_NAME in names
+    if not (has_metadata or has_manifest or is_canonical(name)) and not any(
+        n.endswith(".distcp") for n in names
+    ):
+        return None
+    problems: list[str] = []
+    created: float | None = None
+    if has_manifest:
+        try:
+            manifest = Manifest.from_json(
+                volume.read_bytes(f"{name}/{MANIFEST_NAME}"), where=volume.url_of(name)
+            )
+        except CheckpointCorruptError as exc:
+            problems.append(f"{MANIFEST_NAME}: unreadable ({exc})")
+        else:
+            created = manifest.created or None
+            problems.extend(check_listing(manifest, files))
+    if not has_metadata:
+        problems.insert(0, f"{METADATA_NAME} missing (never committed, or being written/deleted)")
+    if created is None:
+        times = [f.mtime for f in files if f.mtime is not None]
+        created = max(times) if times else None
+    return CheckpointInfo(
+        step=step,
+        url=volume.url_of(name),
+        complete=not problems,
+        name=name,
+        size=sum(f.size for f in files),
+        num_files=len(files),
+        created=created,
+        managed=has_manifest,
+        problems=tuple(problems),
+    )
+
+
+def scan(volume: Volume) -> list[CheckpointInfo]:
+    """All checkpoints under ``volume``'s root, complete or not, oldest first.
+
+    Raises the volume's error when the root cannot be listed: callers that
+    delete must never act on a listing that failed.
+    """
+    candidates = [(name, parse_step(name)) for name in volume.list_dirs("")]
+    named = [(name, step) for name, step in candidates if step is not None]
+    if not named:
+        return []
+
+    def one(item: tuple[str, int]) -> CheckpointInfo | None:
+        return inspect_dir(volume, item[0], item[1])
+
+    if len(named) == 1 or volume.is_local:
+        found = [one(item) for item in named]
+    else:
+        with ThreadPoolExecutor(max_workers=min(_LIST_CONCURRENCY, len(named))) as pool:
+            found = list(pool.map(one, named))
+    return sorted((f for f in found if f is not None), key=sort_key)
+
+
+def newest_complete(infos: Sequence[CheckpointInfo]) -> CheckpointInfo | None:
+    """The newest complete checkpoint of a ``scan`` result."""
+    complete = [i for i in infos if i.complete]
+    return max(complete, key=sort_key) if complete else None
+
+
+def read_metadata(volume: Volume) -> Any:
+    """The DCP ``Metadata`` object of the checkpoint at ``volume``.
+
+    ``.metadata`` is a pickle, as DCP writes it: load checkpoints only from
+    volumes you trust, exactly as with ``dcp.load``.
+    """
+    if not volume.exists(METADATA_NAME):
+        raise CheckpointNotFoundError(
+            f"{volume.display_url} has no {METADATA_NAME}: it is not a committed DCP "
+            "checkpoint. Fix: pass the URL of a checkpoint directory (see `dcp-volumes ls`)."
+        )
+    data = volume.read_bytes(METADATA_NAME)
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"{volume.url_of(METADATA_NAME)} cannot be unpickled ({type(exc).__name__}: {exc}). "
+            "It is damaged or was written by an incompatible torch version."
+        ) from exc
+
+
+def check_storage_refs(volume: Volume, metadata: Any, listing: Sequence[FileInfo]) -> list[str]:
+    """Problems with the files ``.metadata`` points into (missing, or too short)."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        return []
+    sizes = {f.path: f.size for f in listing}
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        if rel is None:
+            continue
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        needed[rel] = max(needed.get(rel, 0), end)
+    problems = []
+    for rel, end in sorted(needed.items()):
+        if rel not in sizes:
+            problems.append(f"{rel}: missing (referenced by {METADATA_NAME})")
+        elif sizes[rel] < end:
+            problems.append(f"{rel}: {sizes[rel]} bytes, {METADATA_NAME} needs {end}")
+    return problems
+
+
+def verify_checkpoint(
+    volume: Volume,
+    *,
+    checksums: bool = True,
+    progress: Callable[[int], None] | None = None,
+    concurrency: int = 8,
+) -> list[str]:
+    """Problems found in the checkpoint at ``volume`` (empty list: it is sound).
+
+    Checks the commit marker, that every file ``.metadata`` references is
+    there and long enough, the manifest's file set and sizes and, with
+    ``checksums``, every file's checksum (downloading it).
+    """
+    listing = volume.list("")
+    names = {f.path for f in listing}
+    problems: list[str] = []
+    if METADATA_NAME not in names:
+        problems.append(f"{METADATA_NAME}: missing (the checkpoint was never committed)")
+    else:
+        try:
+            problems.extend(check_storage_refs(volume, read_metadata(volume), listing))
+        except CheckpointCorruptError as exc:
+            problems.append(f"{METADATA_NAME}: {exc}")
+    if MANIFEST_NAME in names:
+        try:
+            manifest = Manifest.from_json(
+                volume.read_bytes(MANIFEST_NAME), where=volume.url_of(MANIFEST_NAME)
+            )
+        except CheckpointCorruptError as exc:
+            problems.append(f"{MANIFEST_NAME}: {exc}")
+        else:
+            listed = check_listing(manifest, listing)
+            problems.extend(listed)
+            if checksums:
+                bad = {p.split(":", 1)[0] for p in listed}
+                present = [n for n in manifest.files if n not in bad]
+                problems.extend(
+                    verify_checksums(
+                        volume, manifest, names=present, concurrency=concurrency,
+                        progress=progress,
+                    )
+                )
+    else:
+        logger.debug("%s has no manifest: checksums not verified", volume.display_url)
+    return problems

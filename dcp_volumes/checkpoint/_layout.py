@@ -1,0 +1,101 @@
+"""Where checkpoint files go and how byte ranges are fetched: names, prefixes, coalescing.
+
+Shared by the writer and the reader so that both agree on the layout:
+
+* data files are named like stock DCP's (``__{rank}_{i}.distcp``), optionally
+  under a hashed sub-prefix (``3f/__0_1.distcp``) to spread keys over several
+  prefixes for object stores that throttle per prefix; the prefix is part of
+  the ``relative_path`` in ``.metadata``, so stock readers find the files;
+* the local copy of a checkpoint (the "local tier") lives in
+  ``local_copy_dir/<checkpoint name>``;
+* neighbouring byte ranges of one file are merged before fetching.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Iterable, Sequence
+
+import xxhash
+
+DATA_SUFFIX = ".distcp"
+
+# Ranges closer than this are fetched as one request: one round trip costs
+# more than reading a few hundred KiB that are then thrown away.
+DEFAULT_COALESCE_GAP = 2**20
+
+
+def rank_prefix(rank: int) -> str:
+    """The file-name prefix of a rank's data files, as stock DCP writes it."""
+    return f"__{rank}_"
+
+
+def data_file_name(prefix: str, index: int) -> str:
+    """Name of the ``index``-th data file with ``prefix`` (``__0_`` -> ``__0_3.distcp``)."""
+    return f"{prefix}{index}{DATA_SUFFIX}"
+
+
+def spread_prefix(name: str, spread: int) -> str:
+    """The hashed sub-prefix for ``name`` among ``spread`` prefixes ('' when off).
+
+    Hex digits of a hash, at least two, so keys of consecutive ranks and files
+    land on different prefixes (object stores partition by key prefix).
+    """
+    if spread <= 1:
+        return ""
+    width = max(2, len(format(spread - 1, "x")))
+    return format(xxhash.xxh3_64_intdigest(name.encode()) % spread, f"0{width}x")
+
+
+def relative_path(name: str, spread: int) -> str:
+    """Path of a data file relative to the checkpoint directory."""
+    sub = spread_prefix(name, spread)
+    return f"{sub}/{name}" if sub else name
+
+
+def checkpoint_name(root: str) -> str:
+    """The last component of a checkpoint's path: names its local copy."""
+    name = root.rstrip("/").replace(os.sep, "/").rsplit("/", 1)[-1]
+    return name or "checkpoint"
+
+
+def local_copy_path(local_copy_dir: str | os.PathLike[str], root: str) -> str:
+    """Directory holding the local copy of the checkpoint whose path is ``root``."""
+    return os.path.join(os.path.abspath(os.fspath(local_copy_dir)), checkpoint_name(root))
+
+
+def coalesce(
+    ranges: Iterable[tuple[int, int]], *, gap: int = DEFAULT_COALESCE_GAP
+) -> list[tuple[int, int]]:
+    """Merge ``[start, end)`` ranges that overlap or lie within ``gap`` bytes of each other.
+
+    Returns sorted, disjoint ranges that together cover every input range.
+    Empty ranges (``start == end``) are kept covered but never widen a merge
+    on their own beyond their position.
+    """
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if start < 0 or end < start:
+            raise ValueError(f"invalid byte range [{start}, {end})")
+        if out and start <= out[-1][1] + gap:
+            if end > out[-1][1]:
+                out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def split_range(start: int, end: int, part_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` cut into consecutive parts of at most ``part_size`` bytes."""
+    if end <= start:
+        return [(start, start)]
+    return [(s, min(end, s + part_size)) for s in range(start, end, part_size)]
+
+
+def find_span(starts: Sequence[int], spans: Sequence[tuple[int, int]], start: int, end: int) -> int:
+    """Index of the span in sorted, disjoint ``spans`` (``starts`` = their starts) holding a range."""
+    i = bisect.bisect_right(starts, start) - 1
+    if i < 0 or end > spans[i][1]:
+        raise KeyError(f"no span contains [{start}, {end})")
+    return i

@@ -1,0 +1,524 @@
+"""CheckpointManager: one checkpoint per step under a root, resume, retention, local tier.
+
+Layout under the root URL (one directory per step, standard DCP inside)::
+
+    <root>/step-00000100/.metadata                    commit marker, written last
+    <root>/step-00000100/.dcp_volumes.manifest.json   sizes + checksums of the data files
+    <root>/step-00000100/__0_0.distcp ...             the data files
+
+Checkpoints that other tools wrote into the root (``step_100``, ``100``,
+``checkpoint-100``...) are listed and restorable too (see ``_discovery``).
+
+Call order with a process group (every call below is made on all ranks)::
+
+    save(step, state)   all ranks: wait for the previous save; Stateful.state_dict();
+                        stage (copy to host memory)
+                        coordinator: refuse a committed step / clear a partial leftover
+                        all ranks: all_gather of every rank's status; if any rank
+                        failed, every rank raises and nothing is written
+                        all ranks: dcp.async_save (or dcp.save) through VolumeWriter
+                        background, after the commit: coordinator applies retention;
+                        local rank 0 drops older local copies
+    restore(state)      coordinator: list, pick the newest complete checkpoint
+                        all ranks: broadcast of the choice, then dcp.load
+
+Checkpoint collectives run on a private gloo group (created on all ranks by
+the constructor) so that a background save never interleaves with the
+training loop's own collectives on the default group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+from dcp_volumes._exceptions import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    DcpVolumesError,
+    VolumeAccessError,
+    VolumeError,
+)
+from dcp_volumes._volume import RetryPolicy, Volume
+from dcp_volumes.checkpoint._coordination import Coordinator, Prestaged, summary
+from dcp_volumes.checkpoint._discovery import (
+    CheckpointInfo,
+    newest_complete,
+    scan,
+    step_dir,
+    verify_checkpoint,
+)
+from dcp_volumes.checkpoint._manifest import METADATA_NAME
+from dcp_volumes.checkpoint._reader import VolumeReader
+from dcp_volumes.checkpoint._retention import LocalTier, apply_retention, delete_checkpoint
+from dcp_volumes.checkpoint._writer import VolumeWriter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointInfo", "CheckpointManager", "ManagerOptions"]
+
+
+@dataclass(frozen=True)
+class ManagerOptions:
+    """Validated settings of a ``CheckpointManager`` (see its docstring)."""
+
+    keep_last: int | None = 3
+    async_save: bool = True
+    keep_local: bool = False
+    verify: bool = False
+    overwrite: bool = False
+    create_root: bool = True
+    writer_options: Mapping[str, Any] = field(default_factory=dict)
+    reader_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.keep_last is not None and (
+            isinstance(self.keep_last, bool)
+            or not isinstance(self.keep_last, int)
+            or self.keep_last < 1
+        ):
+            raise ConfigurationError(
+                f"keep_last={self.keep_last!r} must be an integer >= 1 (the newest complete "
+                "checkpoint is always kept), or None to keep every checkpoint."
+            )
+        reserved = {"path", "storage_options", "staging_dir", "local_copy_dir", "retry"}
+        for what, opts in (("writer_options", self.writer_options),
+                           ("reader_options", self.reader_options)):
+            clash = sorted(reserved & set(opts))
+            if clash:
+                raise ConfigurationError(
+                    f"{what} may not set {clash}: the manager sets them. Pass them as "
+                    "CheckpointManager arguments instead."
+                )
+
+
+class CheckpointManager:
+    """Save, list, restore and prune the checkpoints of one training run.
+
+    One checkpoint per step, in ``<root>/step-XXXXXXXX`` (8+ digits), written
+    with ``VolumeWriter``: standard DCP format plus a manifest, ``.metadata``
+    last. A crash at any instant leaves at worst a partial directory, which is
+    never restored and is deleted by retention once a newer checkpoint commits.
+
+    Args:
+        root_url: where the run's checkpoints live: ``s3://bucket/run1``,
+            ``gs://...``, ``az://...``, a local or mounted path, any fsspec URL.
+        keep_last: keep the newest N complete checkpoints (None: keep all).
+            Older complete ones and partial ones older than the newest complete
+            are deleted in the background after each commit.
+        storage_options: passed to fsspec (endpoint, credentials...).
+        staging_dir: local NVMe directory for serialised shards before upload
+            (default: ``DCP_VOLUMES_STAGING`` or a temp dir).
+        async_save: ``save`` returns after the in-memory staging copy and the
+            upload runs in the background (``dcp.async_save``); ``False`` uses
+            ``dcp.save`` and returns after the commit.
+        keep_local: keep the newest checkpoint's staged files on local disk, so
+            a restart on the same node reads them instead of downloading
+            (files whose checksum does not match the manifest are downloaded).
+        local_dir: where the local copies live (default:
+            ``<staging dir>/dcp_volumes-local/<hash of root_url>``).
+        verify: ``restore`` compares every checksum with the manifest before
+            loading (downloads the checkpoint twice on object stores).
+        overwrite: let ``save`` replace a complete checkpoint of the same step
+            (default: ``CheckpointExistsError``).
+        create_root: create a missing local root directory.
+        process_group: group for checkpoint collectives (default: a new gloo
+            group over all ranks when ``torch.distributed`` is initialised).
+        writer_options: extra ``VolumeWriter`` arguments (``part_size``, ...).
+        reader_options: extra ``VolumeReader`` arguments (``read_concurrency``, ...).
+        retry: retry policy for volume calls.
+
+    Use as a context manager, or call ``close()`` at the end: it waits for the
+    last upload and raises its error, if any.
+    """
+
+    def __init__(
+        self,
+        root_url: str | os.PathLike[str],
+        *,
+        keep_last: int | None = 3,
+        storage_options: Mapping[str, Any] | None = None,
+        staging_dir: str | os.PathLike[str] | None = None,
+        async_save: bool = True,
+        keep_local: bool = False,
+        local_dir: str | os.PathLike[str] | None = None,
+        verify: bool = False,
+        overwrite: bool = False,
+        create_root: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        writer_options: Mapping[str, Any] | None = None,
+        reader_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.options = ManagerOptions(
+            keep_last=keep_last,
+            async_save=bool(async_save),
+            keep_local=bool(keep_local),
+            verify=bool(verify),
+            overwrite=bool(overwrite),
+            create_root=bool(create_root),
+            writer_options=dict(writer_options or {}),
+            reader_options=dict(reader_options or {}),
+        )
+        self.storage_options = dict(storage_options or {})
+        self._volume = Volume(root_url, storage_options=self.storage_options, retry=retry)
+        self._retry = retry
+        self.staging_dir = os.fspath(staging_dir) if staging_dir is not None else None
+        self._coord = Coordinator(process_group)
+        self.rank, self.world_size = self._coord.rank, self._coord.world_size
+        self._local: LocalTier | None = None
+        if self.options.keep_local:
+            directory = LocalTier.default_dir(
+                local_dir, staging_dir=self.staging_dir, root_url=self._volume.url
+            )
+            self._local = LocalTier(directory, owner=self._coord.local_rank == 0)
+        self._coord.agree(f"open the checkpoint root {self._volume.display_url}",
+                          self._check_root())
+        self._writer: VolumeWriter | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpv-manager")
+        self._job: Future[None] | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- properties -----------------------------------------------------------------------
+
+    @property
+    def root_url(self) -> str:
+        """URL of the root (plain path for local volumes)."""
+        return self._volume.url
+
+    @property
+    def is_coordinator(self) -> bool:
+        """Whether this rank lists, deletes and decides."""
+        return self._coord.is_coordinator
+
+    def url_of(self, step: int) -> str:
+        """URL of the checkpoint directory of ``step``."""
+        return self._volume.url_of(step_dir(step))
+
+    def __repr__(self) -> str:
+        keep = self.options.keep_last
+        return f"CheckpointManager({self._volume.display_url!r}, keep_last={keep})"
+
+    # -- queries (local, read-only; any rank may call them) --------------------------------
+
+    def list(self) -> list[CheckpointInfo]:
+        """All checkpoints under the root, complete or not, oldest first."""
+        return scan(self._volume)
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest complete checkpoint, or ``None``."""
+        return newest_complete(self.list())
+
+    # -- save -------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Mapping[str, Any]) -> str:
+        """Save ``state`` as the checkpoint of ``step``; returns its URL.
+
+        Waits for the previous save first (never two uploads at once). With
+        ``async_save`` it returns once ``state`` is copied to host memory; the
+        upload, the commit and retention continue in the background and their
+        errors are raised by the next ``save``, ``wait`` or ``close``.
+        Collective: call it on every rank with the same step.
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ConfigurationError(f"step={step!r} must be an integer >= 0.")
+        self._drain()
+        error = self._take_error()
+        logger.debug("step %d: staging", step)
+        name = step_dir(step)
+        url = self._volume.url_of(name)
+        plain: dict[str, Any] = {}
+        staged: Any = None
+        writer: VolumeWriter | None = None
+        clear = False
+        if error is None:
+            try:
+                plain = {
+                    k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()
+                }
+                if self.is_coordinator:
+                    clear = self._check_target(step, name)
+                writer = self._writer_for(name)
+                if self.options.async_save:
+                    staged = writer.stage(plain)
+                    if isinstance(staged, Future):
+                        staged = staged.result()
+            except Exception as exc:
+                error = exc
+        what = f"save step {step} to {url}"
+        self._coord.agree(what, error)
+        if clear:
+            # Only once every rank is ready: a failed rank must not cost the old checkpoint.
+            try:
+                logger.warning("removing %s before saving step %d", url, step)
+                delete_checkpoint(self._volume, name)
+            except Exception as exc:
+                error = exc
+        self._coord.agree(what, error)
+        if writer is None:  # unreachable: _agree raised; keeps the type checker honest
+            raise CheckpointError("internal: no writer")
+        no_dist = not self._coord.distributed
+        pg = self._coord.group
+        if self.options.async_save:
+            response = dcp.async_save(
+                staged,
+                checkpoint_id=url,
+                storage_writer=writer,
+                process_group=pg,
+                async_stager=Prestaged(staged),  # type: ignore[arg-type]
+                no_dist=no_dist,
+            )
+            upload: Future[Any] = getattr(response, "upload_completion", response)
+            logger.info("checkpoint step %d staged; uploading to %s", step, url)
+        else:
+            try:
+                dcp.save(plain, checkpoint_id=url, storage_writer=writer,
+                         process_group=pg, no_dist=no_dist)
+            except Exception:
+                self._drop_local(name)
+                raise
+            upload = Future()
+            upload.set_result(None)
+        self._job = self._executor.submit(self._finish_save, step, name, upload)
+        return url
+
+    def _check_target(self, step: int, name: str) -> bool:
+        """Coordinator: refuse a committed step (unless overwrite); True if it must be cleared."""
+        if self._volume.exists(f"{name}/{METADATA_NAME}"):
+            if not self.options.overwrite:
+                raise CheckpointExistsError(
+                    f"Step {step} already has a complete checkpoint at "
+                    f"{self._volume.url_of(name)}. Fix: save under a new step, pass "
+                    "overwrite=True to replace it, or delete it first."
+                )
+            return True
+        # Files left by a crashed save of this step must not mix with the new ones.
+        return bool(self._volume.list(name))
+
+    def _writer_for(self, name: str) -> VolumeWriter:
+        # One writer serves every save (its staging buffers are reused); each save
+        # points it at its step directory through checkpoint_id. Its local copy
+        # lands in <local_dir>/<step dir> (the layout writer and reader share).
+        if self._writer is None:
+            self._writer = VolumeWriter(
+                self._volume.url_of(name),
+                staging_dir=self.staging_dir,
+                storage_options=self.storage_options,
+                local_copy_dir=self.local_dir,
+                retry=self._retry,
+                **self.options.writer_options,
+            )
+        return self._writer
+
+    def _finish_save(self, step: int, name: str, upload: Future[Any]) -> None:
+        """Background: wait for the commit, then local-tier cleanup and retention."""
+        url = self._volume.url_of(name)
+        try:
+            upload.result()
+        except BaseException as exc:
+            self._drop_local(name)
+            logger.error("checkpoint step %d was NOT saved to %s: %s", step, url, summary(exc))
+            raise CheckpointError(
+                f"The background save of step {step} to {url} failed: {summary(exc)}. No "
+                f"{METADATA_NAME} was written, so the previous checkpoint is still the latest."
+            ) from exc
+        logger.info("checkpoint step %d committed at %s", step, url)
+        if self._local is not None:
+            self._local.keep_only(name)
+        if self.is_coordinator:
+            try:
+                apply_retention(self._volume, keep_last=self.options.keep_last,
+                                protect=[name])
+            except BaseException as exc:
+                logger.error("retention after step %d failed under %s: %s", step,
+                             self._volume.display_url, summary(exc))
+                raise CheckpointError(
+                    f"Step {step} was saved, but deleting old checkpoints under "
+                    f"{self._volume.display_url} failed: {summary(exc)}. Nothing complete was "
+                    "lost; retention runs again after the next save."
+                ) from exc
+        logger.debug("step %d: save finished", step)
+
+    # -- local tier ----------------------------------------------------------------------
+
+    @property
+    def local_dir(self) -> str | None:
+        """Directory of the local tier (``keep_local=True``), else ``None``."""
+        return self._local.directory if self._local is not None else None
+
+    # -- restore --------------------------------------------------------------------------
+
+    def restore(self, state: dict[str, Any], *, step: int | None = None) -> int | None:
+        """Load the newest complete checkpoint (or ``step``) into ``state``.
+
+        ``Stateful`` values are restored in place (``load_state_dict``), other
+        values are replaced. Partial checkpoints are skipped with a warning.
+        Returns the step loaded, or ``None`` when there is no complete
+        checkpoint. Collective: every rank loads the step the coordinator chose.
+        """
+        self._check_open()
+        self._drain()
+        error = self._take_error()
+        choice: tuple[int, str] | None = None
+        if error is None and self.is_coordinator:
+            try:
+                choice = self._choose(step)
+            except Exception as exc:
+                error = exc
+        self._coord.agree("choose a checkpoint to restore", error)
+        choice = self._coord.broadcast(choice)
+        if choice is None:
+            logger.info("no complete checkpoint under %s: starting fresh", self._volume.display_url)
+            return None
+        chosen_step, name = choice
+        url = self._volume.url_of(name)
+        local = self.local_dir if self._local is not None and self._local.has(name) else None
+        reader = VolumeReader(
+            url,
+            storage_options=self.storage_options,
+            local_copy_dir=local,
+            retry=self._retry,
+            **self.options.reader_options,
+        )
+        logger.info("restoring step %d from %s%s", chosen_step, url,
+                    f" (local copy in {local})" if local else "")
+        dcp.load(state, checkpoint_id=url, storage_reader=reader,
+                 process_group=self._coord.group, no_dist=not self._coord.distributed)
+        return chosen_step
+
+    def _choose(self, step: int | None) -> tuple[int, str] | None:
+        """Coordinator: the (step, directory) to restore."""
+        infos = scan(self._volume)
+        if step is not None:
+            matches = [i for i in infos if i.step == step]
+            complete = [i for i in matches if i.complete]
+            if not complete:
+                why = "; ".join(p for i in matches for p in i.problems) or "no such directory"
+                raise CheckpointNotFoundError(
+                    f"There is no complete checkpoint of step {step} under "
+                    f"{self._volume.display_url} ({why}). Fix: pick a step from "
+                    "`dcp-volumes ls`, or pass step=None for the newest complete one."
+                )
+            candidates = [i for i in reversed(complete)]
+        else:
+            candidates = [i for i in reversed(infos) if i.complete]
+        for info in candidates:
+            if self.options.verify:
+                problems = verify_checkpoint(self._volume.child(info.name))
+                if problems:
+                    logger.warning("skipping checkpoint %s: it fails verification (%s)",
+                                   info.url, "; ".join(problems[:5]))
+                    continue
+            skipped = [i for i in infos if not i.complete and i.step > info.step]
+            for partial in skipped:
+                logger.warning("skipping partial checkpoint %s: %s", partial.url,
+                               "; ".join(partial.problems[:3]))
+            return info.step, info.name
+        return None
+
+    # -- waiting, errors, agreement ------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until the in-flight save (and its retention) is done; raise its error."""
+        self._drain()
+        error = self._take_error()
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Wait for in-flight work, release resources and raise any pending error."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+            self._close_writer()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        # An exception is already propagating: do not mask it with a save error.
+        try:
+            self.close()
+        except Exception as pending:
+            logger.error("checkpoint error while handling another exception: %s",
+                         summary(pending))
+
+    def _drop_local(self, name: str) -> None:
+        if self._local is not None:
+            self._local.drop(name)
+
+    def _close_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        closer = getattr(writer, "close", None)
+        if callable(closer):
+            with contextlib.suppress(Exception):
+                closer()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("This CheckpointManager is closed; create a new one.")
+
+    def _drain(self) -> None:
+        """Wait for the in-flight job; keep its error for the caller to raise."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        try:
+            job.result()
+        except BaseException as exc:
+            with self._lock:
+                if self._error is None:
+                    self._error = exc
+
+    def _take_error(self) -> BaseException | None:
+        with self._lock:
+            error, self._error = self._error, None
+        return error
+
+    def _check_root(self) -> Exception | None:
+        """Why the root cannot take checkpoints on this rank, or ``None``."""
+        try:
+            self._volume.check_root(create=self.options.create_root)
+            if self._volume.is_local and not os.access(self._volume.root, os.W_OK | os.X_OK):
+                raise VolumeAccessError(
+                    f"The checkpoint root {self._volume.root} is not writable by this "
+                    "process. Fix: change its permissions or choose another root."
+                )
+        except DcpVolumesError as exc:
+            return exc
+        except OSError as exc:
+            error = VolumeError(
+                f"Cannot use {self._volume.display_url} as a checkpoint root: {summary(exc)}. "
+                "Fix: point root_url at a writable directory or bucket prefix."
+            )
+            error.__cause__ = exc
+            return error
+        return None

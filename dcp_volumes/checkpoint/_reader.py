@@ -1,0 +1,549 @@
+"""VolumeReader: a DCP ``StorageReader`` that fetches coalesced byte ranges in parallel.
+
+Reads any standard DCP checkpoint (ours or a stock writer's). For each data
+file a rank needs, neighbouring byte ranges are merged, fetched as parallel
+ranged GETs, and the items are deserialised from memory. Where a manifest
+exists, file sizes are checked against it and every file read whole is
+verified against its checksum (``verify=True`` reads every file whole). With
+``local_copy_dir`` the files are read from the local tier when they match the
+manifest, and from the volume otherwise.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import IO, Any, cast
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from dcp_volumes._exceptions import (
+    BucketNotFoundError,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    VolumeNotFoundError,
+)
+from dcp_volumes._staging import parse_size
+from dcp_volumes._volume import RetryPolicy, Volume, redact_url
+from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._manifest import (
+    METADATA_NAME,
+    FileRecord,
+    Manifest,
+    checksum_bytes,
+    read_manifest,
+)
+
+try:
+    from torch.distributed.checkpoint.metadata import StorageMeta
+except ImportError:  # pragma: no cover - torch < 2.4
+    StorageMeta = None  # type: ignore[assignment,misc]
+
+# Stream transforms (e.g. compression) of stock writers with extensions; the
+# module is experimental in torch, so it may be missing.
+try:
+    from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+except ImportError:  # pragma: no cover - torch < 2.7
+    _StorageReaderTransforms = None
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """Validated options of a ``VolumeReader`` (sizes in bytes).
+
+    Attributes:
+        verify: read every referenced file whole and check its checksum.
+        local_copy_dir: root of the local tier written by ``VolumeWriter``.
+        read_concurrency: ranged GETs in flight.
+        part_size: largest single ranged GET; longer ranges are split.
+        coalesce_gap: ranges closer than this are fetched as one.
+        prefetch_bytes: bytes fetched ahead of deserialisation.
+    """
+
+    verify: bool = False
+    local_copy_dir: str | None = None
+    read_concurrency: int = 16
+    part_size: int = 16 * 2**20
+    coalesce_gap: int = _layout.DEFAULT_COALESCE_GAP
+    prefetch_bytes: int = 1 * 2**30
+
+    def __post_init__(self) -> None:
+        if self.read_concurrency < 1:
+            raise ConfigurationError(f"read_concurrency={self.read_concurrency} must be >= 1.")
+        if self.part_size < 1:
+            raise ConfigurationError(f"part_size={self.part_size} must be >= 1 byte.")
+        if self.coalesce_gap < 0 or self.prefetch_bytes < 0:
+            raise ConfigurationError("coalesce_gap and prefetch_bytes must be >= 0 bytes.")
+
+
+class _MemoryReader(io.RawIOBase):
+    """A seekable read-only stream over a memoryview: torch.load reads it without a copy."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+@dataclass
+class _FileJob:
+    """The reads of one data file: its items, merged spans and where the bytes come from."""
+
+    rel: str
+    reqs: list[tuple[ReadItem, Any]]
+    spans: list[tuple[int, int]]
+    record: FileRecord | None
+    whole: bool
+    source: Volume
+    from_local: bool = False
+    buffers: list[bytearray] = field(default_factory=list)
+    futures: list[ThreadFuture[None]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e - s for s, e in self.spans)
+
+
+def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The part of a saved tensor a read item asks for (resharding)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+        if offset != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+class VolumeReader(StorageReader):
+    """DCP storage reader for any volume: object store, fsspec URL or mount path.
+
+    Pass it to ``dcp.load``. Loads checkpoints written by ``VolumeWriter`` and
+    by stock DCP writers (those have no manifest: verification is skipped and
+    a debug log says so), on any number of ranks (resharding is DCP's planner).
+
+    DCP calls, in this order (see ``torch.distributed.checkpoint.storage``):
+
+    0. (all ranks) ``reset(checkpoint_id)`` when ``dcp.load`` gets a checkpoint_id.
+    1. (all ranks) ``read_metadata()``: unpickles ``.metadata``; a missing one
+       raises ``CheckpointNotFoundError`` saying whether nothing is there or a
+       save left files without committing. (DCP then retries with ``rank=``
+       for rank-local metadata of ``use_collectives=False`` checkpoints.)
+    2. (all ranks) ``set_up_storage_reader(metadata, is_coordinator, ...)``: loads
+       the manifest, if any.
+    3. (all ranks) ``prepare_local_plan`` and 4. (coordinator)
+       ``prepare_global_plan``: passed through.
+    5. (all ranks) ``read_data(plan, planner)``: checks the needed files
+       against the manifest (missing or short: ``CheckpointCorruptError``),
+       fetches coalesced ranges in parallel, verifies whole files, and hands
+       bytes and tensors to the planner. Returns a completed future.
+
+    Args:
+        path: the checkpoint's URL or directory.
+        storage_options: passed to fsspec (endpoint, credentials...).
+        verify: download every referenced file whole and check its checksum
+            (otherwise only files read whole anyway are checked).
+        local_copy_dir: the ``local_copy_dir`` given to ``VolumeWriter``: files
+            in ``local_copy_dir/<checkpoint name>`` that match the manifest
+            are read from there.
+        read_concurrency: ranged reads in flight.
+        retry: retry policy for transient volume errors.
+        part_size: largest single ranged read (bytes or e.g. ``"16MiB"``).
+        coalesce_gap: merge ranges closer than this (bytes or e.g. ``"1MiB"``).
+        prefetch_bytes: how far fetching may run ahead of deserialisation.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        verify: bool = False,
+        local_copy_dir: str | os.PathLike[str] | None = None,
+        read_concurrency: int = 16,
+        retry: RetryPolicy | None = None,
+        part_size: int | str = "16MiB",
+        coalesce_gap: int | str = _layout.DEFAULT_COALESCE_GAP,
+        prefetch_bytes: int | str = "1GiB",
+    ) -> None:
+        super().__init__()
+        self.options = ReaderOptions(
+            verify=verify,
+            local_copy_dir=os.fspath(local_copy_dir) if local_copy_dir is not None else None,
+            read_concurrency=read_concurrency,
+            part_size=int(parse_size(part_size, what="part_size") or 0),
+            coalesce_gap=int(parse_size(coalesce_gap, what="coalesce_gap") or 0),
+            prefetch_bytes=int(parse_size(prefetch_bytes, what="prefetch_bytes") or 0),
+        )
+        self._storage_options = dict(storage_options or {})
+        self._retry = retry
+        self._volume = Volume(path, storage_options=self._storage_options, retry=retry)
+        self._storage_data: dict[Any, Any] = {}
+        self._manifest: Manifest | None = None
+        self._manifest_loaded = False
+        self._load_id = uuid.uuid4().hex
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint's URL (credentials removed); DCP logs it."""
+        return self._volume.display_url
+
+    @property
+    def volume(self) -> Volume:
+        """The volume of the current checkpoint."""
+        return self._volume
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The checkpoint's manifest once loaded (``None`` for stock checkpoints)."""
+        return self._manifest
+
+    @property
+    def local_copy_path(self) -> str | None:
+        """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
+        if self.options.local_copy_dir is None:
+            return None
+        return _layout.local_copy_path(self.options.local_copy_dir, self._volume.root)
+
+    def __repr__(self) -> str:
+        return f"VolumeReader({self._volume.display_url!r})"
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a URL or path this reader can address."""
+        try:
+            Volume(checkpoint_id)
+        except Exception:
+            return False
+        return True
+
+    # -- StorageReader ----------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load; ``checkpoint_id`` (a URL or path) replaces the location."""
+        if checkpoint_id:
+            self._volume = Volume(
+                checkpoint_id, storage_options=self._storage_options, retry=self._retry
+            )
+        self._storage_data = {}
+        self._manifest = None
+        self._manifest_loaded = False
+        self._load_id = uuid.uuid4().hex
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Unpickle ``.metadata`` (``__{rank}.metadata`` when DCP passes ``rank=``)."""
+        rank = kwargs.get("rank")
+        name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+        try:
+            data = self._volume.read_bytes(name)
+        except BucketNotFoundError:
+            raise
+        except VolumeNotFoundError:
+            raise self._not_found(name) from None
+        try:
+            metadata = pickle.loads(data)
+        except Exception as exc:
+            raise CheckpointCorruptError(
+                f"{redact_url(self._volume.url_of(name))} cannot be unpickled ({exc}). The "
+                "checkpoint is damaged or was written by an incompatible torch; load an older "
+                "checkpoint."
+            ) from exc
+        if not isinstance(metadata, Metadata):
+            raise CheckpointCorruptError(
+                f"{redact_url(self._volume.url_of(name))} holds a {type(metadata).__name__}, "
+                "not DCP Metadata; this is not a DCP checkpoint."
+            )
+        if StorageMeta is not None:
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self._load_id
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """Take the storage index from ``metadata`` and load the manifest (all ranks)."""
+        if metadata.storage_data is None:
+            raise CheckpointCorruptError(
+                f"The .metadata of {self._volume.display_url} has no storage index; it was not "
+                "written by a DCP storage writer."
+            )
+        self._storage_data = metadata.storage_data
+        self._load_manifest()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Passed through (all ranks)."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Passed through (coordinator)."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Fetch what ``plan`` needs, verify it, and hand it to ``planner`` (all ranks)."""
+        self._load_manifest()
+        jobs = self._plan_jobs(plan)
+        with ThreadPoolExecutor(
+            max_workers=self.options.read_concurrency, thread_name_prefix="dcpv-read"
+        ) as pool:
+            try:
+                submitted = 0
+                in_flight = 0
+                for i, job in enumerate(jobs):
+                    # Fetch ahead within the byte budget (always at least the current file).
+                    while submitted < len(jobs) and (
+                        submitted <= i or in_flight + jobs[submitted].nbytes
+                        <= self.options.prefetch_bytes
+                    ):
+                        self._submit(pool, jobs[submitted])
+                        in_flight += jobs[submitted].nbytes
+                        submitted += 1
+                    self._finish_job(pool, job)
+                    in_flight -= job.nbytes
+                    self._deliver(job, planner)
+                    job.buffers.clear()
+            except BaseException:
+                for job in jobs:
+                    for f in job.futures:
+                        f.cancel()
+                raise
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _not_found(self, name: str) -> CheckpointNotFoundError:
+        where = self._volume.display_url
+        present = self._volume.list()
+        if present:
+            return CheckpointNotFoundError(
+                f"The checkpoint at {where} is incomplete: {len(present)} files are there but "
+                f"not {name}, the marker a save writes last. A save crashed or is still "
+                "running. Fix: wait for the save to finish, or load an older checkpoint."
+            )
+        return CheckpointNotFoundError(
+            f"No checkpoint at {where}: nothing is there (no {name}). Fix: check the path or "
+            "URL and storage_options, or save a checkpoint there first."
+        )
+
+    def _load_manifest(self) -> None:
+        if self._manifest_loaded:
+            return
+        self._manifest = read_manifest(self._volume)
+        self._manifest_loaded = True
+        if self._manifest is None:
+            logger.debug(
+                "%s has no manifest (stock DCP writer): verification skipped",
+                self._volume.display_url,
+            )
+            if self.options.verify:
+                logger.warning(
+                    "verify=True but %s has no manifest (written by a stock DCP writer): "
+                    "there are no checksums to verify against",
+                    self._volume.display_url,
+                )
+
+    def _plan_jobs(self, plan: LoadPlan) -> list[_FileJob]:
+        per_file: dict[str, list[tuple[ReadItem, Any]]] = {}
+        for req in plan.items:
+            try:
+                info = self._storage_data[req.storage_index]
+            except KeyError:
+                raise CheckpointCorruptError(
+                    f"{req.storage_index.fqn} is not in the storage index of "
+                    f"{self._volume.display_url}'s .metadata; the checkpoint is damaged."
+                ) from None
+            per_file.setdefault(info.relative_path, []).append((req, info))
+        manifest = self._manifest
+        sizes: dict[str, int] = {}
+        if manifest is not None and per_file:
+            sizes = {f.path: f.size for f in self._volume.list()}
+        jobs = []
+        for rel, reqs in sorted(per_file.items()):
+            record = None
+            if manifest is not None:
+                record = manifest.files.get(rel)
+                self._check_file(rel, record, sizes)
+            ranges = [(info.offset, info.offset + info.length) for _, info in reqs]
+            spans = _layout.coalesce(ranges, gap=self.options.coalesce_gap)
+            whole = record is not None and spans == [(0, record.size)]
+            if record is not None and self.options.verify:
+                spans, whole = [(0, record.size)], True
+            job = _FileJob(rel, reqs, spans, record, whole, self._volume)
+            if record is not None:
+                self._use_local_copy(job)
+            jobs.append(job)
+        return jobs
+
+    def _check_file(self, rel: str, record: FileRecord | None, sizes: Mapping[str, int]) -> None:
+        url = redact_url(self._volume.url_of(rel))
+        if record is None:
+            raise CheckpointCorruptError(
+                f"{url} is used by .metadata but not listed in the manifest; the checkpoint "
+                "is damaged or was modified after it was committed."
+            )
+        if rel not in sizes:
+            raise CheckpointCorruptError(
+                f"The checkpoint file {url} is missing ({record.size} bytes in the manifest). "
+                "The checkpoint is damaged; load an older one."
+            )
+        if sizes[rel] != record.size:
+            raise CheckpointCorruptError(
+                f"The checkpoint file {url} has {sizes[rel]} bytes but the manifest says "
+                f"{record.size}. The file was truncated or replaced; load an older checkpoint."
+            )
+
+    def _use_local_copy(self, job: _FileJob) -> None:
+        local_dir = self.local_copy_path
+        if local_dir is None or job.record is None:
+            return
+        path = os.path.join(local_dir, *job.rel.split("/"))
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            logger.info("no local copy of %s: reading it from the volume", job.rel)
+            return
+        if size != job.record.size:
+            logger.info(
+                "local copy of %s has %d bytes, manifest says %d: reading it from the volume",
+                job.rel,
+                size,
+                job.record.size,
+            )
+            return
+        # Read the local file whole so its checksum can be checked before use.
+        job.source = Volume(local_dir)
+        job.from_local = True
+        job.spans, job.whole = [(0, size)], True
+
+    def _submit(self, pool: ThreadPoolExecutor, job: _FileJob) -> None:
+        job.buffers = [bytearray(e - s) for s, e in job.spans]
+        job.futures = []
+        for buf, (start, end) in zip(job.buffers, job.spans):
+            for s, e in _layout.split_range(start, end, self.options.part_size):
+                if e > s:
+                    job.futures.append(
+                        pool.submit(self._fetch, job.source, job.rel, s, e, buf, s - start)
+                    )
+
+    def _fetch(
+        self, source: Volume, rel: str, start: int, end: int, buf: bytearray, at: int
+    ) -> None:
+        try:
+            data = source.read_bytes(rel, start, end)
+        except BucketNotFoundError:
+            raise
+        except VolumeNotFoundError:
+            raise CheckpointCorruptError(
+                f"The checkpoint file {redact_url(source.url_of(rel))} is missing. The "
+                "checkpoint is damaged; load an older one."
+            ) from None
+        if len(data) != end - start:
+            raise CheckpointCorruptError(
+                f"The checkpoint file {redact_url(source.url_of(rel))} ends before byte {end} "
+                f"that .metadata points to (got {len(data)} of {end - start} bytes from "
+                f"{start}). The file was truncated; load an older checkpoint."
+            )
+        buf[at : at + len(data)] = data
+
+    def _finish_job(self, pool: ThreadPoolExecutor, job: _FileJob) -> None:
+        """Wait for a file's bytes and verify them; a bad local copy falls back to the volume."""
+        for f in job.futures:
+            f.result()
+        if not job.whole or job.record is None:
+            return
+        actual = checksum_bytes(job.buffers[0])
+        if actual == job.record.checksum:
+            return
+        if job.from_local:
+            logger.warning(
+                "local copy of %s fails its checksum: reading it from the volume", job.rel
+            )
+            job.source, job.from_local = self._volume, False
+            self._submit(pool, job)
+            self._finish_job(pool, job)
+            return
+        raise CheckpointCorruptError(
+            f"The checkpoint file {redact_url(self._volume.url_of(job.rel))} fails its "
+            f"checksum ({actual}, manifest {job.record.checksum}): its bytes changed after the "
+            "save. Load an older checkpoint."
+        )
+
+    def _deliver(self, job: _FileJob, planner: LoadPlanner) -> None:
+        starts = [s for s, _ in job.spans]
+        for req, info in job.reqs:
+            i = _layout.find_span(starts, job.spans, info.offset, info.offset + info.length)
+            lo = info.offset - job.spans[i][0]
+            view = memoryview(job.buffers[i])[lo : lo + info.length]
+            stream: IO[bytes] = cast(IO[bytes], _MemoryReader(view))
+            descriptors = getattr(info, "transform_descriptors", None)
+            if descriptors:
+                stream = self._untransform(req, descriptors, stream)
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(stream.read()))
+                continue
+            if not stream.seekable():
+                stream = io.BytesIO(stream.read())
+            try:
+                tensor = torch.load(stream, map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise CheckpointCorruptError(
+                    f"{req.storage_index.fqn} in {redact_url(job.source.url_of(job.rel))} "
+                    f"cannot be deserialised ({type(exc).__name__}: {exc}). The file is damaged; "
+                    "load with verify=True to check it, or load an older checkpoint."
+                ) from exc
+            tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise CheckpointCorruptError(
+                    f"{req.storage_index.fqn}: the checkpoint holds a {tuple(tensor.size())} "
+                    f"piece where {tuple(target.size())} is expected."
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+
+    def _untransform(self, req: ReadItem, descriptors: Sequence[str], stream: IO[bytes]) -> IO[bytes]:
+        if _StorageReaderTransforms is None:  # pragma: no cover - torch < 2.7
+            raise CheckpointCorruptError(
+                f"{req.storage_index.fqn} was saved with stream transforms {list(descriptors)} "
+                "that this torch version cannot undo; load with the torch that saved it."
+            )
+        return cast(
+            IO[bytes],
+            _StorageReaderTransforms().transform_load_stream(req, descriptors, stream),
+        )

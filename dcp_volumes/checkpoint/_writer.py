@@ -1,0 +1,688 @@
+"""VolumeWriter: a DCP ``StorageWriter`` that stages on local disk and uploads in parallel.
+
+Each rank serialises its write items into files in a local staging directory,
+hashing every byte as it is written, and hands each file to an upload pool
+the moment it is closed, so serialisation of later files overlaps the upload
+of earlier ones. The coordinator commits: it checks that every file is on the
+volume with the right size, publishes the manifest (sizes and checksums) and
+then ``.metadata`` *last*. A checkpoint without ``.metadata`` is incomplete,
+never wrong.
+
+The files are standard DCP: stock ``FileSystemReader``/``FsspecReader`` load
+them, because ``.metadata`` holds only stock types.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import pickle
+import time
+import uuid
+import weakref
+from collections.abc import Mapping
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import Future as ThreadFuture
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from dcp_volumes._exceptions import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    ConfigurationError,
+    VolumeError,
+    VolumeExistsError,
+)
+from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
+from dcp_volumes._volume import RetryPolicy, Volume, redact_url
+from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._manifest import (
+    MANIFEST_NAME,
+    METADATA_NAME,
+    Checksum,
+    FileRecord,
+    Manifest,
+    check_listing,
+    read_manifest,
+)
+
+# The helpers behind DCP's own BlockingAsyncStager (pinned CPU copies, in-place
+# refresh). Private, so guarded: without them we fall back to the public stager.
+try:
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+except ImportError:  # pragma: no cover - depends on the torch version
+    _copy_state_dict = None
+    _create_cpu_state_dict = None
+
+# Stock writers stamp the format version into .metadata since torch 2.7; older
+# versions have neither the constant nor the field.
+try:
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _DCP_VERSION
+except ImportError:  # pragma: no cover - torch < 2.7
+    _DCP_VERSION = None
+
+try:
+    from torch.distributed.checkpoint.metadata import StorageMeta
+except ImportError:  # pragma: no cover - torch < 2.4
+    StorageMeta = None  # type: ignore[assignment,misc]
+
+logger = logging.getLogger(__name__)
+
+# S3 rejects multipart parts below 5 MiB (except the last one).
+_MIN_PART_SIZE = 5 * 2**20
+# Slack per item on top of the raw tensor bytes (torch.save's zip headers).
+_ITEM_OVERHEAD = 4096
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """Validated options of a ``VolumeWriter`` (sizes in bytes).
+
+    Attributes:
+        staging_dir: local directory for staged files; ``None``: ``DCP_VOLUMES_STAGING``
+            or a private temp dir.
+        overwrite: replace a committed checkpoint at the same location.
+        keep_staging: keep the staged files after the upload.
+        local_copy_dir: root of the local tier; the files of a checkpoint are
+            staged into and kept in ``local_copy_dir/<checkpoint name>``.
+        upload_concurrency: files uploaded at once, and parts of one large
+            file uploaded at once.
+        part_size: multipart part size.
+        file_size: target size of one data file; a rank's items are split
+            into files of about this size so upload overlaps serialisation.
+        prefix_spread: ``0`` off; ``N > 1`` spreads files over ``N`` hashed
+            sub-prefixes of the checkpoint directory.
+        cache_staged_state_dict: reuse the CPU staging buffers of
+            ``dcp.async_save`` across saves.
+        staging_headroom: free space to leave on the staging disk.
+    """
+
+    staging_dir: str | None = None
+    overwrite: bool = False
+    keep_staging: bool = False
+    local_copy_dir: str | None = None
+    upload_concurrency: int = 8
+    part_size: int = 32 * 2**20
+    file_size: int = 256 * 2**20
+    prefix_spread: int = 0
+    cache_staged_state_dict: bool = True
+    staging_headroom: int = DEFAULT_HEADROOM_BYTES
+
+    def __post_init__(self) -> None:
+        if self.upload_concurrency < 1:
+            raise ConfigurationError(
+                f"upload_concurrency={self.upload_concurrency} must be >= 1."
+            )
+        if self.part_size < _MIN_PART_SIZE:
+            raise ConfigurationError(
+                f"part_size={self.part_size} bytes is below 5 MiB, the smallest multipart "
+                "part object stores accept. Use e.g. part_size='32MiB'."
+            )
+        if self.file_size < 1:
+            raise ConfigurationError(f"file_size={self.file_size} must be >= 1 byte.")
+        if self.prefix_spread < 0 or self.prefix_spread == 1:
+            raise ConfigurationError(
+                f"prefix_spread={self.prefix_spread}: use 0 (off) or a number of prefixes >= 2."
+            )
+        if self.staging_headroom < 0:
+            raise ConfigurationError("staging_headroom must be >= 0 bytes.")
+
+
+@dataclass(frozen=True)
+class _RankFiles:
+    """``SavePlan.storage_data`` set by the coordinator: a rank's file-name prefix."""
+
+    prefix: str
+
+
+@dataclass(frozen=True)
+class _WrittenItem:
+    """``WriteResult.storage_data`` on its way to ``finish``: stock info plus the file record.
+
+    ``finish`` keeps only ``info`` for ``.metadata`` (stock readers must not
+    need dcp_volumes to unpickle it); the records go to the manifest.
+    """
+
+    info: _StorageInfo
+    record: FileRecord
+
+
+class _HashingFile:
+    """A write-only file that hashes every byte on its way to disk (no extra copy)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._hash = Checksum()
+        self._size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        self._f.write(view)
+        self._size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def tell(self) -> int:
+        return self._size
+
+    def close(self, *, fsync: bool) -> FileRecord:
+        # Flush before fsync: fsync only persists what reached the kernel.
+        self._f.flush()
+        if fsync:
+            os.fsync(self._f.fileno())
+        self._f.close()
+        return FileRecord(size=self._size, checksum=self._hash.hexdigest())
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._f.close()
+
+
+def _plain_cpu_tensor(data: torch.Tensor) -> torch.Tensor:
+    """The tensor as stock DCP serialises it: on CPU, storage no larger than its data."""
+    tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        # torch.save writes the whole storage: a view into a big buffer would
+        # drag the buffer along, so copy just this tensor.
+        tensor = tensor.clone()
+    return tensor
+
+
+def _estimate_bytes(items: list[WriteItem]) -> int:
+    total = 0
+    for item in items:
+        total += _ITEM_OVERHEAD
+        if item.tensor_data is not None:
+            total += item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+    return total
+
+
+def _signature(obj: Any) -> Any:
+    """Structure, shapes and dtypes of a state dict: equal signatures can share buffers."""
+    if isinstance(obj, torch.Tensor):
+        local = getattr(obj, "_local_tensor", None)  # DTensor: the shard this rank holds
+        shards = getattr(obj, "local_shards", None)  # ShardedTensor
+        extra: Any = None
+        if local is not None:
+            extra = tuple(local.shape)
+        elif callable(shards):
+            extra = tuple(tuple(s.tensor.shape) for s in shards())
+        return (type(obj), tuple(obj.shape), obj.dtype, extra)
+    if isinstance(obj, Mapping):
+        return (type(obj), tuple((k, _signature(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), tuple(_signature(v) for v in obj))
+    return type(obj)
+
+
+class VolumeWriter(StorageWriter, AsyncStager):
+    """DCP storage writer for any volume: object store, fsspec URL or mount path.
+
+    Pass it to ``dcp.save`` or ``dcp.async_save``. With ``async_save`` it also
+    acts as the stager: training blocks only for a copy of the state dict into
+    CPU buffers that are allocated once and reused by every later save (pinned
+    when CUDA is present), then serialisation and upload run in the background.
+    With ``cache_staged_state_dict`` wait for one save to finish before the
+    next ``async_save`` (the buffers are reused).
+
+    DCP calls, in this order (see ``torch.distributed.checkpoint.storage``):
+
+    0. (all ranks) ``reset(checkpoint_id)`` when ``dcp.save`` gets a checkpoint_id:
+       the id (a URL or path) replaces ``path``.
+    1. (all ranks) ``set_up_storage_writer(is_coordinator, rank=..., use_collectives=...)``.
+    2. (all ranks) ``prepare_local_plan``: the staging directory is checked for
+       write access and room for this rank's bytes.
+    3. (coordinator) ``prepare_global_plan``: the volume is checked (bucket,
+       directory); a committed checkpoint there raises ``CheckpointExistsError``
+       unless ``overwrite=True``, which deletes its ``.metadata`` first and then
+       its files, before any rank uploads; each rank gets its file prefix.
+    4. (all ranks) ``write_data``: serialise to staging files of about
+       ``file_size`` bytes, upload each as soon as it is closed; the future is
+       complete when every file of this rank is on the volume with its size
+       verified.
+    5. (coordinator) ``finish``: verify all files are listed with their sizes,
+       publish the manifest, then ``.metadata`` (the commit marker).
+
+    ``stage`` (``dcp.async_save`` only) runs on every rank before step 0.
+
+    Args:
+        path: ``s3://bucket/run/step-100``, ``gs://...``, ``az://...``, ``file://...``,
+            a local or mounted directory, or any fsspec URL.
+        staging_dir: local (NVMe) directory to serialise into; default: the
+            ``DCP_VOLUMES_STAGING`` environment variable, else a temp dir.
+        storage_options: passed to fsspec (endpoint, credentials...).
+        overwrite: replace a committed checkpoint at ``path``; without it a
+            save to a committed checkpoint raises ``CheckpointExistsError``.
+        keep_staging: keep the staged files after the upload (debugging).
+        local_copy_dir: keep a local copy ("local tier"): files are staged
+            into ``local_copy_dir/<checkpoint name>`` and kept there, with a
+            copy of the manifest; ``VolumeReader(local_copy_dir=...)`` reads
+            from it when the files match the manifest.
+        upload_concurrency: files uploaded at once, and parts of one large
+            file uploaded at once.
+        part_size: multipart part size (bytes or e.g. ``"32MiB"``, >= 5 MiB).
+        file_size: target size of one data file (bytes or e.g. ``"256MiB"``).
+        prefix_spread: ``N >= 2`` spreads the files over ``N`` hashed
+            sub-prefixes (``3f/__0_1.distcp``) for stores that throttle per
+            prefix; stock readers still find them via ``.metadata``.
+        cache_staged_state_dict: reuse the CPU staging buffers across saves.
+        staging_headroom: free space to leave on the staging disk beyond what
+            a save needs (bytes or e.g. ``"1GiB"``).
+        retry: retry policy for transient volume errors.
+    """
+
+    # Staging is a blocking copy: nothing to synchronise after async_save returns.
+    _synchronize_after_execute: bool = False
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        staging_dir: str | os.PathLike[str] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        keep_staging: bool = False,
+        local_copy_dir: str | os.PathLike[str] | None = None,
+        upload_concurrency: int = 8,
+        part_size: int | str = "32MiB",
+        file_size: int | str = "256MiB",
+        prefix_spread: int = 0,
+        cache_staged_state_dict: bool = True,
+        staging_headroom: int | str = DEFAULT_HEADROOM_BYTES,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        super().__init__()
+        self.options = WriterOptions(
+            staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,
+            overwrite=overwrite,
+            keep_staging=keep_staging,
+            local_copy_dir=os.fspath(local_copy_dir) if local_copy_dir is not None else None,
+            upload_concurrency=upload_concurrency,
+            part_size=int(parse_size(part_size, what="part_size") or 0),
+            file_size=int(parse_size(file_size, what="file_size") or 0),
+            prefix_spread=prefix_spread,
+            cache_staged_state_dict=cache_staged_state_dict,
+            staging_headroom=int(parse_size(staging_headroom, what="staging_headroom") or 0),
+        )
+        self._storage_options = dict(storage_options or {})
+        self._retry = retry
+        self._volume = Volume(path, storage_options=self._storage_options, retry=retry)
+        if self.options.local_copy_dir is not None:
+            os.makedirs(self.options.local_copy_dir, exist_ok=True)
+            staging_root: str | None = self.options.local_copy_dir
+        else:
+            staging_root = self.options.staging_dir
+        self._staging = StagingArea(staging_root, headroom_bytes=self.options.staging_headroom)
+        # Remove a temp staging dir we created when this writer goes away.
+        self._finalizer: weakref.finalize | None = weakref.finalize(self, self._staging.close)
+        self._save_id = uuid.uuid4().hex
+        self._is_coordinator = False
+        self._rank = 0
+        self._stage_cache: STATE_DICT_TYPE | None = None
+        self._stage_signature: Any = None
+        self._fallback_stager: BlockingAsyncStager | None = None
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint's URL (credentials removed); DCP logs it."""
+        return self._volume.display_url
+
+    @property
+    def volume(self) -> Volume:
+        """The volume of the current checkpoint."""
+        return self._volume
+
+    @property
+    def staging_dir(self) -> str:
+        """The local staging directory (the local tier root when ``local_copy_dir`` is set)."""
+        return self._staging.path
+
+    @property
+    def local_copy_path(self) -> str | None:
+        """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
+        if self.options.local_copy_dir is None:
+            return None
+        return _layout.local_copy_path(self.options.local_copy_dir, self._volume.root)
+
+    def __repr__(self) -> str:
+        return f"VolumeWriter({self._volume.display_url!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The PROCESS async checkpointer pickles the writer on every save: the
+        # staging buffers, the stager and the finalizer stay in this process.
+        state = self.__dict__.copy()
+        state["_stage_cache"] = None
+        state["_stage_signature"] = None
+        state["_fallback_stager"] = None
+        state["_finalizer"] = None
+        return state
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a URL or path this writer can address."""
+        try:
+            Volume(checkpoint_id)
+        except Exception:
+            return False
+        return True
+
+    def storage_meta(self) -> Any:
+        """``StorageMeta`` stored in ``.metadata``: the checkpoint URL and this save's id."""
+        if StorageMeta is None:  # pragma: no cover - torch < 2.4
+            return None
+        return StorageMeta(checkpoint_id=self._volume.display_url, save_id=self._save_id)
+
+    # -- AsyncStager ------------------------------------------------------------------------
+
+    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
+        """Copy ``state_dict`` to CPU buffers that later training steps cannot change.
+
+        With ``cache_staged_state_dict`` the buffers are allocated on the first
+        save (pinned when CUDA is present) and refreshed in place afterwards;
+        they are reallocated only when the structure, a shape or a dtype changes.
+        """
+        if _copy_state_dict is None or _create_cpu_state_dict is None:  # pragma: no cover
+            if self._fallback_stager is None:
+                self._fallback_stager = BlockingAsyncStager(
+                    cache_staged_state_dict=self.options.cache_staged_state_dict
+                )
+            return self._fallback_stager.stage(state_dict)
+        pin = torch.cuda.is_available()
+        if self.options.cache_staged_state_dict:
+            signature = _signature(state_dict)
+            if self._stage_cache is None or signature != self._stage_signature:
+                self._stage_cache = None  # free the old buffers before allocating new ones
+                self._stage_cache = _create_cpu_state_dict(state_dict, pin_memory=pin)
+                self._stage_signature = signature
+            target = self._stage_cache
+        else:
+            target = _create_cpu_state_dict(state_dict, pin_memory=pin)
+        staged = _copy_state_dict(state_dict, target, non_blocking=pin, type_check=False)
+        if pin:
+            torch.cuda.synchronize()
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """No-op: ``stage`` returns only once the copy is complete."""
+
+    def close(self) -> None:
+        """Free the staging buffers and remove a temporary staging directory."""
+        self._stage_cache = None
+        self._stage_signature = None
+        if self._fallback_stager is not None:
+            self._fallback_stager.close()
+            self._fallback_stager = None
+        if self._finalizer is not None:
+            self._finalizer()
+
+    # -- StorageWriter ----------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new save; ``checkpoint_id`` (a URL or path) replaces the location."""
+        if checkpoint_id:
+            self._volume = Volume(
+                checkpoint_id, storage_options=self._storage_options, retry=self._retry
+            )
+        self._save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Record this rank's role (all ranks)."""
+        self._is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self._rank = int(rank)
+        if not kwargs.get("use_collectives", True):
+            raise ConfigurationError(
+                "VolumeWriter needs use_collectives=True: the coordinator gathers every "
+                "rank's file checksums into one manifest and commits the checkpoint once. "
+                "Call dcp.save/async_save without use_collectives=False."
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """Check the staging directory can take this rank's bytes (all ranks)."""
+        self._staging.check()
+        self._staging.ensure_space(_estimate_bytes(plan.items))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Check the volume, refuse or clear an existing checkpoint, name files (coordinator)."""
+        self._volume.check_root(create=True)
+        if self._volume.exists(METADATA_NAME):
+            if not self.options.overwrite:
+                raise CheckpointExistsError(
+                    f"A committed checkpoint already exists at {self._volume.display_url}. "
+                    "Fix: save to a new location, delete it, or pass overwrite=True to "
+                    "VolumeWriter to replace it."
+                )
+            self._remove_committed()
+        return [
+            dataclasses.replace(plan, storage_data=_RankFiles(_layout.rank_prefix(i)))
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Serialise this rank's items to staging files and upload them (all ranks)."""
+        storage = plan.storage_data
+        prefix = storage.prefix if isinstance(storage, _RankFiles) else _layout.rank_prefix(
+            self._rank
+        )
+        keep = self.options.keep_staging or self.options.local_copy_dir is not None
+        local_copy = self.local_copy_path
+        if local_copy is not None:
+            save_dir = local_copy
+            os.makedirs(save_dir, exist_ok=True)
+        else:
+            name = _layout.checkpoint_name(self._volume.root)
+            save_dir = self._staging.new_dir(f"{name}-r{self._rank}")
+        items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        started = time.monotonic()
+        try:
+            results, nbytes, nfiles = self._serialise_and_upload(items, planner, prefix, save_dir)
+        finally:
+            if not keep:
+                StagingArea.remove(save_dir)
+        elapsed = max(time.monotonic() - started, 1e-9)
+        logger.debug(
+            "rank %d wrote %d files (%.1f MiB) to %s in %.2fs (%.0f MiB/s)",
+            self._rank,
+            nfiles,
+            nbytes / 2**20,
+            self._volume.display_url,
+            elapsed,
+            nbytes / 2**20 / elapsed,
+        )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit (coordinator): check all files, publish the manifest, then ``.metadata``."""
+        storage_md: dict[Any, _StorageInfo] = {}
+        files: dict[str, FileRecord] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                data = wr.storage_data
+                if not isinstance(data, _WrittenItem):
+                    raise CheckpointCorruptError(
+                        f"A write result for {wr.index} came from another storage writer "
+                        f"({type(data).__name__}); every rank must save with VolumeWriter."
+                    )
+                storage_md[wr.index] = data.info
+                files[data.info.relative_path] = data.record
+        metadata.storage_data = storage_md
+        if hasattr(metadata, "storage_meta"):
+            metadata.storage_meta = self.storage_meta()
+        if _DCP_VERSION is not None and hasattr(metadata, "version"):
+            metadata.version = _DCP_VERSION
+        manifest = Manifest(
+            files=files,
+            extra={"writer": "dcp_volumes", "save_id": self._save_id, "ranks": len(results)},
+        )
+        problems = check_listing(manifest, self._volume.list())
+        if problems:
+            raise CheckpointCorruptError(
+                f"Not committing {self._volume.display_url}: files differ from what the ranks "
+                f"uploaded ({'; '.join(problems[:5])}). Another writer may be using this "
+                "location; save again to a fresh one."
+            )
+        self._volume.publish(MANIFEST_NAME, manifest.to_json())
+        try:
+            # The commit marker, last. Without overwrite a concurrent commit must not be replaced.
+            self._volume.publish(
+                METADATA_NAME, pickle.dumps(metadata), exclusive=not self.options.overwrite
+            )
+        except VolumeExistsError as exc:
+            raise CheckpointExistsError(
+                f"Another save committed {self._volume.display_url} while this one ran; this "
+                "save was not committed. Fix: give each save its own location or pass "
+                "overwrite=True."
+            ) from exc
+        local_copy = self.local_copy_path
+        if local_copy is not None:
+            Volume(local_copy).publish(MANIFEST_NAME, manifest.to_json())
+        logger.info(
+            "committed checkpoint %s: %d files, %.1f MiB",
+            self._volume.display_url,
+            len(files),
+            manifest.total_bytes / 2**20,
+        )
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _remove_committed(self) -> None:
+        """Delete the committed checkpoint here: ``.metadata`` first, so it turns incomplete."""
+        old_files: list[str] = []
+        try:
+            old = read_manifest(self._volume)
+        except CheckpointCorruptError:
+            old = None
+        self._volume.delete(METADATA_NAME)
+        logger.info("overwrite: removed .metadata of %s", self._volume.display_url)
+        if old is not None:
+            old_files = list(old.files)
+        else:
+            old_files = [
+                f.path
+                for f in self._volume.list()
+                if f.path.endswith(_layout.DATA_SUFFIX) or f.path.endswith(METADATA_NAME)
+            ]
+        self._volume.delete(MANIFEST_NAME)
+        self._volume.delete_many(old_files)
+
+    def _serialise_and_upload(
+        self, items: list[WriteItem], planner: SavePlanner, prefix: str, save_dir: str
+    ) -> tuple[list[WriteResult], int, int]:
+        opts = self.options
+        keep = opts.keep_staging or opts.local_copy_dir is not None
+        # Mount-path volumes get the file by rename: it must be on disk first.
+        fsync = self._volume.is_local or opts.local_copy_dir is not None
+        results: list[WriteResult] = []
+        uploads: list[ThreadFuture[None]] = []
+        total = 0
+        index = 0
+        current: _HashingFile | None = None
+        rel = ""
+        pending: list[tuple[WriteItem, int, int]] = []
+
+        def close_and_upload(pool: ThreadPoolExecutor) -> None:
+            nonlocal current, total
+            if current is None:
+                return
+            record = current.close(fsync=fsync)
+            total += record.size
+            for item, offset, length in pending:
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=length,
+                        storage_data=_WrittenItem(_StorageInfo(rel, offset, length), record),
+                    )
+                )
+            pending.clear()
+            uploads.append(pool.submit(self._upload, current.path, rel, record.size, keep))
+            current = None
+
+        with ThreadPoolExecutor(
+            max_workers=opts.upload_concurrency, thread_name_prefix="dcpv-upload"
+        ) as pool:
+            try:
+                for item in items:
+                    if any(f.done() and f.exception() is not None for f in uploads):
+                        break  # an upload failed: stop serialising, report it below
+                    if current is None:
+                        name = _layout.data_file_name(prefix, index)
+                        index += 1
+                        rel = _layout.relative_path(name, opts.prefix_spread)
+                        local = os.path.join(save_dir, *rel.split("/"))
+                        os.makedirs(os.path.dirname(local), exist_ok=True)
+                        current = _HashingFile(local)
+                    offset = current.tell()
+                    data = planner.resolve_data(item)
+                    if item.type == WriteItemType.BYTE_IO:
+                        current.write(data.getbuffer())
+                    else:
+                        torch.save(_plain_cpu_tensor(data), current)
+                    pending.append((item, offset, current.tell() - offset))
+                    del data
+                    if current.tell() >= opts.file_size:
+                        close_and_upload(pool)
+                close_and_upload(pool)
+            except BaseException:
+                if current is not None:
+                    current.abort()
+                for f in uploads:
+                    f.cancel()
+                raise
+            done, not_done = wait(uploads, return_when=FIRST_EXCEPTION)
+            for f in uploads:
+                if f.done() and not f.cancelled() and f.exception() is not None:
+                    for other in not_done:
+                        other.cancel()
+                    raise f.exception()  # type: ignore[misc]
+        return results, total, index
+
+    def _upload(self, local: str, rel: str, size: int, keep: bool) -> None:
+        """Upload one closed file and verify its size on the volume (upload threads)."""
+        volume = self._volume
+        move = volume.is_local and not keep
+        volume.put_file(
+            local,
+            rel,
+            part_size=self.options.part_size,
+            concurrency=self.options.upload_concurrency,
+            move=move,
+            verify_size=True,
+        )
+        if volume.is_local:
+            # put_file verifies remote uploads; check the local copy/rename here.
+            actual = os.path.getsize(volume.full_path(rel))
+            if actual != size:
+                raise VolumeError(
+                    f"Wrote {size} bytes to {redact_url(volume.url_of(rel))} but it holds "
+                    f"{actual}. The disk or mount dropped data; retry the save."
+                )
+        elif not keep:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(local)
+        logger.debug("uploaded %s (%d bytes)", redact_url(volume.url_of(rel)), size)

@@ -1,0 +1,458 @@
+"""``dcp-volumes``: list, verify, prune and inspect checkpoints on a volume.
+
+Subcommands are small functions registered in one table (``COMMANDS``) with
+``@command``; adding one (``demo``, ``bench``) takes a function and a decorator::
+
+    @command("ls", "list the checkpoints under a root")
+    def _ls(args, out): ...              # returns the exit code
+    _ls.configure = lambda p: p.add_argument("url")
+
+Exit codes: 0 success, 1 failure (a checksum mismatch, an unreachable
+volume...), 2 usage or configuration error. Errors are one line on stderr,
+never a traceback. ``--json`` prints one JSON document on stdout for scripts.
+Storage options (endpoint, credentials) come from ``--storage-options JSON``
+or the ``DCP_VOLUMES_STORAGE_OPTIONS`` environment variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+from dcp_volumes import _env
+from dcp_volumes._exceptions import (
+    BackendNotInstalledError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+    DcpVolumesError,
+)
+from dcp_volumes._volume import Volume, redact_url
+from dcp_volumes.checkpoint._discovery import (
+    CheckpointInfo,
+    inspect_dir,
+    parse_step,
+    read_metadata,
+    scan,
+    verify_checkpoint,
+)
+from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME, Manifest
+from dcp_volumes.checkpoint._retention import delete_checkpoint, retention_victims
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+Handler = Callable[[argparse.Namespace, "Output"], int]
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its name, one-line help, argument setup and handler."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Handler
+
+
+#: Every subcommand, by name, in the order ``--help`` shows them.
+COMMANDS: dict[str, Command] = {}
+
+
+def command(
+    name: str, help: str, configure: Callable[[argparse.ArgumentParser], None] | None = None
+) -> Callable[[Handler], Handler]:
+    """Register ``fn(args, out) -> exit code`` as the subcommand ``name``."""
+
+    def register(fn: Handler) -> Handler:
+        COMMANDS[name] = Command(name, help, configure or (lambda p: None), fn)
+        return fn
+
+    return register
+
+
+class Output:
+    """Where results go: text or one JSON document on stdout, progress on stderr."""
+
+    def __init__(self, *, as_json: bool, progress: bool, stream: IO[str] | None = None) -> None:
+        self.as_json = as_json
+        self.progress = progress
+        self.stream = stream or sys.stdout
+
+    def line(self, text: str = "") -> None:
+        if not self.as_json:
+            print(text, file=self.stream)
+
+    def json(self, doc: Any) -> None:
+        if self.as_json:
+            json.dump(doc, self.stream, indent=1, sort_keys=True)
+            self.stream.write("\n")
+
+    def bar(self, *, total: int, desc: str, unit: str = "B") -> Any:
+        from tqdm import tqdm
+
+        return tqdm(
+            total=total,
+            desc=desc,
+            unit=unit,
+            unit_scale=unit == "B",
+            unit_divisor=1024 if unit == "B" else 1000,
+            file=sys.stderr,
+            disable=not self.progress,
+            leave=False,
+        )
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+def _storage_options(text: str | None) -> dict[str, Any]:
+    raw = text if text is not None else _env.storage_options()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        source = "--storage-options" if text is not None else _env.STORAGE_OPTIONS
+        raise ConfigurationError(
+            f"{source} is not valid JSON ({exc.msg} at char {exc.pos}); pass an object such "
+            'as \'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'.'
+        ) from None
+    if not isinstance(value, dict):
+        raise ConfigurationError("--storage-options must be a JSON object ({...}).")
+    return value
+
+
+def _volume(args: argparse.Namespace, url: str) -> Volume:
+    return Volume(url, storage_options=_storage_options(args.storage_options))
+
+
+def human_size(n: int | None) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def human_age(created: float | None, now: float | None = None) -> str:
+    """Seconds since ``created`` as ``42s``, ``5m``, ``3h``, ``2d``."""
+    if created is None:
+        return "-"
+    age = max(0.0, (now if now is not None else time.time()) - created)
+    for limit, div, unit in ((120, 1, "s"), (7200, 60, "m"), (172800, 3600, "h")):
+        if age < limit:
+            return f"{age / div:.0f}{unit}"
+    return f"{age / 86400:.0f}d"
+
+
+def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
+    return {
+        "step": info.step,
+        "name": info.name,
+        "url": redact_url(info.url),
+        "complete": info.complete,
+        "size": info.size,
+        "files": info.num_files,
+        "created": info.created,
+        "managed": info.managed,
+        "problems": list(info.problems),
+    }
+
+
+def _table(rows: Sequence[Sequence[str]], out: Output, *, right: Sequence[int] = ()) -> None:
+    if not rows:
+        return
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        cells = [c.rjust(w) if i in right else c.ljust(w)
+                 for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        out.line("  ".join(cells).rstrip())
+
+
+def _checkpoints_at(vol: Volume) -> tuple[list[tuple[Volume, CheckpointInfo | None]], bool]:
+    """The checkpoint(s) a URL names: itself, ``root/<step>``, or every one in a root.
+
+    Returns ``([(volume, info)], single)``; ``single`` is True when the URL named one
+    checkpoint (directly or by step number).
+    """
+    if vol.exists(METADATA_NAME) or vol.exists(MANIFEST_NAME):
+        return [(vol, None)], True
+    parent_url, _, last = vol.url.rstrip("/").rpartition("/")
+    step = parse_step(last)
+    if step is not None and parent_url and not vol.list(""):
+        parent = Volume(parent_url, storage_options=vol.storage_options, retry=vol.retry)
+        matches = [i for i in scan(parent) if i.step == step]
+        if matches:
+            best = sorted(matches, key=lambda i: (i.complete, i.name.startswith("step-")))[-1]
+            return [(parent.child(best.name), best)], True
+        raise CheckpointNotFoundError(
+            f"No checkpoint of step {step} under {parent.display_url}. Fix: pick one from "
+            f"`dcp-volumes ls {parent.display_url}`."
+        )
+    vol.check_root()
+    return [(vol.child(i.name), i) for i in scan(vol)], False
+
+
+def _single(vol: Volume) -> tuple[Volume, int | None]:
+    found, single = _checkpoints_at(vol)
+    if not single:
+        raise CheckpointNotFoundError(
+            f"{vol.display_url} is not a checkpoint (no {METADATA_NAME}). Fix: name one "
+            f"checkpoint, e.g. {vol.display_url}/<step> (see `dcp-volumes ls`)."
+        )
+    cvol, info = found[0]
+    step = info.step if info is not None else parse_step(cvol.root.rstrip("/").rsplit("/", 1)[-1])
+    return cvol, step
+
+
+# -- ls -------------------------------------------------------------------------------------
+
+
+def _configure_ls(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="root URL of a run (s3://bucket/run1, /mnt/ckpt/run1, ...)")
+
+
+@command("ls", "list the checkpoints under a root: step, complete or partial, size, age",
+         _configure_ls)
+def _ls(args: argparse.Namespace, out: Output) -> int:
+    vol = _volume(args, args.url)
+    vol.check_root()
+    infos = scan(vol)
+    out.json({"url": vol.display_url, "checkpoints": [_info_doc(i) for i in infos]})
+    if not infos:
+        out.line(f"no checkpoints under {vol.display_url}")
+        return EXIT_OK
+    now = time.time()
+    rows = [["STEP", "STATUS", "SIZE", "FILES", "AGE", "NAME"]]
+    for i in infos:
+        rows.append([
+            str(i.step),
+            "complete" if i.complete else "partial",
+            human_size(i.size),
+            str(i.num_files if i.num_files is not None else "-"),
+            human_age(i.created, now),
+            i.name + ("" if i.managed else "  (stock DCP)" if i.complete else ""),
+        ])
+    _table(rows, out, right=(0, 2, 3, 4))
+    return EXIT_OK
+
+
+# -- verify ---------------------------------------------------------------------------------
+
+
+def _configure_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="a checkpoint (ROOT/step-00000100, ROOT/100) or a root "
+                               "(verifies every complete checkpoint in it)")
+    p.add_argument("--concurrency", type=int, default=8, help="parallel downloads (default 8)")
+
+
+@command("verify", "download a checkpoint and check every file's checksum", _configure_verify)
+def _verify(args: argparse.Namespace, out: Output) -> int:
+    if args.concurrency < 1:
+        raise ConfigurationError("--concurrency must be >= 1.")
+    vol = _volume(args, args.url)
+    targets, single = _checkpoints_at(vol)
+    results = []
+    failed = 0
+    for cvol, info in targets:
+        if not single and info is not None and not info.complete:
+            results.append({"url": cvol.display_url, "step": info.step, "status": "skipped",
+                            "problems": list(info.problems)})
+            out.line(f"SKIPPED  {cvol.display_url}  (partial: {'; '.join(info.problems[:2])})")
+            continue
+        listing = cvol.list("")
+        total = sum(f.size for f in listing)
+        hashed = 0
+        checksummed = False
+        if any(f.path == MANIFEST_NAME for f in listing):
+            try:
+                hashed = Manifest.from_json(cvol.read_bytes(MANIFEST_NAME)).total_bytes
+                checksummed = True
+            except DcpVolumesError:
+                pass  # verify_checkpoint reports the unreadable manifest
+        with out.bar(total=hashed, desc=cvol.display_url.rsplit("/", 1)[-1]) as bar:
+            problems = verify_checkpoint(cvol, concurrency=args.concurrency, progress=bar.update)
+        status = "failed" if problems else "ok"
+        failed += bool(problems)
+        results.append({"url": cvol.display_url, "step": info.step if info else None,
+                        "status": status, "checksums": checksummed, "bytes": total,
+                        "problems": problems})
+        note = "" if checksummed else "  (no manifest: structure checked, no checksums)"
+        out.line(f"{status.upper():8} {cvol.display_url}  {human_size(total)}{note}")
+        for problem in problems:
+            out.line(f"    {problem}")
+    if not targets:
+        out.line(f"no checkpoints under {vol.display_url}")
+    out.json({"url": vol.display_url, "ok": failed == 0, "checkpoints": results})
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+# -- gc -------------------------------------------------------------------------------------
+
+
+def _configure_gc(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="root URL of a run")
+    p.add_argument("--keep-last", type=int, required=True, metavar="N",
+                   help="keep the newest N complete checkpoints (N >= 1)")
+    p.add_argument("--dry-run", action="store_true", help="show what would be deleted")
+
+
+@command("gc", "delete old checkpoints, keeping the newest N complete ones", _configure_gc)
+def _gc(args: argparse.Namespace, out: Output) -> int:
+    if args.keep_last < 1:
+        raise ConfigurationError(
+            f"--keep-last {args.keep_last}: must be >= 1 (the newest complete checkpoint is "
+            "always kept)."
+        )
+    vol = _volume(args, args.url)
+    vol.check_root()
+    infos = scan(vol)
+    victims = retention_victims(infos, keep_last=args.keep_last)
+    gone = {v.name for v in victims}
+    kept = [i for i in infos if i.name not in gone]
+    verb = "would delete" if args.dry_run else "deleted"
+    done: list[CheckpointInfo] = []
+    if not args.dry_run:
+        with out.bar(total=len(victims), desc="deleting", unit="ckpt") as bar:
+            for info in victims:
+                delete_checkpoint(vol, info.name)
+                done.append(info)
+                bar.update(1)
+    for info in victims:
+        out.line(f"{verb}  {info.name}  ({'complete' if info.complete else 'partial'}, "
+                 f"{human_size(info.size)})")
+    out.line(f"{verb} {len(victims)}, kept {len(kept)} under {vol.display_url}")
+    out.json({
+        "url": vol.display_url,
+        "dry_run": bool(args.dry_run),
+        "deleted": [] if args.dry_run else [_info_doc(i) for i in done],
+        "would_delete": [_info_doc(i) for i in victims] if args.dry_run else [],
+        "kept": [_info_doc(i) for i in kept],
+    })
+    return EXIT_OK
+
+
+# -- inspect --------------------------------------------------------------------------------
+
+
+def _configure_inspect(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="a checkpoint: ROOT/step-00000100 or ROOT/100")
+
+
+def _entries(metadata: Any) -> list[dict[str, Any]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = []
+    for name, meta in sorted(getattr(metadata, "state_dict_metadata", {}).items()):
+        if isinstance(meta, TensorStorageMetadata):
+            dtype = meta.properties.dtype
+            shape = [int(d) for d in meta.size]
+            numel = 1
+            for d in shape:
+                numel *= d
+            entries.append({
+                "name": name, "kind": "tensor", "dtype": str(dtype).removeprefix("torch."),
+                "shape": shape, "chunks": len(meta.chunks),
+                "nbytes": numel * dtype.itemsize,
+            })
+        else:
+            entries.append({"name": name, "kind": "bytes", "dtype": None, "shape": None,
+                            "chunks": None, "nbytes": None})
+    return entries
+
+
+@command("inspect", "show tensor names, shapes and dtypes of a checkpoint", _configure_inspect)
+def _inspect(args: argparse.Namespace, out: Output) -> int:
+    cvol, step = _single(_volume(args, args.url))
+    entries = _entries(read_metadata(cvol))
+    info = inspect_dir(_parent(cvol), cvol.root.rstrip("/").rsplit("/", 1)[-1], step or 0)
+    tensor_bytes = sum(e["nbytes"] or 0 for e in entries)
+    out.json({"url": cvol.display_url, "step": step,
+              "complete": info.complete if info else None,
+              "tensor_bytes": tensor_bytes, "entries": entries})
+    out.line(f"{cvol.display_url}  step {step}  "
+             f"{'complete' if info is None or info.complete else 'PARTIAL'}  "
+             f"{len(entries)} entries, {human_size(tensor_bytes)} of tensors")
+    rows = [["NAME", "DTYPE", "SHAPE", "CHUNKS"]]
+    for e in entries:
+        if e["kind"] == "tensor":
+            rows.append([e["name"], e["dtype"], "x".join(map(str, e["shape"])) or "scalar",
+                         str(e["chunks"])])
+        else:
+            rows.append([e["name"], "(object)", "-", "-"])
+    _table(rows, out, right=(3,))
+    return EXIT_OK
+
+
+def _parent(vol: Volume) -> Volume:
+    parent = vol.root.rstrip("/").rsplit("/", 1)[0] or "/"
+    new = vol.child("")
+    new.root = parent
+    return new
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every registered subcommand."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--storage-options", metavar="JSON", default=None,
+                        help="fsspec options as a JSON object (endpoint, credentials); "
+                             f"default: ${_env.STORAGE_OPTIONS}")
+    common.add_argument("--json", action="store_true", help="print one JSON document")
+    common.add_argument("--no-progress", action="store_true", help="no progress bars")
+    common.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    parser = argparse.ArgumentParser(
+        prog="dcp-volumes",
+        description="Inspect and maintain torch.distributed.checkpoint checkpoints on "
+                    "S3, GCS, Azure Blob, network mounts and any fsspec URL.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in COMMANDS.values():
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, parents=[common])
+        cmd.configure(p)
+        p.set_defaults(handler=cmd.run)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 2000 else text[:2000] + "..."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (the console script exits with it)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 on usage errors, as argparse does
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    progress = not args.no_progress
+    out = Output(as_json=args.json, progress=progress)
+    try:
+        return int(args.handler(args, out))
+    except (ConfigurationError, BackendNotInstalledError) as exc:
+        print(f"dcp-volumes {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (DcpVolumesError, OSError) as exc:
+        print(f"dcp-volumes {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print(f"dcp-volumes {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+"""FileCache: a node-local cache of remote files (read-through, atomic, bounded, shared).
+
+Read path: take the entry's lock shared and check the copy (sidecar present,
+file size as recorded, size/etag as listed); on a miss, re-take it exclusive
+and, if still missing, fill it. Exactly one process fills an entry however
+many ask at once (DataLoader workers, ranks, other jobs on the node): the
+others block on the lock and then find the finished copy.
+
+A reader never sees a partial file: a fill lands under a temporary name and
+is renamed into place, then its sidecar is published the same way (the entry
+becomes valid in that one step). A killed filler's ``flock`` is released by
+the kernel; the next filler, holding the lock, deletes the leftovers first, so
+they are never served. See ``_store.py`` for the layout, the byte accounting
+and eviction, ``_locks.py`` for the lock protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.core import split_protocol
+
+from dcp_volumes import _env
+from dcp_volumes._exceptions import CacheError, ConfigurationError, DatasetChangedError, VolumeError
+from dcp_volumes._staging import parse_size
+from dcp_volumes._volume import LOCAL_PROTOCOLS, FileInfo, Volume, redact_url
+from dcp_volumes.data._locks import EntryLock
+from dcp_volumes.data._store import (
+    CacheCounters,
+    CacheSchedule,
+    ReconcileReport,
+    Ref,
+    Store,
+    human,
+    read_meta,
+    remove,
+)
+
+logger = logging.getLogger(__name__)
+
+_KEY_CHARS = 32
+# Files up to this size are fetched with one GET whose length checks the listing
+# (bigger ones with parallel ranged GETs).
+_SINGLE_GET_BYTES = 16 * 2**20
+# Hits refresh the file's mtime (the LRU clock) at most this often.
+_TOUCH_INTERVAL_S = 60.0
+
+__all__ = ["CacheCounters", "CacheSchedule", "CachedFile", "Expected", "FileCache",
+           "ReconcileReport", "default_cache_dir"]
+
+
+def default_cache_dir() -> str:
+    """``DCP_VOLUMES_CACHE`` if set, else ``~/.cache/dcp_volumes``."""
+    return _env.cache_dir() or os.path.join(os.path.expanduser("~"), ".cache", "dcp_volumes")
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a listing says about a file; ``None`` fields are not checked."""
+
+    size: int | None = None
+    etag: str | None = None
+    mtime: float | None = None
+
+    @classmethod
+    def of(cls, info: FileInfo) -> Expected:
+        return cls(size=info.size, etag=info.etag, mtime=info.mtime)
+
+
+class CachedFile:
+    """A file in the cache: ``path`` is local; a pinned one is not evicted until released.
+
+    Use as a context manager (or call ``release()``) to drop the pin. It is
+    path-like, so ``open(cached)`` works.
+    """
+
+    __slots__ = ("_pin", "download_seconds", "hit", "key", "path", "size", "url")
+
+    def __init__(self, *, path: str, url: str, key: str, size: int, hit: bool,
+                 download_seconds: float, pin: EntryLock | None) -> None:
+        self.path = path
+        self.url = url
+        self.key = key
+        self.size = size
+        self.hit = hit
+        self.download_seconds = download_seconds
+        self._pin = pin
+
+    @property
+    def pinned(self) -> bool:
+        return self._pin is not None and self._pin.held
+
+    def release(self) -> None:
+        """Drop the pin (idempotent)."""
+        pin, self._pin = self._pin, None
+        if pin is not None:
+            pin.release()
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __enter__(self) -> CachedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"CachedFile({self.path!r}, hit={self.hit}, pinned={self.pinned})"
+
+
+def _sanitize(name: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[-80:].lstrip(".")
+    return safe or "data"
+
+
+def _source_identity(volume: Volume) -> str:
+    """Protocol + endpoint: the same bucket name on two endpoints is two sources."""
+    opts = volume.storage_options
+    client = opts.get("client_kwargs") or {}
+    endpoint = str(
+        opts.get("endpoint_url") or client.get("endpoint_url") or opts.get("account_name") or ""
+    )
+    conn = opts.get("connection_string")
+    if conn:  # hashed: it holds a secret
+        endpoint += "#" + hashlib.sha256(str(conn).encode()).hexdigest()[:16]
+    return f"{volume.protocol}|{endpoint}"
+
+
+def _matches(meta: Mapping[str, Any], expected: Expected | None) -> bool:
+    if expected is None:
+        return True
+    if expected.size is not None and expected.size != meta["size"]:
+        return False
+    if expected.etag:
+        return bool(expected.etag == meta.get("etag"))
+    if expected.mtime is not None and meta.get("mtime") is not None:
+        return abs(float(meta["mtime"]) - expected.mtime) < 1e-6
+    return True
+
+
+class FileCache:
+    """A local (NVMe) cache of remote files, shared safely by all processes on a node.
+
+    Args:
+        cache_dir: the cache directory; default ``DCP_VOLUMES_CACHE`` or
+            ``~/.cache/dcp_volumes``. Several processes and jobs may share it.
+        limit: maximum bytes of cached files (``"100GB"``, an int, or ``None``
+            for no limit beyond the disk's free space).
+        headroom: free space always left on the disk holding the cache.
+        reconcile: check the directory at start-up: remove leftovers of killed
+            processes and broken entries, recount the bytes.
+
+    Example::
+
+        cache = FileCache("/nvme/cache", limit="100GB")
+        path = cache.fetch("s3://bucket/train/x.jpg", storage_options=opts)
+        with cache.pin("s3://bucket/train/y.jpg", storage_options=opts) as f:
+            data = open(f, "rb").read()      # cannot be evicted while pinned
+
+    ``fetch`` returns a path that stays valid until the file is evicted (an
+    evicted file that is already open stays readable: POSIX unlink). Hold a
+    ``pin`` to keep a file while reading it under cache pressure.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str] | None = None,
+        *,
+        limit: int | str | None = "100GB",
+        headroom: int | str = "256MiB",
+        reconcile: bool = True,
+    ) -> None:
+        chosen = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.cache_dir = os.path.abspath(os.path.expanduser(chosen))
+        self.limit = parse_size(limit, what="limit")
+        self.headroom = parse_size(headroom, what="headroom") or 0
+        if self.limit == 0:
+            raise ConfigurationError("limit=0 leaves no room for any file; use None for no limit.")
+        self._check_dir()
+        self._init_process_state()
+        if reconcile:
+            self.reconcile()
+
+    def _init_process_state(self) -> None:
+        self._store = Store(self.cache_dir, limit=self.limit, headroom=self.headroom)
+        self._volumes: dict[tuple[str, str], Volume] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Locks, clients and the in-memory view are per process.
+        return {"cache_dir": self.cache_dir, "limit": self.limit, "headroom": self.headroom}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_process_state()
+
+    def __repr__(self) -> str:
+        return f"FileCache({self.cache_dir!r}, limit={self.limit})"
+
+    @property
+    def counters(self) -> CacheCounters:
+        """Hits, misses, bytes fetched and evictions of this object in this process."""
+        return self._store.counters
+
+    def _check_dir(self) -> None:
+        try:
+            os.makedirs(os.path.join(self.cache_dir, "objects"), exist_ok=True)
+            probe = os.path.join(self.cache_dir, f".probe-{uuid.uuid4().hex[:8]}")
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
+        except OSError as exc:
+            raise CacheError(
+                f"The cache directory {self.cache_dir} cannot be used ({exc.strerror or exc}). "
+                "Fix: make it writable by this process, or pass another cache_dir= (ideally on "
+                "local NVMe) or set DCP_VOLUMES_CACHE."
+            ) from exc
+        if self.limit is not None:
+            total = shutil.disk_usage(self.cache_dir).total
+            if self.limit > total:
+                logger.warning(
+                    "cache limit %.1f GiB exceeds the size of the disk holding %s (%.1f GiB); the "
+                    "disk's free space will be the real limit",
+                    self.limit / 2**30, self.cache_dir, total / 2**30,
+                )
+
+    # -- naming ---------------------------------------------------------------------------
+
+    def _volume_for(
+        self, url: str, storage_options: Mapping[str, Any] | None
+    ) -> tuple[Volume, str]:
+        protocol, path = split_protocol(url)
+        protocol = (protocol or "file").lower()
+        opts = dict(storage_options or {})
+        if protocol in LOCAL_PROTOCOLS:
+            root, rel = os.sep, os.path.abspath(os.path.expanduser(path)).lstrip(os.sep)
+        else:
+            try:
+                stripped = fsspec.get_filesystem_class(protocol)._strip_protocol(url)
+            except (ImportError, ValueError):
+                stripped = path  # Volume() below raises the clear error
+            bucket, _, rel = str(stripped).strip("/").partition("/")
+            root = f"{protocol}://{bucket}"
+        if not rel:
+            raise ConfigurationError(
+                f"{redact_url(url)!r} names no file; pass the URL of one file, such as "
+                "'s3://bucket/train/x.jpg'."
+            )
+        vkey = (root, json.dumps(opts, sort_keys=True, default=repr))
+        with self._store.mu:
+            volume = self._volumes.get(vkey)
+            if volume is None:
+                volume = self._volumes[vkey] = Volume(root, storage_options=opts)
+        return volume, rel.replace(os.sep, "/")
+
+    def key_of(self, volume: Volume, relpath: str) -> str:
+        """The entry key of ``relpath`` on ``volume``: a hash of source identity and URL."""
+        url = volume.url_of(relpath)
+        digest = hashlib.sha256(f"{_source_identity(volume)}\n{url}".encode()).hexdigest()
+        return digest[:_KEY_CHARS]
+
+    def _ref(self, volume: Volume, relpath: str) -> Ref:
+        name = _sanitize(relpath.rstrip("/").rsplit("/", 1)[-1])
+        return self._store.ref(self.key_of(volume, relpath), name, volume.url_of(relpath))
+
+    # -- public API -----------------------------------------------------------------------
+
+    def fetch(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
+              size: int | None = None, etag: str | None = None) -> str:
+        """The local path of ``url``: downloaded on first use, then served locally.
+
+        ``size``/``etag`` (from a listing) are checked against the cached copy
+        and a mismatch refetches; without them a complete copy is trusted.
+        """
+        volume, rel = self._volume_for(url, storage_options)
+        return self.fetch_from(volume, rel, expected=self._expect(size, etag)).path
+
+    def pin(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
+            size: int | None = None, etag: str | None = None) -> CachedFile:
+        """Like ``fetch``, but the returned ``CachedFile`` is pinned until released."""
+        volume, rel = self._volume_for(url, storage_options)
+        return self.fetch_from(volume, rel, expected=self._expect(size, etag), pin=True)
+
+    @staticmethod
+    def _expect(size: int | None, etag: str | None) -> Expected | None:
+        return Expected(size=size, etag=etag) if size is not None or etag else None
+
+    def contains(self, url: str, *, storage_options: Mapping[str, Any] | None = None) -> bool:
+        """Whether a complete copy of ``url`` is in the cache now."""
+        volume, rel = self._volume_for(url, storage_options)
+        return read_meta(self._ref(volume, rel)) is not None
+
+    def path_of(self, url: str, *, storage_options: Mapping[str, Any] | None = None) -> str:
+        """Where the copy of ``url`` lives (or would live) in the cache."""
+        volume, rel = self._volume_for(url, storage_options)
+        return self._ref(volume, rel).data
+
+    def evict(self, url: str, *, storage_options: Mapping[str, Any] | None = None) -> bool:
+        """Remove the cached copy of ``url`` unless it is in use; True if removed."""
+        volume, rel = self._volume_for(url, storage_options)
+        ref = self._ref(volume, rel)
+        return self._store.evict_key(ref.key, ref.data)
+
+    def clear(self) -> int:
+        """Remove every entry that is not in use; returns the bytes freed."""
+        return self._store.clear()
+
+    def usage(self) -> int:
+        """Bytes held (files plus fills in progress) as all processes see it."""
+        return self._store.usage()
+
+    def reconcile(self) -> ReconcileReport:
+        """Bring the directory and the byte count back in line (run at start-up).
+
+        Removes temp files of killed fills, entries whose sidecar or file is
+        missing or inconsistent (a file without its sidecar cannot be trusted
+        and is removed), and lock files of gone entries. Entries in use by
+        live processes are left alone; files the cache did not create are
+        never touched.
+        """
+        return self._store.reconcile()
+
+    def set_schedule(self, schedule: CacheSchedule | None) -> None:
+        """Tell this process's cache the future access order (Belady eviction); None: LRU."""
+        self._store.schedule = schedule
+
+    # -- the read path --------------------------------------------------------------------
+
+    def fetch_from(self, volume: Volume, relpath: str, *, expected: Expected | None = None,
+                   pin: bool = False) -> CachedFile:
+        """Serve ``relpath`` of ``volume`` from the cache, filling it first if needed.
+
+        With ``pin`` the returned file holds a shared lock that keeps it from
+        being evicted (by any process) until ``release()``.
+        """
+        ref = self._ref(volume, relpath)
+        lock = EntryLock(ref.lock)
+        filled_size = -1
+        seconds = 0.0
+        while True:
+            lock.acquire(exclusive=False)
+            meta = read_meta(ref)
+            if meta is None or not _matches(meta, expected):
+                # Upgrade by release + exclusive acquire: the first to get it fills,
+                # the others then find a valid entry.
+                lock.release()
+                lock.acquire(exclusive=True)
+                try:
+                    meta = read_meta(ref)
+                    if meta is None or not _matches(meta, expected):
+                        filled_size, seconds = self._fill(volume, relpath, ref, expected)
+                finally:
+                    lock.release()
+                if not pin and filled_size >= 0:
+                    return self._done(ref, filled_size, True, seconds, None)
+                continue  # re-take it shared and re-check: an evictor may have slipped in
+            filled = filled_size >= 0
+            if not filled:
+                self._touch(ref, meta)
+            result = self._done(ref, int(meta["size"]), filled, seconds, lock if pin else None)
+            if not pin:
+                lock.release()
+            return result
+
+    def _done(self, ref: Ref, size: int, filled: bool, seconds: float,
+              pin: EntryLock | None) -> CachedFile:
+        counters = self._store.counters
+        with self._store.mu:
+            if filled:
+                counters.misses += 1
+                counters.bytes_fetched += size
+                counters.download_seconds += seconds
+            else:
+                counters.hits += 1
+        return CachedFile(path=ref.data, url=redact_url(ref.url), key=ref.key, size=size,
+                          hit=not filled, download_seconds=seconds, pin=pin)
+
+    def _touch(self, ref: Ref, meta: Mapping[str, Any]) -> None:
+        if time.time() - float(meta.get("_mtime", 0.0)) > _TOUCH_INTERVAL_S:
+            # Evicted meanwhile: the LRU clock does not matter then.
+            with contextlib.suppress(OSError):
+                os.utime(ref.data)
+        self._store.note_used(ref.key)
+
+    def _fill(self, volume: Volume, relpath: str, ref: Ref,
+              expected: Expected | None) -> tuple[int, float]:
+        """Download into the entry; the caller holds its exclusive lock."""
+        self._store.clear_entry(ref)
+        if expected is not None and expected.size is not None:
+            size, etag, mtime = expected.size, expected.etag, expected.mtime
+        else:
+            info = volume.info(relpath)
+            size, etag, mtime = info.size, info.etag, info.mtime
+        if self.limit is not None and size > self.limit:
+            raise CacheError(
+                f"{redact_url(ref.url)} is {human(size)}, larger than the cache limit of "
+                f"{human(self.limit)}. Fix: raise the cache limit (cache_limit= / limit=) or "
+                "cache on a bigger disk."
+            )
+        self._store.reserve(ref, size)
+        started = time.perf_counter()
+        try:
+            self._download(volume, relpath, ref, size, listed=expected is not None)
+        except BaseException:
+            remove(ref.fill)
+            self._store.unreserve(ref, size)
+            raise
+        seconds = time.perf_counter() - started
+        meta = {"v": 1, "url": redact_url(ref.url), "size": size, "etag": etag, "mtime": mtime,
+                "fetched": time.time()}
+        tmp = f"{ref.meta}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(meta, f)
+            os.replace(tmp, ref.meta)  # the entry becomes valid here, in one step
+        finally:
+            remove(tmp)
+        remove(ref.resv)  # the reservation is now the file itself
+        self._store.note_filled(ref, size)
+        return size, seconds
+
+    @staticmethod
+    def _download(volume: Volume, relpath: str, ref: Ref, size: int, *, listed: bool) -> None:
+        if size <= _SINGLE_GET_BYTES:
+            # One GET for one byte more than expected: a file that grew or shrank since
+            # the listing shows up in the length (a whole-object read would cost a HEAD
+            # first on s3fs; an empty range is an error, hence the whole read for 0).
+            data = volume.read_bytes(relpath, 0, size + 1) if size else volume.read_bytes(relpath)
+            if len(data) != size:
+                what = "was listed" if listed else "was reported a moment ago"
+                cls = DatasetChangedError if listed else VolumeError
+                raise cls(
+                    f"{redact_url(ref.url)} has {len(data)} bytes but {what} with {size}: the "
+                    "file changed on the volume. Fix: re-create the dataset (it re-lists the "
+                    "files) or retry."
+                )
+            with open(ref.fill, "wb") as f:
+                f.write(data)
+        else:
+            volume.get_file(relpath, ref.fill, size=size)  # parallel ranged GETs
+        os.replace(ref.fill, ref.data)

@@ -1,0 +1,396 @@
+"""VolumeDataset: the files of a volume as a resumable, deterministic ``IterableDataset``.
+
+The files are listed once (on rank 0, then broadcast when a process group is
+up, so every rank holds the identical manifest). Each epoch reads them in the
+global order of ``_order.py``, split over ranks and over DataLoader workers
+the way the DataLoader asks for batches; each worker fetches its next files
+through the node's ``FileCache`` on a small thread pool while the transform
+and the training step run.
+
+Where the epoch starts (epoch, stream position, seed) is the *cursor*; it
+lives in the main process and reaches the workers through a small shared
+tensor (``plan``), read each time a worker starts an epoch. That works with
+persistent workers, which keep the dataset copy they were started with.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from dcp_volumes import _env
+from dcp_volumes._exceptions import CacheError, ConfigurationError
+from dcp_volumes._volume import Volume
+from dcp_volumes.data._cache import Expected, FileCache
+from dcp_volumes.data._listing import DataManifest, build_manifest
+from dcp_volumes.data._metrics import worker_stats
+from dcp_volumes.data._order import NextUse, Plan, epoch_permutation, sample_seed
+from dcp_volumes.data._prefetch import Prefetcher
+from dcp_volumes.data._rng import SampleTransform
+
+logger = logging.getLogger(__name__)
+
+# The published plan is written only before an iteration starts (workers may read
+# it late: a slow worker starts after the first batches were delivered); the
+# cur_* cursor moves with every delivered batch and serves stock DataLoaders.
+_PLAN_FIELDS = ("valid", "epoch", "seed", "shuffle", "start", "batch_size", "world_size", "rank",
+                "drop", "num_workers", "prefetch_factor", "local_world_size",
+                "cur_epoch", "cur_start", "cur_seed", "cur_shuffle")
+_P = {name: i for i, name in enumerate(_PLAN_FIELDS)}
+
+
+@dataclass(frozen=True)
+class DatasetOptions:
+    """Validated options of a ``VolumeDataset`` (see its docstring)."""
+
+    shuffle: bool = True
+    seed: int = 0
+    last_batch: str = "pad"
+    batch_size: int = 1
+    prefetch: int = 16
+    prefetch_threads: int = 8
+    seed_rngs: bool = True
+    on_data_change: str = "error"
+    cache_local: bool = True
+    list_concurrency: int = 16
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
+            0 <= self.seed < 2**63
+        ):
+            raise ConfigurationError(f"seed={self.seed!r} must be an int in [0, 2**63).")
+        if self.last_batch not in ("pad", "drop"):
+            raise ConfigurationError(
+                f"last_batch={self.last_batch!r}: use 'pad' (complete the last global batch by "
+                "repeating samples from the start of the epoch) or 'drop' (skip it)."
+            )
+        if self.on_data_change not in ("error", "warn"):
+            raise ConfigurationError(
+                f"on_data_change={self.on_data_change!r}: use 'error' (refuse to resume on "
+                "changed data) or 'warn' (resume anyway, logging a warning)."
+            )
+        for name in ("batch_size", "prefetch", "prefetch_threads", "list_concurrency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigurationError(f"{name}={value!r} must be an int >= 1.")
+
+
+def detect_world() -> tuple[int, int, int]:
+    """(rank, world_size, local_world_size): the process group if up, else torchrun's env."""
+    rank, world, _, local_world = _env.world_info()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        local_world = min(local_world, world)
+    return rank, world, max(1, local_world)
+
+
+def _inside(path: str, root: str) -> bool:
+    path, root = os.path.realpath(path), os.path.realpath(root)
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+class _Schedule:
+    """The cache's view of this worker's future (``CacheSchedule``): Belady by next use."""
+
+    def __init__(self, next_use: NextUse, index_of: Callable[[], dict[str, int]]) -> None:
+        self.next_use = next_use
+        self._index_of = index_of
+
+    def eviction_priority(self, key: str) -> float | None:
+        index = self._index_of().get(key)
+        if index is None:
+            return float("inf")  # not a file of this dataset
+        return self.next_use.distance(index)
+
+
+class VolumeDataset(IterableDataset[Any]):
+    """The files below a URL (or a list of file URLs), read through a node-local cache.
+
+    Args:
+        url_or_file_list: a prefix/directory URL (``s3://bucket/train/``,
+            ``/mnt/nfs/train``), or a list of file URLs on one store.
+        cache_dir: the node-local cache (see ``FileCache``); default
+            ``DCP_VOLUMES_CACHE`` or ``~/.cache/dcp_volumes``.
+        cache_limit: bytes the cache may hold (``"100GB"``); ``None``: the disk.
+        shuffle: a new permutation every epoch (from ``seed`` and the epoch).
+        seed: the order and augmentation seed.
+        transform: ``transform(local_path)`` (or ``(local_path, rng)``) runs in
+            the worker and makes the sample; default: the local path itself.
+        storage_options: passed to fsspec.
+        suffixes: only files ending with one of these (e.g. ``(".jpg",)``).
+        last_batch: ``"pad"`` or ``"drop"`` the last partial *global* batch, so
+            every rank yields the same number of batches (DDP never hangs).
+        batch_size: per-rank batch size, only needed with a stock
+            ``torch.utils.data.DataLoader`` (``dcp_volumes.DataLoader`` sets it).
+        prefetch: files each worker fetches ahead.
+        prefetch_threads: download threads per worker.
+        seed_rngs: seed torch/numpy/random around each transform call.
+        on_data_change: ``"error"`` (default) refuses to restore a loader state
+            saved on a different listing; ``"warn"`` resumes with a warning.
+        cache_local: also cache files of local/mounted paths (NFS, FUSE);
+            ``False`` reads them in place.
+        share_listing: with a process group up, list on rank 0 and broadcast
+            (every rank must then construct the dataset).
+        list_concurrency: parallel listing/stat requests.
+    """
+
+    def __init__(
+        self,
+        url_or_file_list: str | os.PathLike[str] | Sequence[str],
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = "100GB",
+        shuffle: bool = True,
+        seed: int = 0,
+        transform: Callable[..., Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        suffixes: Sequence[str] | None = None,
+        last_batch: str = "pad",
+        batch_size: int = 1,
+        prefetch: int = 16,
+        prefetch_threads: int = 8,
+        seed_rngs: bool = True,
+        on_data_change: str = "error",
+        cache_local: bool = True,
+        share_listing: bool = True,
+        list_concurrency: int = 16,
+    ) -> None:
+        super().__init__()
+        self.options = DatasetOptions(
+            shuffle=bool(shuffle), seed=seed, last_batch=last_batch, batch_size=batch_size,
+            prefetch=prefetch, prefetch_threads=prefetch_threads, seed_rngs=seed_rngs,
+            on_data_change=on_data_change, cache_local=cache_local,
+            list_concurrency=list_concurrency,
+        )
+        if isinstance(url_or_file_list, str) and not url_or_file_list.strip():
+            raise ConfigurationError("The dataset URL is empty; pass e.g. 's3://bucket/train/'.")
+        self.rank, self.world_size, self.local_world_size = detect_world()
+        cache = FileCache(cache_dir, limit=cache_limit)
+        if isinstance(url_or_file_list, (str, os.PathLike)):
+            probe = Volume(os.fspath(url_or_file_list), storage_options=storage_options)
+            if probe.is_local and _inside(cache.cache_dir, probe.root):
+                raise ConfigurationError(
+                    f"The cache directory {cache.cache_dir} is inside the dataset directory "
+                    f"{probe.root}, so the dataset would read its own cache. Fix: pass a "
+                    "cache_dir= outside it."
+                )
+        self.volume, self.manifest = self._list(url_or_file_list, storage_options, suffixes)
+        self.cache: FileCache | None = cache
+        if self.volume.is_local and not cache_local:
+            self.cache = None
+        elif cache.limit is not None:
+            largest = max(f.size for f in self.manifest.files)
+            if largest > cache.limit:
+                raise CacheError(
+                    f"cache_limit={cache.limit} bytes is smaller than the largest file of the "
+                    f"dataset ({largest} bytes). Fix: raise cache_limit."
+                )
+        self.transform = transform
+        self._transform = SampleTransform(transform, seed_rngs=seed_rngs)
+        self._id = uuid.uuid4().hex
+        self._epoch = 0
+        self._start = 0
+        self._seed = seed
+        self._shuffle = bool(shuffle)
+        # The plan the workers read at each epoch start (shared memory: see module doc).
+        self._plan = torch.zeros(len(_PLAN_FIELDS), dtype=torch.int64).share_memory_()
+        self._set_cursor(epoch=0, start=0)
+        self._key_index: dict[str, int] | None = None
+        logger.info("dataset %s: %d files, %.1f MiB, manifest %s", self.volume.display_url,
+                    len(self.manifest), sum(f.size for f in self.manifest.files) / 2**20,
+                    self.manifest.digest[:12])
+
+    def _list(self, source: Any, storage_options: Mapping[str, Any] | None,
+              suffixes: Sequence[str] | None) -> tuple[Volume, DataManifest]:
+        dist = torch.distributed
+        shared = (self.world_size > 1 and dist.is_available() and dist.is_initialized())
+        if not shared:
+            return build_manifest(source, storage_options=storage_options, suffixes=suffixes,
+                                  concurrency=self.options.list_concurrency)
+        # One listing for the whole job: every rank gets the identical manifest (ranks
+        # listing separately could see different files while an upload is running).
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = ("ok", build_manifest(source, storage_options=storage_options,
+                                               suffixes=suffixes,
+                                               concurrency=self.options.list_concurrency))
+            except Exception as exc:  # every rank must raise it, not hang in the broadcast
+                box[0] = ("error", exc)
+        dist.broadcast_object_list(box, src=0)
+        status, payload = box[0]
+        if status == "error":
+            raise payload
+        return payload  # type: ignore[no-any-return]
+
+    # -- cursor (main process) ------------------------------------------------------------
+
+    @property
+    def num_files(self) -> int:
+        return len(self.manifest)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration reads."""
+        return self._epoch
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def shuffle(self) -> bool:
+        return self._shuffle
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch`` next; a different epoch than the current starts at its beginning."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ConfigurationError(f"epoch={epoch!r} must be an int >= 0.")
+        if epoch != self._epoch:
+            self._set_cursor(epoch=epoch, start=0)
+
+    def plan(self, *, batch_size: int, world_size: int, rank: int, drop: bool) -> Plan:
+        """The plan of the next iteration from the current cursor."""
+        return Plan(num_files=self.num_files, epoch=self._epoch, seed=self._seed,
+                    shuffle=self._shuffle, start=self._start, batch_size=batch_size,
+                    world_size=world_size, rank=rank, drop=drop)
+
+    def publish_plan(self, plan: Plan, *, num_workers: int, prefetch_factor: int) -> None:
+        """Make ``plan`` what every worker reads when it starts its next epoch."""
+        values = {"valid": 1, "epoch": plan.epoch, "seed": plan.seed, "shuffle": int(plan.shuffle),
+                  "start": plan.start, "batch_size": plan.batch_size,
+                  "world_size": plan.world_size, "rank": plan.rank, "drop": int(plan.drop),
+                  "num_workers": num_workers, "prefetch_factor": prefetch_factor,
+                  "local_world_size": self.local_world_size}
+        for name, value in values.items():
+            self._plan[_P[name]] = value
+
+    def _set_cursor(self, *, epoch: int, start: int, seed: int | None = None,
+                    shuffle: bool | None = None) -> None:
+        self._epoch, self._start = epoch, start
+        if seed is not None:
+            self._seed = seed
+        if shuffle is not None:
+            self._shuffle = shuffle
+        # Workers of a stock DataLoader (no published plan) read the cursor from here.
+        self._plan[_P["cur_epoch"]] = self._epoch
+        self._plan[_P["cur_start"]] = self._start
+        self._plan[_P["cur_seed"]] = self._seed
+        self._plan[_P["cur_shuffle"]] = int(self._shuffle)
+
+    def _read_plan(self) -> tuple[Plan, int, int]:
+        """(plan, prefetch_factor, local_world_size) as published, or from defaults."""
+        raw = self._plan.tolist()
+        if raw[_P["valid"]]:
+            v = dict(zip(_PLAN_FIELDS, raw, strict=True))
+            plan = Plan(num_files=self.num_files, epoch=v["epoch"], seed=v["seed"],
+                        shuffle=bool(v["shuffle"]), start=v["start"], batch_size=v["batch_size"],
+                        world_size=v["world_size"], rank=v["rank"], drop=bool(v["drop"]))
+            return plan, v["prefetch_factor"], v["local_world_size"]
+        # A stock DataLoader (or plain iteration): the dataset's own settings and cursor.
+        plan = Plan(num_files=self.num_files, epoch=raw[_P["cur_epoch"]],
+                    seed=raw[_P["cur_seed"]], shuffle=bool(raw[_P["cur_shuffle"]]),
+                    start=raw[_P["cur_start"]],
+                    batch_size=self.options.batch_size, world_size=self.world_size,
+                    rank=self.rank, drop=self.options.last_batch == "drop")
+        return plan, 2, self.local_world_size
+
+    def __len__(self) -> int:
+        """Samples this rank yields in a whole epoch."""
+        plan = Plan(num_files=self.num_files, epoch=0, seed=0, shuffle=False, start=0,
+                    batch_size=self.options.batch_size, world_size=self.world_size,
+                    rank=self.rank, drop=self.options.last_batch == "drop")
+        return plan.num_batches * plan.batch_size
+
+    # -- iteration (in each worker) -------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        plan, prefetch_factor, local_world = self._read_plan()
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        positions = plan.worker_positions(worker, workers)
+        perm = epoch_permutation(plan.num_files, seed=plan.seed, epoch=plan.epoch,
+                                 shuffle=plan.shuffle)
+        file_ids = perm[positions % plan.num_files]
+        if self.cache is None:
+            return self._read_in_place(plan, positions, file_ids)
+        return self._read_cached(plan, positions, file_ids, workers, prefetch_factor, local_world)
+
+    def _read_in_place(self, plan: Plan, positions: np.ndarray,
+                       file_ids: np.ndarray) -> Iterator[Any]:
+        stats = worker_stats(self._id)
+        files = self.manifest.files
+        for pos, fid in zip(positions.tolist(), file_ids.tolist(), strict=True):
+            path = self.volume.full_path(files[fid].path)
+            sample = self._transform(path, sample_seed(plan.seed, plan.epoch, pos))
+            stats.samples += 1
+            yield sample
+
+    def _key_index_map(self) -> dict[str, int]:
+        # Built on first eviction only: one hash per file.
+        cache = self.cache
+        if self._key_index is None and cache is not None:
+            self._key_index = {cache.key_of(self.volume, f.path): i
+                               for i, f in enumerate(self.manifest.files)}
+        return self._key_index or {}
+
+    def _read_cached(self, plan: Plan, positions: np.ndarray, file_ids: np.ndarray,
+                     workers: int, prefetch_factor: int, local_world: int) -> Iterator[Any]:
+        cache = self.cache
+        if cache is None:
+            raise RuntimeError("unreachable: no cache")
+        opts = self.options
+        stats = worker_stats(self._id)
+        files = self.manifest.files
+        volume = self.volume
+        next_use = None
+        if cache.limit is not None:
+            g = plan.global_batch_size
+            # Never evict what the node's workers are about to prefetch (their next
+            # `prefetch` samples span that many of their batches, W*G positions apart),
+            # nor, with the default transform, the paths of batches handed out but
+            # maybe not read yet (queued in the DataLoader or in the current step).
+            ahead = (-(-opts.prefetch // plan.batch_size) * workers + 1) * g
+            behind = (workers * prefetch_factor + 2) * g if self.transform is None else g
+            node = plan.rank // local_world
+            ranks = range(node * local_world, min(plan.world_size, (node + 1) * local_world))
+            next_use = NextUse(plan, ranks=ranks, ahead=ahead, behind=behind)
+            cache.set_schedule(_Schedule(next_use, self._key_index_map))
+
+        def fetch(fid: int) -> Any:
+            info = files[fid]
+            return cache.fetch_from(volume, info.path, expected=Expected.of(info), pin=True)
+
+        ids = file_ids.tolist()
+        prefetcher: Prefetcher[int, int, Any] = Prefetcher(
+            ((fid, fid) for fid in ids), fetch, lambda cached: cached.release(),
+            depth=opts.prefetch, threads=opts.prefetch_threads,
+        )
+        pos_list = positions.tolist()
+        try:
+            for k, taken in enumerate(prefetcher):
+                pos = pos_list[k]
+                if next_use is not None:
+                    next_use.current = pos
+                cached = taken.value
+                sample = self._transform(cached.path, sample_seed(plan.seed, plan.epoch, pos))
+                stats.samples += 1
+                stats.wait_seconds += taken.wait_seconds
+                stats.ready_ahead += taken.ready_ahead
+                if taken.first and not cached.hit:
+                    stats.misses += 1
+                    stats.bytes_fetched += cached.size
+                    stats.download_seconds += cached.download_seconds
+                else:
+                    stats.hits += 1
+                yield sample
+        finally:
+            prefetcher.close()

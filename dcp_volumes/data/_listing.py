@@ -1,0 +1,126 @@
+"""The dataset's manifest: the files it reads (path, size, etag), listed once, and its digest.
+
+The digest goes into the loader's saved state; a resume whose listing differs
+(files added, removed, resized or rewritten) is refused or warned about,
+never silently misaligned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from fsspec.core import split_protocol
+
+from dcp_volumes._exceptions import ConfigurationError, VolumeNotFoundError
+from dcp_volumes._volume import LOCAL_PROTOCOLS, FileInfo, Volume
+
+
+@dataclass(frozen=True)
+class DataManifest:
+    """The files of a dataset, in manifest order, with the digest of the listing."""
+
+    files: tuple[FileInfo, ...]
+    digest: str
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+def manifest_digest(files: Sequence[FileInfo]) -> str:
+    """sha256 over (path, size, etag — or mtime where the store has no etag), in order."""
+    h = hashlib.sha256()
+    for f in files:
+        version = f.etag if f.etag else (repr(f.mtime) if f.mtime is not None else "")
+        h.update(f"{f.path}\t{f.size}\t{version}\n".encode())
+    return h.hexdigest()
+
+
+def _visible(path: str, suffixes: tuple[str, ...] | None) -> bool:
+    # Hidden files and folders (".DS_Store", ".git/...") are not training data.
+    if any(part.startswith(".") for part in path.split("/")):
+        return False
+    return suffixes is None or path.lower().endswith(suffixes)
+
+
+def _list_prefix(volume: Volume, concurrency: int) -> list[FileInfo]:
+    """All files below the volume root; top-level folders are listed in parallel."""
+    if volume.is_local or concurrency <= 1:
+        return volume.list("")
+    dirs = volume.list_dirs("")
+    if not dirs:
+        return volume.list("")
+    top = volume.list("", recursive=False)
+    with ThreadPoolExecutor(max_workers=min(concurrency, len(dirs))) as pool:
+        parts = list(pool.map(volume.list, dirs))
+    merged = {f.path: f for f in top}
+    for part in parts:
+        merged.update((f.path, f) for f in part)
+    return sorted(merged.values(), key=lambda f: f.path)
+
+
+def _common_root(urls: Sequence[str]) -> tuple[str, str, list[str]]:
+    """(protocol, root path, relative paths) of a list of file URLs on one store."""
+    protocols = set()
+    paths = []
+    for url in urls:
+        protocol, path = split_protocol(url)
+        protocol = (protocol or "file").lower()
+        protocols.add(protocol)
+        if protocol in LOCAL_PROTOCOLS:
+            paths.append(os.path.abspath(os.path.expanduser(path)))
+        else:
+            paths.append("/" + path.strip("/"))
+    if len(protocols) != 1:
+        raise ConfigurationError(
+            "All files of a dataset must be on one kind of store; got URLs with protocols "
+            f"{sorted(protocols)}. Fix: make one dataset per store."
+        )
+    protocol = protocols.pop()
+    root = os.path.dirname(paths[0]) if len(paths) == 1 else os.path.commonpath(paths)
+    if root in paths:  # one file given twice, or a file that is also a folder
+        root = os.path.dirname(root)
+    rels = [os.path.relpath(p, root).replace(os.sep, "/") for p in paths]
+    return protocol, root, rels
+
+
+def build_manifest(
+    source: str | os.PathLike[str] | Sequence[str],
+    *,
+    storage_options: Mapping[str, Any] | None,
+    suffixes: Sequence[str] | None = None,
+    concurrency: int = 16,
+) -> tuple[Volume, DataManifest]:
+    """List a prefix (or stat a list of file URLs) into a manifest.
+
+    A prefix lists every file below it (sorted by path; hidden files skipped;
+    ``suffixes`` filters by ending, e.g. ``(".jpg", ".png")``). A list keeps
+    its order and must name files on one store.
+    """
+    wanted = tuple(s.lower() for s in suffixes) if suffixes else None
+    if isinstance(source, (str, os.PathLike)):
+        volume = Volume(os.fspath(source), storage_options=storage_options)
+        listed = _list_prefix(volume, concurrency)
+        files = [f for f in listed if f.path and _visible(f.path, wanted)]
+        where = volume.display_url
+    else:
+        urls = [os.fspath(u) for u in source]
+        if not urls:
+            raise ConfigurationError("The file list is empty; pass at least one file URL.")
+        protocol, root, rels = _common_root(urls)
+        root_url = root if protocol in LOCAL_PROTOCOLS else f"{protocol}://{root.strip('/')}"
+        volume = Volume(root_url, storage_options=storage_options)
+        with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(rels)))) as pool:
+            files = list(pool.map(volume.info, rels))
+        where = f"the {len(urls)} listed files"
+    if not files:
+        raise VolumeNotFoundError(
+            f"No files found under {where}: the prefix is empty or does not exist"
+            + (f", or no file ends with {list(wanted)}" if wanted else "")
+            + ". Fix: check the URL and storage_options, or upload the data first."
+        )
+    return volume, DataManifest(files=tuple(files), digest=manifest_digest(files))

@@ -1,0 +1,345 @@
+"""DataLoader: torch's DataLoader with tuned defaults, a delivered-position state and metrics.
+
+State: ``state_dict()`` records what the training loop has *received*
+(epoch, stream position, seed, ...), never what workers have prefetched. It
+is global: every rank holds the same values at the same step, so DCP's
+de-duplication of replicated entries keeps it, and a resume on another world
+size or ``num_workers`` continues the same sample stream (see ``_order.py``).
+It holds only ints and strings, so it drops into a DCP state dict
+(``{"model": ..., "data": loader}``; DCP treats objects with
+``state_dict``/``load_state_dict`` as ``Stateful``) and into
+``CheckpointManager``.
+
+Batch size semantics: ``batch_size`` is per rank (as in torch) and the global
+batch is ``batch_size * world_size``; or pass ``global_batch_size`` and each
+rank gets ``global_batch_size // world_size`` (it must divide evenly). To
+resume on a different world size with the same batches, keep
+``global_batch_size`` fixed; with another global batch size the resume still
+continues the same *sample* stream, regrouped into the new batch size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.utils.data
+from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.pin_memory import pin_memory as _pin
+
+from dcp_volumes._exceptions import ConfigurationError, DatasetChangedError
+from dcp_volumes.data._dataset import VolumeDataset, detect_world
+from dcp_volumes.data._metrics import LoaderMetrics, worker_stats
+from dcp_volumes.data._order import ORDER_ALGORITHM, Plan
+
+logger = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+STATE_KEYS = ("version", "epoch", "position", "seed", "shuffle", "global_batch_size",
+              "last_batch", "num_files", "manifest", "order", "step")
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_num_workers(local_world_size: int) -> int:
+    """Workers per rank: the rank's share of the CPUs minus one for the training loop, <= 8."""
+    per_rank = _cpus() // max(1, local_world_size)
+    return max(1, min(8, per_rank - 1))
+
+
+class _Delivery:
+    """A batch plus the counters its worker accumulated since its previous batch."""
+
+    __slots__ = ("batch", "stats")
+
+    def __init__(self, batch: Any, stats: dict[str, float]) -> None:
+        self.batch = batch
+        self.stats = stats
+
+    def pin_memory(self) -> _Delivery:
+        # torch's pin-memory thread calls this; pin the batch, keep the counters.
+        return _Delivery(_pin(self.batch), self.stats)
+
+
+class _CollateWithStats:
+    """Wraps ``collate_fn`` in the worker so counters travel with each batch."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any], dataset_id: str) -> None:
+        self.collate = collate
+        self.dataset_id = dataset_id
+
+    def __call__(self, samples: list[Any]) -> _Delivery:
+        return _Delivery(self.collate(samples), worker_stats(self.dataset_id).take())
+
+
+class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
+    """A ``torch.utils.data.DataLoader`` with tuned defaults, a global state and metrics.
+
+    Args:
+        dataset: a ``VolumeDataset`` (any dataset works, but only a
+            ``VolumeDataset`` has a resumable state).
+        batch_size: samples per batch on each rank (default 1).
+        global_batch_size: samples per step over all ranks, instead of
+            ``batch_size``; must be a multiple of the world size.
+        num_workers: default: this rank's share of the CPUs minus one (1..8).
+        pin_memory: default: whether CUDA is available.
+        persistent_workers: default: True when there are workers.
+        prefetch_factor: batches each worker prepares ahead; default 4.
+        drop_last: default: the dataset's ``last_batch`` ("drop" or "pad").
+        rank, world_size: default: the process group, else torchrun's env.
+        metrics_window_s: seconds per metrics window (logged, sent to MLflow).
+        mlflow: send windows to MLflow when it is installed and a run is active.
+        **kwargs: passed to ``torch.utils.data.DataLoader``. Explicit
+            arguments always win over the tuned defaults.
+    """
+
+    def __init__(
+        self,
+        dataset: torch.utils.data.Dataset[Any],
+        batch_size: int | None = None,
+        *,
+        global_batch_size: int | None = None,
+        num_workers: int | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool | None = None,
+        drop_last: bool | None = None,
+        persistent_workers: bool | None = None,
+        prefetch_factor: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        metrics_window_s: float = 10.0,
+        mlflow: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        det_rank, det_world, local_world = detect_world()
+        if isinstance(dataset, VolumeDataset):
+            det_rank, det_world = dataset.rank, dataset.world_size
+        self._rank = det_rank if rank is None else rank
+        self._world = det_world if world_size is None else world_size
+        if self._world < 1 or not 0 <= self._rank < self._world:
+            raise ConfigurationError(f"rank={self._rank} / world_size={self._world} is invalid.")
+        per_rank = self._resolve_batch(batch_size, global_batch_size)
+        self._volume = isinstance(dataset, VolumeDataset)
+        if self._volume:
+            if kwargs.get("in_order") is False:
+                raise ConfigurationError(
+                    "in_order=False would deliver batches out of the global order that resumes "
+                    "and multi-rank runs rely on; leave it True with a VolumeDataset."
+                )
+            ds: VolumeDataset = dataset  # type: ignore[assignment]
+            self._drop = (ds.options.last_batch == "drop") if drop_last is None else drop_last
+            collate: Callable[[list[Any]], Any] = _CollateWithStats(
+                collate_fn or default_collate, ds._id
+            )
+            torch_drop_last = False  # batches are always full: the plan pads or drops
+        else:
+            self._drop = bool(drop_last)
+            collate = collate_fn or default_collate
+            torch_drop_last = self._drop
+        workers = default_num_workers(local_world) if num_workers is None else num_workers
+        if workers > 0:
+            prefetch_factor = 4 if prefetch_factor is None else prefetch_factor
+            persistent_workers = True if persistent_workers is None else persistent_workers
+        else:
+            persistent_workers = bool(persistent_workers)
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self._token = 0
+        self._step = 0
+        self.metrics = LoaderMetrics(rank=self._rank, window_s=metrics_window_s, mlflow=mlflow)
+        super().__init__(
+            dataset, batch_size=per_rank, num_workers=workers, collate_fn=collate,
+            pin_memory=pin_memory, drop_last=torch_drop_last,
+            persistent_workers=persistent_workers, prefetch_factor=prefetch_factor, **kwargs,
+        )
+
+    def _resolve_batch(self, batch_size: int | None, global_batch_size: int | None) -> int:
+        for name, value in (("batch_size", batch_size), ("global_batch_size", global_batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ConfigurationError(f"{name}={value!r} must be an int >= 1.")
+        if global_batch_size is None:
+            return batch_size or 1
+        if global_batch_size % self._world:
+            raise ConfigurationError(
+                f"global_batch_size={global_batch_size} cannot be split evenly over "
+                f"{self._world} ranks. Fix: use a multiple of {self._world}, or pass the "
+                "per-rank batch_size= instead."
+            )
+        per_rank = global_batch_size // self._world
+        if batch_size is not None and batch_size != per_rank:
+            raise ConfigurationError(
+                f"batch_size={batch_size} and global_batch_size={global_batch_size} disagree on "
+                f"{self._world} ranks (that would be batch_size={per_rank}). Pass only one."
+            )
+        return per_rank
+
+    # -- introspection --------------------------------------------------------------------
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per step over all ranks."""
+        return int(self.batch_size or 1) * self._world
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration reads."""
+        return self._dataset().epoch
+
+    @property
+    def step(self) -> int:
+        """Global batches delivered so far (restored from the state on resume)."""
+        return self._step
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read ``epoch`` next; the same epoch as now keeps a resumed position."""
+        self._dataset().set_epoch(epoch)
+
+    def _dataset(self) -> VolumeDataset:
+        if not self._volume:
+            raise ConfigurationError(
+                "Epochs and a resumable state need a VolumeDataset; this DataLoader wraps a "
+                f"{type(self.dataset).__name__}. Fix: use VolumeDataset, or use the state "
+                "support of your own dataset/sampler."
+            )
+        return self.dataset  # type: ignore[return-value]
+
+    def _plan(self) -> Plan:
+        return self._dataset().plan(batch_size=int(self.batch_size or 1),
+                                    world_size=self._world, rank=self._rank, drop=self._drop)
+
+    def __len__(self) -> int:
+        if not self._volume:
+            return super().__len__()
+        ds = self._dataset()
+        full = Plan(num_files=ds.num_files, epoch=0, seed=0, shuffle=False, start=0,
+                    batch_size=int(self.batch_size or 1), world_size=self._world,
+                    rank=self._rank, drop=self._drop)
+        return full.num_batches
+
+    # -- iteration ------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._token += 1
+        plan = None
+        if self._volume:
+            plan = self._plan()
+            self._dataset().publish_plan(plan, num_workers=self.num_workers,
+                                         prefetch_factor=self.prefetch_factor or 2)
+        return self._deliver(super().__iter__(), plan, self._token)
+
+    def _deliver(self, inner: Iterator[Any], plan: Plan | None, token: int) -> Iterator[Any]:
+        delivered = 0
+        handed: float | None = None
+        try:
+            while token == self._token:  # a newer iteration took over the workers: stop
+                started = time.perf_counter()
+                between = None if handed is None else started - handed
+                try:
+                    item = next(inner)
+                except StopIteration:
+                    if plan is not None and delivered >= plan.num_batches:
+                        self._dataset()._set_cursor(epoch=plan.epoch + 1, start=0)
+                    return
+                fetched = time.perf_counter()
+                stats = None
+                if isinstance(item, _Delivery):
+                    item, stats = item.batch, item.stats
+                delivered += 1
+                self._step += 1
+                if plan is not None:
+                    # The cursor moves when a batch is handed over: the state is what
+                    # the training loop has received.
+                    if delivered >= plan.num_batches:
+                        self._dataset()._set_cursor(epoch=plan.epoch + 1, start=0)
+                    else:
+                        position = plan.start + delivered * plan.global_batch_size
+                        self._dataset()._set_cursor(epoch=plan.epoch, start=position)
+                self.metrics.record(fetch_s=fetched - started, between_s=between, worker=stats,
+                                    step=self._step)
+                handed = time.perf_counter()
+                yield item
+        finally:
+            self.metrics.flush()  # epoch end, a break, or the iterator being collected
+
+    # -- state ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the training loop has received: global, identical on every rank."""
+        ds = self._dataset()
+        return {
+            "version": STATE_VERSION,
+            "epoch": ds.epoch,
+            "position": ds._start,
+            "seed": ds.seed,
+            "shuffle": int(ds.shuffle),
+            "global_batch_size": self.global_batch_size,
+            "last_batch": "drop" if self._drop else "pad",
+            "num_files": ds.num_files,
+            "manifest": ds.manifest.digest,
+            "order": ORDER_ALGORITHM,
+            "step": self._step,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue where the saved state left off (call before iterating).
+
+        Raises:
+            DatasetChangedError: the listing differs from the saved one (unless
+                the dataset was built with ``on_data_change="warn"``).
+            ConfigurationError: the state is not a loader state of this version.
+        """
+        ds = self._dataset()
+        state = {k: (v.item() if isinstance(v, torch.Tensor) else v)
+                 for k, v in state_dict.items()}
+        missing = [k for k in STATE_KEYS if k not in state]
+        if missing or state.get("version") != STATE_VERSION:
+            raise ConfigurationError(
+                f"Not a dcp_volumes DataLoader state of version {STATE_VERSION} (missing "
+                f"{missing}, version {state.get('version')!r}). Fix: pass the dict that "
+                "DataLoader.state_dict() returned."
+            )
+        if state["order"] != ORDER_ALGORITHM:
+            raise DatasetChangedError(
+                f"The state was saved with sample order {state['order']!r}; this version uses "
+                f"{ORDER_ALGORITHM!r}, so the resumed order would differ. Fix: resume with the "
+                "dcp_volumes version that saved it."
+            )
+        if state["manifest"] != ds.manifest.digest or state["num_files"] != ds.num_files:
+            message = (
+                f"The data under {ds.volume.display_url} changed since the loader state was "
+                f"saved: {state['num_files']} files (manifest {str(state['manifest'])[:12]}) "
+                f"then, {ds.num_files} (manifest {ds.manifest.digest[:12]}) now. Resuming would "
+                "not continue the interrupted sample stream. Fix: restore the data as it was, "
+                "or build the VolumeDataset with on_data_change='warn' to resume anyway at the "
+                "same position of a new order."
+            )
+            if ds.options.on_data_change == "error":
+                raise DatasetChangedError(message)
+            logger.warning(message)
+        drop = state["last_batch"] == "drop"
+        if drop != self._drop:
+            logger.warning("resuming with last_batch=%r as saved (this loader was set to %r)",
+                           state["last_batch"], "drop" if self._drop else "pad")
+            self._drop = drop
+        if state["global_batch_size"] != self.global_batch_size:
+            logger.warning(
+                "resuming with global batch size %d (saved with %d): the sample stream "
+                "continues unchanged, regrouped into batches of the new size",
+                self.global_batch_size, state["global_batch_size"],
+            )
+        if state["seed"] != ds.options.seed or bool(state["shuffle"]) != ds.options.shuffle:
+            logger.info("resuming with the saved seed=%d shuffle=%s", state["seed"],
+                        bool(state["shuffle"]))
+        ds._set_cursor(epoch=int(state["epoch"]), start=int(state["position"]),
+                       seed=int(state["seed"]), shuffle=bool(state["shuffle"]))
+        self._step = int(state["step"])

@@ -1,0 +1,115 @@
+"""In-worker prefetch: fetch the next K files on a small thread pool while samples are used.
+
+Results come back in stream order. A file that appears twice inside the
+window (padding, tiny datasets) is fetched once and shared; its pin is
+released when its last use is done. Closing the prefetcher (end of epoch, a
+``break`` in the training loop, a worker reset) cancels what has not started
+and releases the pins of what finishes later, so no pin outlives it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+A = TypeVar("A")
+R = TypeVar("R")
+
+
+@dataclass
+class _Slot(Generic[R]):
+    future: Future[R]
+    uses: int
+    taken: int = 0
+
+
+@dataclass(frozen=True)
+class Taken(Generic[K, R]):
+    """One item handed to the consumer, with how long it waited and how far ahead we were."""
+
+    key: K
+    value: R
+    wait_seconds: float
+    ready_ahead: int
+    first: bool  # False for a repeat use of a result already handed out
+
+
+class Prefetcher(Generic[K, A, R]):
+    """Runs ``fetch(arg)`` for the next ``depth`` items of ``items`` in ``threads`` threads.
+
+    Args:
+        items: ``(key, arg)`` pairs in consumption order; equal keys share one fetch.
+        fetch: called in a pool thread; its result is handed out in order.
+        release: called once per fetched result after its last use (or on close).
+        depth: how many items ahead to fetch.
+        threads: pool size.
+    """
+
+    def __init__(self, items: Iterable[tuple[K, A]], fetch: Callable[[A], R],
+                 release: Callable[[R], None], *, depth: int, threads: int) -> None:
+        self._items = iter(items)
+        self._fetch = fetch
+        self._release = release
+        self._depth = max(1, depth)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads),
+                                        thread_name_prefix="dcpv-prefetch")
+        self._window: collections.deque[K] = collections.deque()
+        self._slots: dict[K, _Slot[R]] = {}
+        self._closed = False
+        self._mu = threading.Lock()
+
+    def _top_up(self) -> None:
+        while len(self._window) < self._depth:
+            try:
+                key, arg = next(self._items)
+            except StopIteration:
+                return
+            slot = self._slots.get(key)
+            if slot is None:
+                self._slots[key] = _Slot(self._pool.submit(self._fetch, arg), 1)
+            else:
+                slot.uses += 1
+            self._window.append(key)
+
+    def __iter__(self) -> Iterator[Taken[K, R]]:
+        try:
+            self._top_up()
+            while self._window:
+                key = self._window.popleft()
+                slot = self._slots[key]
+                ready = sum(1 for k in self._window if self._slots[k].future.done())
+                started = time.perf_counter()
+                value = slot.future.result()  # re-raises the fetch error here, in order
+                waited = time.perf_counter() - started
+                self._top_up()  # keep the pool busy while the consumer works
+                slot.taken += 1
+                yield Taken(key, value, waited, ready, slot.taken == 1)
+                slot.uses -= 1
+                if slot.uses == 0:
+                    del self._slots[key]
+                    self._release(value)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel pending fetches; release every result now or when it arrives."""
+        with self._mu:
+            if self._closed:
+                return
+            self._closed = True
+        slots, self._slots = list(self._slots.values()), {}
+        self._window.clear()
+        for slot in slots:
+            if not slot.future.cancel():
+                slot.future.add_done_callback(self._release_when_done)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _release_when_done(self, future: Future[R]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._release(future.result())

@@ -1,0 +1,80 @@
+"""Reproducible augmentation: each sample's transform runs under its own seed.
+
+The seed comes from ``(seed, epoch, global stream position)``, so a sample is
+augmented the same way whichever rank or worker reads it, and again after a
+resume. The transform gets it two ways:
+
+* explicitly: a transform with a parameter named ``rng`` (or a second
+  positional parameter without a default) receives a ``torch.Generator``
+  seeded for the sample;
+* implicitly: the global torch (CPU), numpy and ``random`` generators are
+  seeded for the call and restored afterwards, so transforms that draw from
+  them (torchvision, albumentations...) are reproducible too, and the
+  caller's own random streams are left as they were (this matters with
+  ``num_workers=0``, where transforms run in the training process).
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+_MASK63 = (1 << 63) - 1
+
+
+def _rng_mode(fn: Callable[..., Any]) -> str:
+    """'kw' (pass rng=), 'pos' (pass it second) or '' (do not pass it)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # some builtins and C callables have no signature
+        return ""
+    if any(p.name == "rng" and p.kind is not p.POSITIONAL_ONLY for p in params):
+        return "kw"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 2 and positional[1].default is inspect.Parameter.empty:
+        return "pos"
+    return ""
+
+
+class SampleTransform:
+    """Calls ``fn(local_path[, rng])`` with per-sample seeding; ``fn=None`` returns the path."""
+
+    def __init__(self, fn: Callable[..., Any] | None, *, seed_rngs: bool = True) -> None:
+        self.fn = fn
+        self.seed_rngs = seed_rngs
+        self.mode = _rng_mode(fn) if fn is not None else ""
+
+    def __call__(self, path: str, seed: int) -> Any:
+        fn = self.fn
+        if fn is None:
+            return path
+        if not self.mode and not self.seed_rngs:
+            return fn(path)
+        seed63 = seed & _MASK63
+        if self.mode:
+            gen = torch.Generator()
+            gen.manual_seed(seed63)
+        if not self.seed_rngs:
+            return fn(path, rng=gen) if self.mode == "kw" else fn(path, gen)
+        torch_state = torch.get_rng_state()
+        np_state = np.random.get_state()
+        py_state = random.getstate()
+        try:
+            # CPU generator only: torch.manual_seed would also reseed CUDA generators.
+            torch.random.default_generator.manual_seed(seed63)
+            np.random.seed(seed & 0xFFFFFFFF)
+            random.seed(seed)
+            if self.mode == "kw":
+                return fn(path, rng=gen)
+            if self.mode == "pos":
+                return fn(path, gen)
+            return fn(path)
+        finally:
+            torch.set_rng_state(torch_state)
+            np.random.set_state(np_state)
+            random.setstate(py_state)

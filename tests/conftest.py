@@ -1,0 +1,140 @@
+"""Shared fixtures: emulators (started lazily, once per session) and fresh volume locations.
+
+Fixtures:
+    moto_server   (session) MotoServer in thread mode, record_requests=False.
+    azurite       (session) Azurite blob service; fails (not skips) if not installed.
+    gcs_emulator  (session) gcp-storage-emulator, in memory.
+    s3_bucket     (function) ("s3://<fresh bucket>", storage_options) on moto_server.
+    volume_url    (function, params local/file/s3/azure/gcs) (url, storage_options)
+                  for a fresh, empty location.
+
+Emulators are wiped after each test that used them, so data does not pile up
+in memory over a session.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Must precede any gcsfs import (see tests/emulators.py): without it every gcsfs
+# call waits ~60 s on a probe the emulator never answers.
+os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.emulators import AZURITE_VERSION, Azurite, Emulator, GcsEmulator, MotoServer
+
+VolumeLocation = tuple[str, dict[str, Any]]
+
+_EMULATOR_FIXTURE = {"s3": "moto_server", "azure": "azurite", "gcs": "gcs_emulator"}
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    with MotoServer(mode="thread") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[Azurite]:
+    if Azurite.find_binary() is None:
+        pytest.fail(
+            "Azurite (azurite-blob) is not installed. Run `make test`, which installs it "
+            f"into .tools/ (or: npm install --prefix .tools azurite@{AZURITE_VERSION}).",
+            pytrace=False,
+        )
+    with Azurite() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator() -> Iterator[GcsEmulator]:
+    with GcsEmulator() as server:
+        yield server
+
+
+def unique_bucket_name(request: pytest.FixtureRequest) -> str:
+    """A valid S3/GCS bucket and Azure container name, unique, readable in logs."""
+    # 3-63 chars of [a-z0-9-], starting with a letter, no "--" (Azure).
+    stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    return f"t-{stem}-{uuid.uuid4().hex[:8]}" if stem else f"t-{uuid.uuid4().hex[:12]}"
+
+
+def _fresh_bucket(emulator: Emulator, request: pytest.FixtureRequest) -> Iterator[VolumeLocation]:
+    name = unique_bucket_name(request)
+    url = emulator.create_bucket(name)
+    try:
+        yield url, emulator.storage_options()
+    finally:
+        # Wipe (buckets included) so the in-memory emulators do not grow all session.
+        emulator.reset()
+
+
+@pytest.fixture
+def s3_bucket(moto_server: MotoServer, request: pytest.FixtureRequest) -> Iterator[VolumeLocation]:
+    """``("s3://<fresh bucket>", storage_options)`` on the session's moto server."""
+    yield from _fresh_bucket(moto_server, request)
+
+
+@pytest.fixture(
+    params=[
+        "local",
+        "file",
+        pytest.param("s3", marks=pytest.mark.emulator),
+        pytest.param("azure", marks=pytest.mark.emulator),
+        pytest.param("gcs", marks=pytest.mark.emulator),
+    ]
+)
+def volume_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[VolumeLocation]:
+    """A fresh, empty volume location as ``(url, storage_options)``.
+
+    local: an existing empty directory, as a plain absolute path.
+    file:  the same, as ``file:///abs/path``.
+    s3 / azure / gcs: the root of a new bucket/container (``s3://b``, ``az://c``,
+    ``gs://b``) on the session's emulator; it is wiped after the test.
+    """
+    kind: str = request.param
+    if kind in ("local", "file"):
+        root = tmp_path / "volume"
+        root.mkdir()
+        # "file://" + path, not as_uri(): fsspec does not undo percent-encoding.
+        yield (str(root) if kind == "local" else f"file://{root}"), {}
+        return
+    # Lazily: only the emulators that the selected params need are started.
+    emulator: Emulator = request.getfixturevalue(_EMULATOR_FIXTURE[kind])
+    yield from _fresh_bucket(emulator, request)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory this process cannot create files in, also when running as root.
+
+    Plain chmod does not stop root (CI runs as root), so root gets the
+    immutable attribute (``chattr +i``), which binds root too.
+    """
+    path = tmp_path / "read-only"
+    path.mkdir()
+    immutable = False
+    if os.geteuid() == 0:
+        import subprocess
+
+        immutable = subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+        if not immutable:
+            pytest.skip("running as root and chattr +i is unavailable on this filesystem")
+    else:
+        path.chmod(0o555)
+    try:
+        yield path
+    finally:
+        if immutable:
+            import subprocess
+
+            subprocess.run(["chattr", "-i", str(path)], check=False)
+        else:
+            path.chmod(0o755)

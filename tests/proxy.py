@@ -1,0 +1,341 @@
+"""A TCP proxy that adds latency, caps bandwidth, counts HTTP requests and injects faults.
+
+Put it between an fsspec client and an emulator::
+
+    with MotoServer() as s3, LatencyProxy.in_front_of(s3, latency_s=0.02,
+                                                      bandwidth_bps=200e6) as px:
+        fs = s3.filesystem(px.endpoint)       # or s3.storage_options(px.endpoint)
+        ...
+        assert px.count("GET", "/bucket/key") == 1
+
+Real networks add latency per round trip; ``tc netem`` is not available on
+these machines, so the proxy does it in user space. One thread per connection
+(daemon) serves both directions.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import re
+import select
+import socket
+import struct
+import threading
+import time
+import urllib.parse
+from types import TracebackType
+from typing import Any, Protocol
+
+__all__ = ["LatencyProxy"]
+
+
+class _HasAddress(Protocol):
+    host: str
+    port: int
+
+
+# A request line as it starts a request; PARTIAL is a prefix of one still arriving.
+_REQUEST_LINE = re.compile(rb"([A-Z]{3,16}) (\S+) HTTP/1\.[01]\r?\n")
+_PARTIAL_REQUEST_LINE = re.compile(rb"[A-Z]{0,16}(?: \S*(?: [HTP/10.]*\r?)?)?")
+_CHUNK = 256 * 1024
+
+
+class _TokenBucket:
+    """Paces one direction of one connection to ``rate`` bytes/s."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.burst = float(min(_CHUNK, max(rate * 0.01, 16 * 1024)))
+        self.tokens = self.burst
+        self.stamp = time.monotonic()
+
+    def take(self, n: int) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        self.tokens -= n
+        if self.tokens < 0:
+            time.sleep(-self.tokens / self.rate)
+
+
+class _Drop(Exception):
+    """Internal: reset this connection now."""
+
+
+class LatencyProxy:
+    """A TCP proxy on 127.0.0.1 that slows, counts and breaks HTTP/1.1 traffic.
+
+    Args:
+        target_host, target_port: where to forward.
+        latency_s: delay added before each new request is forwarded (a request
+            starts with the first client bytes after the server has answered,
+            and must look like a request line, so keep-alive, uploads and
+            ``Expect: 100-continue`` work).
+        bandwidth_bps: cap in *bits* per second, per connection and direction
+            (``200e6`` = 200 Mbit/s).
+        fail_every: reset the connection on every N-th request (before it
+            reaches the server).
+
+    ``requests`` counts every request seen, dropped ones included, by
+    ``(method, path)`` with the path percent-decoded and the query removed:
+    S3 ``/bucket/key``, Azure ``/devstoreaccount1/container/blob``, GCS media
+    ``/download/storage/v1/b/bucket/o/key``. ``log`` keeps raw targets in order.
+    Counts are per request, not per connection, so retries show up.
+    """
+
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        *,
+        latency_s: float = 0.0,
+        bandwidth_bps: float | None = None,
+        fail_every: int | None = None,
+    ) -> None:
+        if latency_s < 0:
+            raise ValueError("latency_s must be >= 0")
+        if bandwidth_bps is not None and bandwidth_bps <= 0:
+            raise ValueError("bandwidth_bps must be > 0 (or None for no cap)")
+        if fail_every is not None and fail_every < 1:
+            raise ValueError("fail_every must be >= 1 (or None)")
+        self.target = (target_host, int(target_port))
+        self.latency_s = latency_s
+        self.bandwidth_bps = bandwidth_bps
+        self.fail_every = fail_every
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.dropped: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.log: list[tuple[str, str]] = []
+        self.connections = 0
+        self._seq = 0
+        self._drops: collections.deque[tuple[int, str | None]] = collections.deque()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._listener: socket.socket | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+
+    @classmethod
+    def in_front_of(cls, server: _HasAddress, **kwargs: Any) -> LatencyProxy:
+        """A proxy (not started) forwarding to a started emulator (anything with host, port)."""
+        if not server.port:
+            raise RuntimeError("start the emulator before putting a proxy in front of it")
+        return cls(server.host, server.port, **kwargs)
+
+    @property
+    def endpoint(self) -> str:
+        if not self.port:
+            raise RuntimeError("LatencyProxy is not started; call start() first")
+        return f"http://{self.host}:{self.port}"
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> LatencyProxy:
+        if self._listener is not None:
+            return self
+        self._stopping.clear()
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.host, 0))
+        listener.listen(128)
+        # A timeout lets the accept loop notice stop() without cross-thread close tricks.
+        listener.settimeout(0.2)
+        self._listener = listener
+        self.port = int(listener.getsockname()[1])
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name=f"proxy-accept-{self.port}", daemon=True
+        )
+        self._accept_thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._listener is None:
+            return
+        self._stopping.set()
+        if self._accept_thread is not None:
+            self._accept_thread.join(timeout=2)
+        self._listener.close()
+        self._listener = None
+        with self._lock:
+            conns, threads = list(self._conns), list(self._threads)
+        for s in conns:
+            # shutdown wakes the select() of the owning thread; it closes the socket.
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+        for t in threads:
+            t.join(timeout=2)
+        self.port = 0
+
+    def __enter__(self) -> LatencyProxy:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- faults and counts ---------------------------------------------------
+    def drop_next(self, n: int = 1, *, after_bytes: int = 0, method: str | None = None) -> None:
+        """Reset the connection (TCP RST) on each of the next ``n`` requests.
+
+        ``after_bytes=0`` drops the request before it reaches the server;
+        ``after_bytes=k`` forwards it and then cuts the response after ``k``
+        bytes (headers included), i.e. mid-stream. ``method`` limits which
+        requests are hit (e.g. ``"GET"``).
+        """
+        if n < 0 or after_bytes < 0:
+            raise ValueError("n and after_bytes must be >= 0")
+        with self._lock:
+            self._drops.extend([(after_bytes, method)] * n)
+
+    @property
+    def pending_drops(self) -> int:
+        with self._lock:
+            return len(self._drops)
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.requests.clear()
+            self.dropped.clear()
+            self.log.clear()
+            self._seq = 0
+
+    def count(self, method: str, path: str) -> int:
+        """Requests seen with ``method`` whose path equals ``path``."""
+        with self._lock:
+            return self.requests[(method, path)]
+
+    def _on_request(self, method: str, target: str) -> int | None:
+        """Record a request; returns bytes of response to pass before a reset, or None."""
+        path = urllib.parse.unquote(urllib.parse.urlsplit(target).path)
+        key = (method, path)
+        with self._lock:
+            self.requests[key] += 1
+            self.log.append((method, target))
+            self._seq += 1
+            drop: int | None = None
+            if self._drops and self._drops[0][1] in (None, method):
+                drop = self._drops.popleft()[0]
+            elif self.fail_every and self._seq % self.fail_every == 0:
+                drop = 0
+            if drop is not None:
+                self.dropped[key] += 1
+        return drop
+
+    # -- plumbing ------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        listener = self._listener
+        while listener is not None and not self._stopping.is_set():
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            client.settimeout(None)
+            t = threading.Thread(
+                target=self._serve, args=(client,), name=f"proxy-conn-{self.port}", daemon=True
+            )
+            with self._lock:
+                self.connections += 1
+                self._threads.add(t)
+            t.start()
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream: socket.socket | None = None
+        try:
+            with self._lock:
+                self._conns.add(client)
+            try:
+                upstream = socket.create_connection(self.target, timeout=10)
+            except OSError:
+                _reset(client)
+                return
+            upstream.settimeout(None)
+            with self._lock:
+                self._conns.add(upstream)
+            for s in (client, upstream):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._pump(client, upstream)
+        except _Drop:
+            _reset(client)
+        except OSError:
+            pass  # a peer went away; both sides are closed below
+        finally:
+            for s in (client, upstream):
+                if s is not None:
+                    with self._lock:
+                        self._conns.discard(s)
+                    with contextlib.suppress(OSError):
+                        s.close()
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
+        # One thread per connection serves both directions: every decision about
+        # a connection (delay, reset, close) is taken by the thread that owns it.
+        rate = self.bandwidth_bps / 8 if self.bandwidth_bps else None
+        up_bucket = _TokenBucket(rate) if rate else None
+        down_bucket = _TokenBucket(rate) if rate else None
+        expect_request = True  # next client bytes may start a request
+        pending = b""
+        cut_after: int | None = None  # response bytes left before a mid-stream reset
+        open_ = {client: True, upstream: True}
+        while not self._stopping.is_set():
+            readable = [s for s, is_open in open_.items() if is_open]
+            if not readable:
+                return
+            ready, _, _ = select.select(readable, [], [], 0.25)
+            for s in ready:
+                data = s.recv(_CHUNK)
+                if s is client:
+                    if not data:
+                        open_[client] = False
+                        with contextlib.suppress(OSError):
+                            upstream.shutdown(socket.SHUT_WR)
+                        continue
+                    if expect_request:
+                        pending += data
+                        if len(pending) < 8192 and _PARTIAL_REQUEST_LINE.fullmatch(pending):
+                            continue  # request line not complete yet
+                        data, pending = pending, b""
+                        m = _REQUEST_LINE.match(data)
+                        if m:
+                            expect_request = False
+                            drop = self._on_request(m.group(1).decode(), m.group(2).decode())
+                            if drop == 0:
+                                raise _Drop
+                            cut_after = drop
+                            if self.latency_s:
+                                time.sleep(self.latency_s)
+                    if up_bucket:
+                        up_bucket.take(len(data))
+                    upstream.sendall(data)
+                else:
+                    if not data:
+                        open_[upstream] = False
+                        with contextlib.suppress(OSError):
+                            client.shutdown(socket.SHUT_WR)
+                        continue
+                    expect_request = True
+                    if cut_after is not None:
+                        if len(data) >= cut_after:
+                            client.sendall(data[:cut_after])
+                            raise _Drop
+                        cut_after -= len(data)
+                    if down_bucket:
+                        down_bucket.take(len(data))
+                    client.sendall(data)
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with a TCP RST (linger 0), as a crashed peer or middlebox would."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.close()

@@ -1,0 +1,98 @@
+"""Smoke test of the benchmarks: every ``benchmarks/bench_*.py --quick`` runs and reports.
+
+Slow (each quick run takes up to a minute on 2 cores). The benchmarks start
+their own servers; their JSON and plots go to a temp dir here
+(``DCP_VOLUMES_BENCH_RESULTS``), so the committed results stay untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.emulators import repo_root
+
+BENCH_DIR = repo_root() / "benchmarks"
+BENCHES = sorted(p.name for p in BENCH_DIR.glob("bench_*.py"))
+# The JSON each of ours writes in --quick mode (others: exit code and output only).
+QUICK_JSON = {"bench_checkpoint.py": "checkpoint_quick.json", "bench_data.py": "data_quick.json"}
+
+pytestmark = pytest.mark.slow
+
+
+def _run_quick(name: str, out: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DCP_VOLUMES_BENCH_RESULTS": str(out)}
+    return subprocess.run(
+        [sys.executable, str(BENCH_DIR / name), "--quick"],
+        cwd=repo_root(),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _load(out: Path, name: str) -> dict[str, Any]:
+    path = out / QUICK_JSON[name]
+    assert path.exists(), f"{name} --quick wrote no {path.name}"
+    assert path.with_suffix(".png").stat().st_size > 10_000, "the plot is missing or empty"
+    return json.loads(path.read_text())
+
+
+def test_every_benchmark_is_covered() -> None:
+    assert {"bench_checkpoint.py", "bench_data.py"} <= set(BENCHES)
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_quick_run(name: str, tmp_path: Path) -> None:
+    proc = _run_quick(name, tmp_path)
+    assert proc.returncode == 0, (
+        f"{name} --quick exited {proc.returncode}\n--- stdout ---\n{proc.stdout[-3000:]}"
+        f"\n--- stderr ---\n{proc.stderr[-5000:]}"
+    )
+    assert "|" in proc.stdout, "no table printed"
+    if name == "bench_checkpoint.py":
+        _check_checkpoint(_load(tmp_path, name))
+    elif name == "bench_data.py":
+        _check_data(_load(tmp_path, name))
+
+
+def _check_checkpoint(report: dict[str, Any]) -> None:
+    assert set(report["links"]) == {"loopback", "remote"}
+    for link, res in report["links"].items():
+        for method, s in res["saves"].items():
+            assert not s["error"], f"{link}/{method} failed: {s['error']}"
+            assert s["e2e_s"] and all(t > 0 for t in s["e2e_s"]), (link, method)
+            assert 0 < s["steady_blocking_s"] <= s["steady_e2e_s"] + 1e-6, (link, method)
+        assert {"vw_sync", "vw_async", "raw_put", "fsspec_t8", "s3tc"} <= set(res["saves"])
+        for reader, s in res["loads"].items():
+            assert not s["error"], f"{link}/{reader} failed: {s['error']}"
+            # Every load is checked against the saved values: nothing passes unread.
+            assert s["verified"], f"{link}/{reader} loaded wrong data"
+        assert {"vw_reader", "fsspec_reader", "raw_get"} <= set(res["loads"])
+        checks = res["targets"]["checks"]
+        assert {"vw_sync", "vw_async", "vw_reader"} <= set(checks)
+
+
+def _check_data(report: dict[str, Any]) -> None:
+    exps = report["experiments"]
+    assert set(exps) == {"throughput", "compute", "remote"}
+    for exp_name, exp in exps.items():
+        for set_name, rows in exp["sets"].items():
+            for row, res in rows.items():
+                where = f"{exp_name}/{set_name}/{row}"
+                assert not res["error"], f"{where} failed: {res['error']}"
+                assert res["epochs"], where
+                for epoch in res["epochs"]:
+                    # Every loader delivers every file of its set once per epoch
+                    # (ours may pad the last global batch).
+                    assert epoch["samples"] >= res["files"], where
+                    assert epoch["bytes"] >= res["files"] * res["file_bytes"], where
+    assert "ours" in exps["throughput"]["sets"]["small"]
+    assert report["targets"], "no target was evaluated"

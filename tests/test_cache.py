@@ -1,0 +1,290 @@
+"""FileCache against real stores and real processes: read-through, one download per file,
+atomic fills, limits and eviction, integrity checks, recovery from killed fillers."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dcp_volumes import CacheError, ConfigurationError
+from dcp_volumes._volume import Volume
+from dcp_volumes.data._cache import FileCache
+from tests.emulators import LatencyProxy, MotoServer
+from tests.test_data_support import disk_bytes, payload, write_samples
+
+# Fork: children start in milliseconds and need nothing pickled. They only use
+# fresh clients (Volume creates its fsspec client per process).
+_FORK = mp.get_context("fork")
+
+
+@pytest.fixture
+def proxied_bucket(moto_server: MotoServer, s3_bucket: tuple[str, dict[str, Any]]
+                   ) -> Iterator[tuple[str, dict[str, Any], LatencyProxy]]:
+    """A fresh bucket reached through a request-counting proxy (writes go direct)."""
+    url, _ = s3_bucket
+    with LatencyProxy.in_front_of(moto_server, latency_s=0.02) as proxy:
+        yield url, moto_server.storage_options(proxy.endpoint), proxy
+
+
+def _bucket_path(url: str, rel: str) -> str:
+    return f"/{url.removeprefix('s3://').strip('/')}/{rel}"
+
+
+def test_read_through_then_local(volume_url: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    url, opts = volume_url
+    files = write_samples(url, opts, 3, size=5000)
+    cache = FileCache(tmp_path / "cache", limit="1MiB")
+    volume = Volume(url, storage_options=opts)
+    for rel, data in files.items():
+        path = cache.fetch(volume.url_of(rel), storage_options=opts)
+        assert Path(path).read_bytes() == data
+        assert path.startswith(str(tmp_path / "cache"))
+    assert cache.counters.misses == 3 and cache.counters.hits == 0
+    for rel in files:
+        cache.fetch(volume.url_of(rel), storage_options=opts)
+    assert cache.counters.hits == 3 and cache.counters.misses == 3
+    assert cache.usage() == 3 * 5000 == disk_bytes(cache.cache_dir)
+
+
+def test_hits_make_no_requests(proxied_bucket: tuple[str, dict[str, Any], LatencyProxy],
+                               tmp_path: Path) -> None:
+    url, opts, proxy = proxied_bucket
+    files = write_samples(url, opts, 2)
+    proxy.reset_counts()
+    cache = FileCache(tmp_path / "cache")
+    rel = next(iter(files))
+    for _ in range(3):
+        assert Path(cache.fetch(f"{url}/{rel}", storage_options=opts, size=64)).read_bytes() == (
+            files[rel])
+    assert proxy.count("GET", _bucket_path(url, rel)) == 1
+    assert proxy.count("HEAD", _bucket_path(url, rel)) == 0  # the size came from the caller
+
+
+def _fetch_all(cache_dir: str, urls: list[str], opts: dict[str, Any], barrier: Any,
+               out: Any) -> None:
+    cache = FileCache(cache_dir, limit="10MiB")
+    barrier.wait()
+    digests = []
+    for url in urls:
+        with cache.pin(url, storage_options=opts, size=4096) as cached, open(cached, "rb") as f:
+            digests.append(hashlib.sha256(f.read()).hexdigest())
+    out.put(digests)
+
+
+def test_eight_processes_one_download_per_file(
+    proxied_bucket: tuple[str, dict[str, Any], LatencyProxy], tmp_path: Path
+) -> None:
+    url, opts, proxy = proxied_bucket
+    files = write_samples(url, opts, 6, size=4096)
+    proxy.reset_counts()
+    urls = [f"{url}/{rel}" for rel in files]
+    barrier = _FORK.Barrier(8)
+    out = _FORK.Queue()
+    procs = [_FORK.Process(target=_fetch_all,
+                           args=(str(tmp_path / "cache"), urls[i % 2:] + urls[:i % 2], opts,
+                                 barrier, out))
+             for i in range(8)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=10)
+        assert p.exitcode == 0
+    expected = {hashlib.sha256(data).hexdigest() for data in files.values()}
+    for digests in results:
+        assert set(digests) == expected  # byte-equal, never torn
+    for rel in files:
+        assert proxy.count("GET", _bucket_path(url, rel)) == 1, proxy.requests
+
+
+def test_limit_held_evicted_file_refetched(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    files = write_samples(str(src), None, 30, size=1000)  # 3x the limit
+    cache = FileCache(tmp_path / "cache", limit=10_000, headroom=0)
+    for rel, data in files.items():
+        assert Path(cache.fetch(str(src / rel))).read_bytes() == data
+        assert disk_bytes(cache.cache_dir) <= 10_000
+        assert cache.usage() <= 10_000
+    assert cache.counters.evictions == 20
+    first = str(src / next(iter(files)))
+    assert not cache.contains(first)  # least recently used: evicted
+    misses = cache.counters.misses
+    assert Path(cache.fetch(first)).read_bytes() == files[next(iter(files))]
+    assert cache.counters.misses == misses + 1
+    assert disk_bytes(cache.cache_dir) <= 10_000
+
+
+def test_pinned_files_are_never_evicted(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    files = write_samples(str(src), None, 7, size=1000)
+    urls = [str(src / rel) for rel in files]
+    cache = FileCache(tmp_path / "cache", limit=3000, headroom=0)
+    pins = [cache.pin(u) for u in urls[:3]]
+    other = FileCache(tmp_path / "cache", limit=3000, headroom=0)  # as another process would
+    for u in urls[3:6]:
+        other.fetch(u)
+    # The pins survive; the limit is exceeded by no more than the newest fill.
+    assert all(cache.contains(u) for u in urls[:3]) and cache.contains(urls[5])
+    assert disk_bytes(cache.cache_dir) == 4000
+    for pin in pins:
+        pin.release()
+    other.fetch(urls[6])  # now it can make room again
+    assert disk_bytes(cache.cache_dir) <= 3000 and cache.usage() <= 3000
+
+
+class _Order:
+    """A schedule saying when each file is used next (smaller = sooner)."""
+
+    def __init__(self, cache: FileCache, distance: dict[str, float | None]) -> None:
+        self.by_key = {cache.key_of(Volume(os.path.dirname(u)), os.path.basename(u)): d
+                       for u, d in distance.items()}
+
+    def eviction_priority(self, key: str) -> float | None:
+        return self.by_key.get(key, float("inf"))
+
+
+def test_belady_evicts_furthest_next_use_and_spares_the_window(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    files = write_samples(str(src), None, 5, size=1000)
+    urls = [str(src / rel) for rel in files]
+    cache = FileCache(tmp_path / "cache", limit=4000, headroom=0)
+    for u in urls[:4]:
+        cache.fetch(u)
+    # urls[0] is inside the prefetch window (None): never evicted even if LRU-oldest;
+    # urls[2] is needed furthest in the future: the victim.
+    cache.set_schedule(_Order(cache, {urls[0]: None, urls[1]: 5.0, urls[2]: 50.0,
+                                      urls[3]: 7.0}))
+    cache.fetch(urls[4])
+    assert [cache.contains(u) for u in urls] == [True, True, False, True, True]
+
+
+def test_corrupted_copy_detected_and_refetched(volume_url: tuple[str, dict[str, Any]],
+                                               tmp_path: Path) -> None:
+    url, opts = volume_url
+    files = write_samples(url, opts, 1, size=3000)
+    rel, data = next(iter(files.items()))
+    full = Volume(url, storage_options=opts).url_of(rel)
+    cache = FileCache(tmp_path / "cache")
+    path = cache.fetch(full, storage_options=opts)
+    with open(path, "r+b") as f:
+        f.truncate(100)  # a torn copy (e.g. a crash before the data reached the disk)
+    assert not cache.contains(full, storage_options=opts)
+    assert Path(cache.fetch(full, storage_options=opts)).read_bytes() == data
+    assert cache.counters.misses == 2
+    # A listing that disagrees with the cached copy (the object changed) refetches too.
+    Volume(url, storage_options=opts).publish(rel, b"x" * 10)
+    assert Path(cache.fetch(full, storage_options=opts, size=10)).read_bytes() == b"x" * 10
+
+
+def _slow_fetch(cache_dir: str, url: str, opts: dict[str, Any]) -> None:
+    FileCache(cache_dir).fetch(url, storage_options=opts, size=256 * 1024)
+
+
+def test_killed_filler_is_recovered(moto_server: MotoServer, s3_bucket: tuple[str, Any],
+                                    tmp_path: Path) -> None:
+    url, direct = s3_bucket
+    data = payload(7, 256 * 1024)
+    Volume(url, storage_options=direct).publish("big.bin", data)
+    cache_dir = str(tmp_path / "cache")
+    # ~2 s for 256 KiB: the filler is surely mid-download when it is killed.
+    with LatencyProxy.in_front_of(moto_server, bandwidth_bps=1e6) as slow:
+        opts = moto_server.storage_options(slow.endpoint)
+        filler = _FORK.Process(target=_slow_fetch, args=(cache_dir, f"{url}/big.bin", opts))
+        filler.start()
+        cache = FileCache(cache_dir, reconcile=False)
+        ref = cache._ref(Volume(url, storage_options=opts), "big.bin")
+        deadline = time.monotonic() + 20
+        while not os.path.exists(ref.resv) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.path.exists(ref.resv), "the filler never started"
+        time.sleep(0.3)
+        assert filler.is_alive()
+        os.kill(filler.pid or 0, signal.SIGKILL)
+        filler.join()
+        # Its leftovers are never served: the next fetch cleans up and downloads again.
+        assert not cache.contains(f"{url}/big.bin", storage_options=opts)
+        path = cache.fetch(f"{url}/big.bin", storage_options=opts, size=len(data))
+    assert Path(path).read_bytes() == data
+    assert not os.path.exists(ref.resv) and not os.path.exists(ref.fill)
+    assert cache.usage() == len(data)  # the dead filler's reservation was given back
+
+
+def test_waiting_reader_gets_the_file_after_the_filler_dies(
+    moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: Path
+) -> None:
+    url, direct = s3_bucket
+    data = payload(9, 256 * 1024)
+    Volume(url, storage_options=direct).publish("big.bin", data)
+    cache_dir = str(tmp_path / "cache")
+    with LatencyProxy.in_front_of(moto_server, bandwidth_bps=1e6) as slow:
+        opts = moto_server.storage_options(slow.endpoint)
+        filler = _FORK.Process(target=_slow_fetch, args=(cache_dir, f"{url}/big.bin", opts))
+        filler.start()
+        cache = FileCache(cache_dir, reconcile=False)
+        ref = cache._ref(Volume(url, storage_options=opts), "big.bin")
+        deadline = time.monotonic() + 20
+        while not os.path.exists(ref.resv) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        got: list[str] = []
+        waiter = threading.Thread(target=lambda: got.append(
+            cache.fetch(f"{url}/big.bin", storage_options=opts, size=len(data))))
+        waiter.start()  # blocks on the entry lock the filler holds
+        time.sleep(0.3)
+        assert waiter.is_alive() and not got
+        os.kill(filler.pid or 0, signal.SIGKILL)
+        filler.join()
+        waiter.join(timeout=30)
+    assert got and Path(got[0]).read_bytes() == data
+    assert not os.path.exists(ref.fill)
+
+
+def test_restart_reconciles_the_directory(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    files = write_samples(str(src), None, 4, size=500)
+    urls = [str(src / rel) for rel in files]
+    cache = FileCache(tmp_path / "cache")
+    refs = [cache._ref(Volume(os.path.dirname(u)), os.path.basename(u)) for u in urls]
+    for u in urls:
+        cache.fetch(u)
+    Path(refs[0].fill).write_bytes(b"half")            # a killed fill
+    Path(refs[0].resv).write_text("500")
+    os.remove(refs[1].meta)                            # a file without its sidecar
+    os.remove(refs[2].data)                            # a sidecar without its file
+    foreign = tmp_path / "cache" / "objects" / "notes.txt"
+    foreign.write_text("not the cache's")
+    restarted = FileCache(tmp_path / "cache")
+    report = restarted.reconcile()  # (already ran at start-up: now a no-op)
+    assert report.removed_temp == 0 and report.entries == 2
+    assert not os.path.exists(refs[0].fill) and not os.path.exists(refs[0].resv)
+    assert not os.path.exists(refs[1].data) and not os.path.exists(refs[2].meta)
+    assert foreign.exists()  # never deletes what it did not create
+    assert restarted.usage() == 1000 == disk_bytes(restarted.cache_dir) - len("not the cache's")
+    assert Path(restarted.fetch(urls[1])).read_bytes() == files[os.path.relpath(urls[1], src)]
+
+
+def test_bad_cache_configuration(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(CacheError, match="cannot be used"):
+        FileCache(blocker / "cache")
+    with pytest.raises(ConfigurationError):
+        FileCache(tmp_path / "c", limit="lots")
+    with pytest.raises(ConfigurationError):
+        FileCache(tmp_path / "c", limit=0)
+    src = tmp_path / "src"
+    files = write_samples(str(src), None, 1, size=5000)
+    small = FileCache(tmp_path / "c", limit=1000)
+    with pytest.raises(CacheError, match="larger than the cache limit"):
+        small.fetch(str(src / next(iter(files))))
+    assert small.usage() == 0
+    with pytest.raises(ConfigurationError, match="names no file"):
+        small.fetch("s3://bucket-only")

@@ -1,0 +1,253 @@
+"""The `dcp-volumes` console script, run as a real subprocess against local and moto volumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_volumes._volume import Volume
+from dcp_volumes.checkpoint._manifest import (
+    MANIFEST_NAME,
+    METADATA_NAME,
+    FileRecord,
+    Manifest,
+    checksum_bytes,
+)
+from tests.emulators import repo_root
+
+Location = tuple[str, dict[str, Any]]
+
+
+def run_cli(*args: str, options: dict[str, Any] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m dcp_volumes.cli ARGS`` in a fresh interpreter (the console script's main)."""
+    env = dict(os.environ)
+    env.pop("DCP_VOLUMES_STORAGE_OPTIONS", None)
+    if options:
+        env["DCP_VOLUMES_STORAGE_OPTIONS"] = json.dumps(options)
+    env["PYTHONPATH"] = str(repo_root()) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-m", "dcp_volumes.cli", *args],
+        capture_output=True, text=True, timeout=120, env=env, cwd=str(repo_root()),
+    )
+
+
+def state_for(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "model": {"weight": torch.randn(64, 32, generator=g), "bias": torch.zeros(32)},
+        "step_count": torch.tensor([step], dtype=torch.int64),
+        "meta": {"note": f"step {step}"},
+    }
+
+
+def write_stock(url: str, options: dict[str, Any], name: str, step: int) -> None:
+    """A checkpoint written by stock DCP (no manifest)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if url.startswith("s3://"):
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            writer: Any = FsspecWriter(f"{url}/{name}", **options)
+        else:
+            writer = dcp.FileSystemWriter(os.path.join(url, name))
+        dcp.save(state_for(step), storage_writer=writer, no_dist=True)
+
+
+def add_manifest(url: str, options: dict[str, Any], name: str) -> None:
+    """Give a stock checkpoint a dcp_volumes manifest (as VolumeWriter writes it)."""
+    vol = Volume(url, storage_options=options).child(name)
+    files = {
+        f.path: FileRecord(size=f.size, checksum=checksum_bytes(vol.read_bytes(f.path)))
+        for f in vol.list("")
+        if f.path not in (METADATA_NAME, MANIFEST_NAME)
+    }
+    vol.publish(MANIFEST_NAME, Manifest(files=files).to_json())
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.emulator)])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
+    """A run root holding: stock step_100 and 200, managed step-00000300, a partial 400."""
+    if request.param == "local":
+        url, options = str(tmp_path / "run"), {}
+        os.makedirs(url)
+    else:
+        bucket, options = request.getfixturevalue("s3_bucket")
+        url = f"{bucket}/run"
+    write_stock(url, options, "step_100", 100)
+    write_stock(url, options, "200", 200)
+    write_stock(url, options, "step-00000300", 300)
+    add_manifest(url, options, "step-00000300")
+    vol = Volume(url, storage_options=options)
+    vol.publish("step-00000400/__0_0.distcp", b"half written")
+    vol.publish("notes/readme.txt", b"not a checkpoint")
+    return url, options
+
+
+def test_ls_table_and_json(root: Location) -> None:
+    url, options = root
+    res = run_cli("ls", url, options=options)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].split() == ["STEP", "STATUS", "SIZE", "FILES", "AGE", "NAME"]
+    rows = {line.split()[0]: line for line in lines[1:]}
+    assert set(rows) == {"100", "200", "300", "400"}
+    assert "complete" in rows["300"] and "partial" in rows["400"]
+    assert "stock DCP" in rows["100"] and "stock DCP" not in rows["300"]
+
+    res = run_cli("ls", url, "--json", options=options)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    got = {(c["step"], c["name"], c["complete"], c["managed"]) for c in doc["checkpoints"]}
+    assert got == {
+        (100, "step_100", True, False),
+        (200, "200", True, False),
+        (300, "step-00000300", True, True),
+        (400, "step-00000400", False, False),
+    }
+    c300 = next(c for c in doc["checkpoints"] if c["step"] == 300)
+    assert c300["files"] >= 3 and c300["size"] > 64 * 32 * 4
+
+
+def _flip_byte(url: str, options: dict[str, Any], rel: str) -> None:
+    vol = Volume(url, storage_options=options)
+    data = bytearray(vol.read_bytes(rel))
+    data[len(data) // 2] ^= 0xFF
+    vol.publish(rel, bytes(data))
+
+
+def test_verify_ok_then_flipped_byte_names_the_file(root: Location) -> None:
+    url, options = root
+    res = run_cli("verify", f"{url}/step-00000300", options=options)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.startswith("OK")
+    assert "%|" in res.stderr or "B/s" in res.stderr  # the tqdm bar went to stderr
+
+    data_file = next(
+        f.path for f in Volume(url, storage_options=options).child("step-00000300").list("")
+        if f.path.endswith(".distcp")
+    )
+    _flip_byte(url, options, f"step-00000300/{data_file}")
+    res = run_cli("verify", f"{url}/300", "--no-progress", options=options)
+    assert res.returncode == 1
+    assert "FAILED" in res.stdout and data_file in res.stdout and "checksum" in res.stdout
+    assert res.stderr == ""
+    res = run_cli("verify", f"{url}/300", "--json", options=options)
+    assert res.returncode == 1
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False
+    assert any(data_file in p for p in doc["checkpoints"][0]["problems"])
+
+
+def test_verify_root_checks_every_complete_and_skips_partial(root: Location) -> None:
+    url, options = root
+    res = run_cli("verify", url, "--json", options=options)
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    status = {c["step"]: (c["status"], c.get("checksums")) for c in doc["checkpoints"]}
+    assert status == {100: ("ok", False), 200: ("ok", False), 300: ("ok", True),
+                      400: ("skipped", None)}
+
+
+def test_verify_stock_checkpoint_with_a_missing_file_fails(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    write_stock(url, {}, "step_7", 7)
+    data = next(p for p in os.listdir(os.path.join(url, "step_7")) if p.endswith(".distcp"))
+    os.remove(os.path.join(url, "step_7", data))
+    res = run_cli("verify", os.path.join(url, "step_7"), "--no-progress")
+    assert res.returncode == 1
+    assert data in res.stdout and "missing" in res.stdout
+
+
+def test_gc_dry_run_changes_nothing_then_deletes(root: Location) -> None:
+    url, options = root
+    vol = Volume(url, storage_options=options)
+    before = [f.path for f in vol.list("")]
+    res = run_cli("gc", url, "--keep-last", "2", "--dry-run", "--json", options=options)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["dry_run"] is True and doc["deleted"] == []
+    assert [c["name"] for c in doc["would_delete"]] == ["step_100"]
+    assert [f.path for f in vol.list("")] == before
+
+    res = run_cli("gc", url, "--keep-last", "1", options=options)
+    assert res.returncode == 0, res.stderr
+    assert "deleted 2, kept 2" in res.stdout
+    # Kept: the newest complete (300), the partial newer than it (400, maybe being
+    # written), and everything that is not a checkpoint.
+    assert vol.list_dirs("") == ["notes", "step-00000300", "step-00000400"]
+
+
+def test_gc_removes_partials_older_than_the_newest_complete(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    write_stock(url, {}, "step-00000005", 5)
+    vol = Volume(url)
+    vol.publish("step-00000003/__0_0.distcp", b"crashed save")
+    vol.publish("step-00000004/.dcp_volumes.manifest.json", b"{}")  # crashed before .metadata
+    res = run_cli("gc", url, "--keep-last", "3", "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert sorted(c["name"] for c in doc["deleted"]) == ["step-00000003", "step-00000004"]
+    assert vol.list_dirs("") == ["step-00000005"]
+
+
+def test_inspect_names_shapes_dtypes(root: Location) -> None:
+    url, options = root
+    res = run_cli("inspect", f"{url}/200", options=options)
+    assert res.returncode == 0, res.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in res.stdout.splitlines()[2:]}
+    assert rows["model.weight"] == ["float32", "64x32", "1"]
+    assert rows["step_count"] == ["int64", "1", "1"]
+    assert rows["meta.note"][0] == "(object)"
+
+    res = run_cli("inspect", f"{url}/step-00000300", "--json", options=options)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["step"] == 300 and doc["complete"] is True
+    entries = {e["name"]: e for e in doc["entries"]}
+    assert entries["model.bias"]["shape"] == [32] and entries["model.bias"]["dtype"] == "float32"
+    assert doc["tensor_bytes"] == (64 * 32 + 32) * 4 + 8
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["gc", "{root}"], 2, "--keep-last"),  # argparse usage error
+        (["gc", "{root}", "--keep-last", "0"], 2, "must be >= 1"),
+        (["ls", "{root}", "--storage-options", "{{bad"], 2, "not valid JSON"),
+        (["ls", "{root}", "--storage-options", "[1]"], 2, "JSON object"),
+        (["ls", "{root}/missing"], 1, "does not exist"),
+        (["inspect", "{root}"], 1, "not a checkpoint"),
+        (["inspect", "{root}/123"], 1, "No checkpoint of step 123"),
+        (["ls", "nosuchproto://x/y"], 2, "protocol"),
+        (["frobnicate"], 2, "invalid choice"),
+    ],
+)
+def test_errors_are_one_line_with_exit_codes(
+    tmp_path: Path, args: list[str], code: int, needle: str
+) -> None:
+    root_dir = tmp_path / "run"
+    root_dir.mkdir()
+    res = run_cli(*[a.format(root=root_dir) for a in args])
+    assert res.returncode == code, res.stdout + res.stderr
+    assert needle in res.stderr
+    assert "Traceback" not in res.stderr
+    if code == 1 or "protocol" in needle or "JSON" in needle:
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+@pytest.mark.emulator
+def test_missing_bucket_fails_cleanly(s3_bucket: Location) -> None:
+    _, options = s3_bucket
+    res = run_cli("ls", "s3://no-such-bucket-dcpv/run", options=options)
+    assert res.returncode == 1
+    assert "no-such-bucket-dcpv" in res.stderr and "Traceback" not in res.stderr
+    assert options["secret"] not in res.stderr

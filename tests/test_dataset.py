@@ -1,0 +1,229 @@
+"""VolumeDataset: global order, partitioning over ranks and workers, reproducible
+augmentation, changed-data detection, cache limits and bad input."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dcp_volumes import (
+    CacheError,
+    ConfigurationError,
+    DataLoader,
+    DatasetChangedError,
+    VolumeDataset,
+    VolumeNotFoundError,
+)
+from dcp_volumes._volume import Volume
+from tests.test_data_support import (
+    augment,
+    disk_bytes,
+    name_of,
+    payload,
+    read_id,
+    run_job,
+    to_list,
+    write_samples,
+)
+
+
+@pytest.fixture
+def s3_data(s3_bucket: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    url, opts = s3_bucket
+    write_samples(f"{url}/train", opts, 36)
+    return f"{url}/train", opts
+
+
+def test_stream_is_the_same_for_any_ranks_and_workers(s3_data: tuple[str, Any],
+                                                      tmp_path: Path) -> None:
+    url, opts = s3_data
+    cache = str(tmp_path / "cache")
+    reference, _ = run_job(url, opts, cache, world=1, workers=0, global_batch_size=12)
+    assert sorted(reference) == list(range(36))  # every file exactly once per epoch
+    assert reference != list(range(36))  # and shuffled
+    for world, workers in ((2, 2), (3, 1), (4, 3)):
+        stream, state = run_job(url, opts, cache, world=world, workers=workers,
+                                global_batch_size=12)
+        assert stream == reference, (world, workers)
+        assert state["epoch"] == 1 and state["position"] == 0  # the epoch is complete
+
+
+def test_epochs_seeds_and_order(tmp_path: Path) -> None:
+    src = str(tmp_path / "src")
+    write_samples(src, None, 20)
+    cache = str(tmp_path / "cache")
+    e0, _ = run_job(src, None, cache, world=1, workers=0, global_batch_size=4)
+    e0_again, _ = run_job(src, None, cache, world=2, workers=1, global_batch_size=4)
+    e1, _ = run_job(src, None, cache, world=1, workers=0, global_batch_size=4, epoch=1)
+    seed7, _ = run_job(src, None, cache, world=1, workers=0, global_batch_size=4, seed=7)
+    plain, _ = run_job(src, None, cache, world=1, workers=0, global_batch_size=4, shuffle=False)
+    assert e0 == e0_again and sorted(e1) == sorted(e0) == list(range(20))
+    assert e1 != e0 and seed7 != e0
+    assert plain == list(range(20))  # manifest order: sorted by path
+
+
+def test_pad_and_drop_give_every_rank_the_same_batches(tmp_path: Path) -> None:
+    src = str(tmp_path / "src")
+    write_samples(src, None, 25)
+    cache = str(tmp_path / "cache")
+    dropped, _ = run_job(src, None, cache, world=3, workers=2, global_batch_size=6,
+                         last_batch="drop")
+    assert len(dropped) == 24 and len(set(dropped)) == 24
+    padded, _ = run_job(src, None, cache, world=3, workers=2, global_batch_size=6)
+    assert len(padded) == 30 and set(padded) == set(range(25))
+    assert padded[25:] == padded[:5]  # the last global batch wraps to the epoch's start
+    single, _ = run_job(src, None, cache, world=1, workers=0, global_batch_size=6)
+    assert single == padded
+
+
+def test_augmentation_is_reproducible(tmp_path: Path) -> None:
+    src = str(tmp_path / "src")
+    write_samples(src, None, 16)
+    cache = str(tmp_path / "cache")
+    before = torch.get_rng_state()
+    reference, _ = run_job(src, None, cache, world=1, workers=0, global_batch_size=4,
+                           transform=augment)
+    # The training process's own random stream is untouched by the transforms.
+    assert torch.equal(torch.get_rng_state(), before)
+    ids = [s[0] for s in reference]
+    assert sorted(ids) == list(range(16))
+    assert len({s[1] for s in reference}) == 16 and len({s[2] for s in reference}) == 16
+    for world, workers in ((1, 2), (2, 3)):
+        stream, _ = run_job(src, None, cache, world=world, workers=workers,
+                            global_batch_size=4, transform=augment)
+        assert stream == reference
+    head, state = run_job(src, None, cache, world=2, workers=2, global_batch_size=4,
+                          transform=augment, stop_after=2)
+    tail, _ = run_job(src, None, cache, world=1, workers=3, global_batch_size=4,
+                      transform=augment, state=state)
+    assert head + tail == reference
+    # Another epoch draws other augmentations of the same files.
+    e1, _ = run_job(src, None, cache, world=1, workers=0, global_batch_size=4,
+                    transform=augment, epoch=1)
+    assert {s[1] for s in e1}.isdisjoint({s[1] for s in reference})
+
+
+def test_changed_data_is_refused_or_warned(s3_data: tuple[str, Any], tmp_path: Path,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    url, opts = s3_data
+    cache = str(tmp_path / "cache")
+    _, state = run_job(url, opts, cache, world=1, workers=0, global_batch_size=6, stop_after=2)
+    volume = Volume(url, storage_options=opts)
+    volume.publish(name_of(0), payload(0, 64)[::-1])  # same size, new content (new etag)
+    ds = VolumeDataset(url, storage_options=opts, cache_dir=cache, transform=read_id)
+    with pytest.raises(DatasetChangedError, match="changed since the loader state was saved"):
+        DataLoader(ds, batch_size=6, num_workers=0).load_state_dict(state)
+    volume.publish(name_of(0), payload(0, 64))
+    volume.publish("extra/new.bin", payload(99, 64))  # a file added
+    with pytest.raises(DatasetChangedError, match="36 files .* then, 37"):
+        ds = VolumeDataset(url, storage_options=opts, cache_dir=cache, transform=read_id)
+        DataLoader(ds, batch_size=6, num_workers=0).load_state_dict(state)
+    ds = VolumeDataset(url, storage_options=opts, cache_dir=cache, transform=read_id,
+                       on_data_change="warn")
+    loader = DataLoader(ds, batch_size=6, num_workers=0)
+    with caplog.at_level(logging.WARNING):
+        loader.load_state_dict(state)
+    assert "changed since the loader state was saved" in caplog.text
+    rest = [i for batch in loader for i in to_list(batch)]
+    assert len(rest) == 37 - 12 + 5  # from position 12 of the new order, padded to 6
+
+
+def test_file_changed_after_listing_is_an_error(s3_data: tuple[str, Any],
+                                                tmp_path: Path) -> None:
+    url, opts = s3_data
+    ds = VolumeDataset(url, storage_options=opts, cache_dir=tmp_path / "cache", shuffle=False)
+    Volume(url, storage_options=opts).publish(name_of(0), payload(0, 100))  # grew
+    with pytest.raises(DatasetChangedError, match="has 65 bytes but was listed with 64"):
+        next(iter(DataLoader(ds, batch_size=4, num_workers=0)))
+
+
+def test_cache_limit_held_under_a_dataset_three_times_larger(s3_bucket: tuple[str, Any],
+                                                             tmp_path: Path) -> None:
+    url, opts = s3_bucket
+    write_samples(url, opts, 30, size=1000)
+    cache = str(tmp_path / "cache")
+    probe = functools.partial(_id_and_cache_bytes, cache)
+    ds = VolumeDataset(url, storage_options=opts, cache_dir=cache, cache_limit=10_000,
+                       transform=probe, prefetch=2, prefetch_threads=2)
+    loader = DataLoader(ds, batch_size=2, num_workers=2, prefetch_factor=2)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        seen = [tuple(s) for batch in loader for s in zip(*batch, strict=True)]
+        assert sorted(int(i) for i, _ in seen) == list(range(30))
+        assert max(int(b) for _, b in seen) <= 10_000
+    assert disk_bytes(cache) <= 10_000
+    assert loader.metrics.totals["hits"] > 0  # Belady kept files the next epoch used
+
+
+def _id_and_cache_bytes(cache_dir: str, path: str) -> tuple[int, int]:
+    return read_id(path), disk_bytes(cache_dir)
+
+
+def test_mount_path_cached_or_read_in_place(tmp_path: Path) -> None:
+    src = tmp_path / "nfs"
+    write_samples(str(src), None, 4)
+    cached = VolumeDataset(src, cache_dir=tmp_path / "cache", shuffle=False)
+    paths = [p for batch in DataLoader(cached, batch_size=2, num_workers=0) for p in batch]
+    assert all(p.startswith(str(tmp_path / "cache")) for p in paths)
+    direct = VolumeDataset(src, cache_dir=tmp_path / "cache", shuffle=False, cache_local=False)
+    paths = [p for batch in DataLoader(direct, batch_size=2, num_workers=0) for p in batch]
+    assert paths == [str(src / name_of(i)) for i in range(4)]
+    assert sorted(os.listdir(src)) == ["part-0"]  # the source is never written to
+
+
+def test_a_list_of_file_urls(s3_data: tuple[str, Any], tmp_path: Path) -> None:
+    url, opts = s3_data
+    files = [f"{url}/{name_of(i)}" for i in (5, 3, 31)]
+    ds = VolumeDataset(files, storage_options=opts, cache_dir=tmp_path / "c", shuffle=False,
+                       transform=read_id)
+    assert [i for b in DataLoader(ds, batch_size=3, num_workers=0) for i in to_list(b)] == [
+        5, 3, 31]
+
+
+def test_stock_torch_dataloader_needs_only_the_batch_size_hint(tmp_path: Path) -> None:
+    src = str(tmp_path / "src")
+    write_samples(src, None, 12)
+    cache = str(tmp_path / "cache")
+    ours, _ = run_job(src, None, cache, world=1, workers=0, global_batch_size=3)
+    ds = VolumeDataset(src, cache_dir=cache, transform=read_id, batch_size=3)
+    stock = torch.utils.data.DataLoader(ds, batch_size=3, num_workers=2)
+    assert [i for b in stock for i in to_list(b)] == ours
+
+
+def test_bad_input_gives_clear_errors(s3_bucket: tuple[str, Any], tmp_path: Path) -> None:
+    url, opts = s3_bucket
+    with pytest.raises(VolumeNotFoundError, match="No files found"):
+        VolumeDataset(f"{url}/nothing-here/", storage_options=opts, cache_dir=tmp_path / "c")
+    with pytest.raises(ConfigurationError, match="empty"):
+        VolumeDataset("", cache_dir=tmp_path / "c")
+    src = tmp_path / "src"
+    write_samples(str(src), None, 10, size=500)
+    with pytest.raises(CacheError, match="smaller than the largest file"):
+        VolumeDataset(src, cache_dir=tmp_path / "c", cache_limit=100)
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    with pytest.raises(CacheError, match="cannot be used"):
+        VolumeDataset(src, cache_dir=blocker / "cache")
+    with pytest.raises(ConfigurationError, match="inside the dataset directory"):
+        VolumeDataset(src, cache_dir=src / ".cache")
+    with pytest.raises(ConfigurationError, match="last_batch"):
+        VolumeDataset(src, cache_dir=tmp_path / "c", last_batch="keep")
+    ds = VolumeDataset(src, cache_dir=tmp_path / "c", transform=read_id, shuffle=False)
+    with pytest.raises(ConfigurationError, match="cannot be split evenly over 3 ranks"):
+        DataLoader(ds, global_batch_size=10, rank=0, world_size=3)
+    with pytest.raises(ConfigurationError, match="disagree"):
+        DataLoader(ds, batch_size=4, global_batch_size=10, rank=0, world_size=2)
+    with pytest.raises(ConfigurationError, match="in_order"):
+        DataLoader(ds, batch_size=2, in_order=False)
+    # A file that cannot be read any more: the error names it and reaches the loop.
+    os.remove(src / name_of(3))
+    loader = DataLoader(ds, batch_size=2, num_workers=1)
+    with pytest.raises(VolumeNotFoundError, match="sample-00003.bin"):
+        for _ in loader:
+            pass

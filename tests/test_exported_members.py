@@ -1,0 +1,47 @@
+"""Pin the public surface: what `dcp_volumes` exports is a deliberate decision."""
+
+from __future__ import annotations
+
+import dcp_volumes
+
+EXPECTED = {
+    "CheckpointInfo",
+    "CheckpointManager",
+    "DataLoader",
+    "FileCache",
+    "VolumeDataset",
+    "VolumeReader",
+    "VolumeWriter",
+    # errors users catch
+    "BucketNotFoundError",
+    "CacheError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ConfigurationError",
+    "DatasetChangedError",
+    "DcpVolumesError",
+    "StagingError",
+    "VolumeAccessError",
+    "VolumeError",
+    "VolumeExistsError",
+    "VolumeNotFoundError",
+    "BackendNotInstalledError",
+    "__version__",
+}
+
+
+def test_all_is_pinned() -> None:
+    assert set(dcp_volumes.__all__) == EXPECTED
+
+
+def test_every_exported_name_resolves() -> None:
+    for name in dcp_volumes.__all__:
+        assert getattr(dcp_volumes, name) is not None, name
+
+
+def test_private_modules_stay_private() -> None:
+    public = {n for n in dir(dcp_volumes) if not n.startswith("_")}
+    # Only exports and subpackages may appear without an underscore.
+    assert public - set(dcp_volumes.__all__) <= {"checkpoint", "data", "cli"}

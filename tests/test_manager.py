@@ -1,0 +1,477 @@
+"""CheckpointManager: lifecycle, resume, retention, local tier, errors; local and S3 (moto)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dcp_volumes._exceptions import (
+    BucketNotFoundError,
+    CheckpointError,
+    CheckpointExistsError,
+    ConfigurationError,
+    DcpVolumesError,
+    VolumeAccessError,
+    VolumeError,
+    VolumeNotFoundError,
+)
+from dcp_volumes._volume import Volume
+from dcp_volumes.checkpoint._discovery import CheckpointInfo, parse_step, scan, step_dir
+from dcp_volumes.checkpoint._manager import CheckpointManager
+from dcp_volumes.checkpoint._manifest import METADATA_NAME
+from dcp_volumes.checkpoint._retention import retention_victims
+from tests.dist import run_ranks
+from tests.emulators import LatencyProxy, MotoServer
+from tests.scripts.states import Progress, differences, empty_state, state_for
+
+Location = tuple[str, dict[str, Any]]
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.emulator)])
+def root(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
+    """A fresh run root: a local directory (not yet created) or a prefix in a moto bucket."""
+    if request.param == "local":
+        return str(tmp_path / "run"), {}
+    bucket, options = request.getfixturevalue("s3_bucket")
+    return f"{bucket}/run", options
+
+
+@pytest.fixture
+def slow_s3(
+    moto_server: MotoServer, s3_bucket: Location
+) -> Iterator[tuple[str, dict, dict, LatencyProxy]]:
+    """(root, direct options, options through a 30 ms/request proxy, the proxy)."""
+    bucket, options = s3_bucket
+    with LatencyProxy.in_front_of(moto_server, latency_s=0.03) as proxy:
+        yield f"{bucket}/run", options, moto_server.storage_options(proxy.endpoint), proxy
+
+
+def restored(mgr: CheckpointManager, **kw: Any) -> tuple[int | None, dict[str, Any]]:
+    state = empty_state()
+    return mgr.restore(state, **kw), state
+
+
+def complete_steps(url: str, options: dict[str, Any]) -> list[int]:
+    return [i.step for i in scan(Volume(url, storage_options=options)) if i.complete]
+
+
+# -- naming and retention rules ---------------------------------------------------------------
+
+
+def test_step_names() -> None:
+    assert step_dir(100) == "step-00000100"
+    assert step_dir(123456789) == "step-123456789"
+    for name, step in [("step-00000100", 100), ("step_100", 100), ("100", 100),
+                       ("checkpoint-100", 100), ("ckpt_7", 7), ("global_step42", 42),
+                       ("iter-3", 3), ("Step_5", 5)]:
+        assert parse_step(name) == step, name
+    for name in ["notes", "step-", "run-100", "100-final", "step-1a", ".metadata"]:
+        assert parse_step(name) is None, name
+
+
+def _info(step: int, complete: bool, name: str | None = None) -> CheckpointInfo:
+    name = name or step_dir(step)
+    return CheckpointInfo(step=step, url=f"/r/{name}", complete=complete, name=name)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    dirs=st.dictionaries(st.integers(0, 40), st.booleans(), max_size=15),
+    keep_last=st.one_of(st.none(), st.integers(1, 5)),
+    protect=st.one_of(st.none(), st.integers(0, 40)),
+)
+def test_retention_rules(dirs: dict[int, bool], keep_last: int | None, protect: int | None) -> None:
+    infos = sorted((_info(s, c) for s, c in dirs.items()), key=lambda i: i.step)
+    protected = [step_dir(protect)] if protect is not None else []
+    victims = retention_victims(infos, keep_last=keep_last, protect=protected)
+    gone = {v.step for v in victims}
+    complete = [s for s, c in sorted(dirs.items()) if c]
+    if not complete:
+        assert victims == []  # nothing complete: nothing may go
+        return
+    newest = complete[-1]
+    assert newest not in gone
+    assert protect not in gone
+    for step, is_complete in dirs.items():
+        if not is_complete:
+            # partial: deleted exactly when older than the newest complete (and not protected)
+            assert (step in gone) == (step < newest and step != protect)
+    kept_complete = [s for s in complete if s not in gone]
+    if keep_last is None:
+        assert kept_complete == complete
+    else:
+        newest_n = complete[-keep_last:]
+        assert set(newest_n) <= set(kept_complete)
+        assert set(kept_complete) - set(newest_n) <= ({protect} if protect is not None else set())
+
+
+# -- save / restore / list --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_save_list_latest_restore(root: Location, async_save: bool) -> None:
+    url, options = root
+    assert not os.path.exists(url) or url.startswith("s3://")
+    with CheckpointManager(url, keep_last=2, storage_options=options,
+                           async_save=async_save) as mgr:
+        assert mgr.latest() is None and mgr.list() == []
+        assert restored(mgr)[0] is None
+        for step in (10, 20, 30):
+            assert mgr.save(step, state_for(step)) == mgr.url_of(step)
+            if not async_save:  # dcp.save returned: committed already
+                assert Volume(mgr.url_of(step), storage_options=options).exists(METADATA_NAME)
+        mgr.wait()
+        infos = mgr.list()
+        assert [(i.step, i.complete, i.name) for i in infos] == [
+            (20, True, "step-00000020"), (30, True, "step-00000030")]
+        latest = mgr.latest()
+        assert latest is not None and latest.step == 30 and latest.managed
+        assert latest.size and latest.num_files and latest.num_files >= 3 and latest.created
+        step, state = restored(mgr)
+        assert step == 30 and differences(state, state_for(30)) == []
+        assert isinstance(state["progress"], Progress) and state["progress"].step == 30
+        step, state = restored(mgr, step=20)
+        assert step == 20 and differences(state, state_for(20)) == []
+    # A new manager ("the job restarted") resumes from the same place.
+    with CheckpointManager(url, storage_options=options) as again:
+        step, state = restored(again)
+        assert step == 30 and differences(state, state_for(30)) == []
+
+
+def test_stock_dcp_checkpoints_are_listed_restored_and_retained(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, step in [("checkpoint-1", 1), ("step_2", 2)]:
+            plain = {k: (v.state_dict() if isinstance(v, Progress) else v)
+                     for k, v in state_for(step).items()}
+            dcp.save(plain, storage_writer=dcp.FileSystemWriter(os.path.join(url, name)),
+                     no_dist=True)
+    mgr = CheckpointManager(url, keep_last=2)
+    assert [(i.step, i.name, i.complete, i.managed) for i in mgr.list()] == [
+        (1, "checkpoint-1", True, False), (2, "step_2", True, False)]
+    step, state = restored(mgr)
+    assert step == 2 and differences(state, state_for(2)) == []
+    mgr.save(3, state_for(3))
+    mgr.wait()  # keep_last=2 allows 2 and 3: the older stock one goes, step_2 stays
+    assert sorted(os.listdir(url)) == ["step-00000003", "step_2"]
+    mgr.save(4, state_for(4))
+    mgr.close()
+    assert sorted(os.listdir(url)) == ["step-00000003", "step-00000004"]
+
+
+def test_partial_checkpoints_are_skipped_with_a_warning_and_collected(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = str(tmp_path / "run")
+    with CheckpointManager(url, keep_last=5) as mgr:
+        mgr.save(1, state_for(1))
+        mgr.save(2, state_for(2))
+    # Step 2 was killed between its manifest and .metadata; step 3 lost a shard's tail.
+    os.remove(os.path.join(url, "step-00000002", METADATA_NAME))
+    shutil.copytree(os.path.join(url, "step-00000001"), os.path.join(url, "step-00000003"))
+    data = next(p for p in Path(url, "step-00000003").rglob("*.distcp"))
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 1)
+    mgr = CheckpointManager(url, keep_last=5)
+    assert [(i.step, i.complete) for i in mgr.list()] == [(1, True), (2, False), (3, False)]
+    partial3 = mgr.list()[2]
+    assert any("manifest says" in p for p in partial3.problems)
+    assert mgr.latest().step == 1  # type: ignore[union-attr]
+    with caplog.at_level(logging.WARNING, logger="dcp_volumes"):
+        step, state = restored(mgr)
+    assert step == 1 and differences(state, state_for(1)) == []
+    warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "step-00000002" in warned and "step-00000003" in warned
+    mgr.save(4, state_for(4))
+    mgr.close()  # partials older than the newest complete (4) are gone, complete 1 is kept
+    assert sorted(os.listdir(url)) == ["step-00000001", "step-00000004"]
+
+
+def test_verify_skips_a_checkpoint_whose_checksum_fails(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = str(tmp_path / "run")
+    with CheckpointManager(url) as mgr:
+        mgr.save(1, state_for(1))
+        mgr.save(2, state_for(2))
+    data = next(p for p in Path(url, "step-00000002").rglob("*.distcp"))
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0x01  # same size: only a checksum can tell
+    data.write_bytes(bytes(blob))
+    with CheckpointManager(url, verify=True) as mgr, caplog.at_level(logging.WARNING):
+        assert mgr.latest().step == 2  # type: ignore[union-attr]  # listing cannot tell
+        step, state = restored(mgr)
+    assert step == 1 and differences(state, state_for(1)) == []
+    assert any("step-00000002" in r.getMessage() and "verification" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_existing_step_is_refused_or_overwritten(root: Location) -> None:
+    url, options = root
+    with CheckpointManager(url, storage_options=options) as mgr:
+        mgr.save(5, state_for(5))
+        mgr.wait()
+        with pytest.raises(CheckpointExistsError, match="overwrite=True"):
+            mgr.save(5, state_for(6))
+        mgr.save(6, state_for(6))  # still usable after the refusal
+    with CheckpointManager(url, storage_options=options, overwrite=True) as mgr:
+        mgr.save(5, state_for(55))
+        mgr.wait()
+        step, state = restored(mgr, step=5)
+        assert step == 5 and differences(state, state_for(55)) == []
+
+
+def test_a_partial_leftover_of_the_same_step_is_replaced(tmp_path: Path) -> None:
+    url = str(tmp_path / "run")
+    Volume(url).publish("step-00000007/__9_9.distcp", b"left by a crashed save")
+    with CheckpointManager(url) as mgr:
+        mgr.save(7, state_for(7))
+    assert not os.path.exists(os.path.join(url, "step-00000007", "__9_9.distcp"))
+    with CheckpointManager(url) as mgr:
+        step, state = restored(mgr)
+    assert step == 7 and differences(state, state_for(7)) == []
+
+
+@pytest.mark.parametrize("keep_last", [0, -1, True, 2.5, "3"])
+def test_keep_last_must_be_a_positive_int(tmp_path: Path, keep_last: Any) -> None:
+    with pytest.raises(ConfigurationError, match="keep_last"):
+        CheckpointManager(str(tmp_path), keep_last=keep_last)
+
+
+def test_bad_steps_and_closed_manager(tmp_path: Path) -> None:
+    mgr = CheckpointManager(str(tmp_path))
+    for bad in (-1, "3", True, 1.0):
+        with pytest.raises(ConfigurationError, match="step"):
+            mgr.save(bad, state_for(1))  # type: ignore[arg-type]
+    mgr.close()
+    mgr.close()  # idempotent
+    with pytest.raises(CheckpointError, match="closed"):
+        mgr.save(1, state_for(1))
+
+
+def test_bad_roots(tmp_path: Path, s3_bucket: Location) -> None:
+    _, options = s3_bucket
+    with pytest.raises(BucketNotFoundError, match="no-such-bucket-dcpv"):
+        CheckpointManager("s3://no-such-bucket-dcpv/run", storage_options=options)
+    with pytest.raises(VolumeNotFoundError):
+        CheckpointManager(str(tmp_path / "missing"), create_root=False)
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"")
+    with pytest.raises(VolumeError, match="afile"):
+        CheckpointManager(str(afile / "run"))
+    if os.path.isdir("/sys/kernel"):  # read-only for every user, root included
+        with pytest.raises(VolumeAccessError) as err:
+            CheckpointManager("/sys/kernel/dcpv-test-run")
+        assert isinstance(err.value, PermissionError)
+    with pytest.raises(ConfigurationError):
+        CheckpointManager("")
+
+
+def test_context_manager_does_not_mask_the_body_error(tmp_path: Path) -> None:
+    with pytest.raises(KeyError, match="from the body"), \
+            CheckpointManager(str(tmp_path / "run")) as mgr:
+        mgr.save(1, state_for(1))
+        raise KeyError("from the body")
+    assert complete_steps(str(tmp_path / "run"), {}) == [1]  # close() still waited
+
+
+# -- background work: back-pressure and errors that must not be lost --------------------------
+
+
+@pytest.mark.emulator
+def test_save_waits_for_the_previous_upload(slow_s3: tuple[str, dict, dict, LatencyProxy]) -> None:
+    url, direct, slow, _ = slow_s3
+    watcher = Volume(url, storage_options=direct)
+    with CheckpointManager(url, storage_options=slow, keep_last=None) as mgr:
+        started = time.monotonic()
+        mgr.save(1, state_for(1))
+        returned = time.monotonic() - started
+        # save() returned after staging, the upload is still running...
+        assert not watcher.exists(f"{step_dir(1)}/{METADATA_NAME}")
+        mgr.save(2, state_for(2))
+        # ...and the next save() waited for it before starting its own.
+        assert watcher.exists(f"{step_dir(1)}/{METADATA_NAME}")
+        assert not watcher.exists(f"{step_dir(2)}/{METADATA_NAME}")
+    assert complete_steps(url, direct) == [1, 2]
+    assert returned < 5.0
+
+
+def _delete_bucket(moto: MotoServer, bucket: str) -> None:
+    s3 = moto.boto3_client()
+    for _ in range(100):  # uploads in flight may land between the listing and the delete
+        for obj in s3.list_objects_v2(Bucket=bucket).get("Contents", []):
+            s3.delete_object(Bucket=bucket, Key=obj["Key"])
+        try:
+            s3.delete_bucket(Bucket=bucket)
+            return
+        except s3.exceptions.ClientError:
+            time.sleep(0.02)
+    raise AssertionError("could not delete the bucket")
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("surfaces_in", ["save", "wait", "close"])
+def test_a_background_failure_is_raised_by_the_next_call(
+    moto_server: MotoServer,
+    slow_s3: tuple[str, dict, dict, LatencyProxy],
+    caplog: pytest.LogCaptureFixture,
+    surfaces_in: str,
+) -> None:
+    url, _, slow, _ = slow_s3
+    mgr = CheckpointManager(url, storage_options=slow)
+    with caplog.at_level(logging.ERROR, logger="dcp_volumes"):
+        mgr.save(1, state_for(1))
+        _delete_bucket(moto_server, url.split("/")[2])  # the bucket vanishes mid-upload
+        with pytest.raises(CheckpointError, match="step 1") as err:
+            if surfaces_in == "save":
+                mgr.save(2, state_for(2))
+            elif surfaces_in == "wait":
+                mgr.wait()
+            else:
+                mgr.close()
+    chain, cur = [], err.value.__cause__
+    while cur is not None:
+        chain.append(type(cur).__name__ + str(cur))
+        cur = cur.__cause__ or cur.__context__
+    assert any("NoSuchBucket" in c or "BucketNotFound" in c or "does not exist" in c
+               for c in chain), chain
+    # Logged when it happened, not only when raised.
+    assert any("step 1" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+    mgr.wait()  # raised once, not again
+    mgr.close()
+
+
+# -- local tier ----------------------------------------------------------------------------
+
+
+def _data_gets(proxy: LatencyProxy) -> int:
+    return sum(n for (method, path), n in proxy.requests.items()
+               if method == "GET" and path.endswith(".distcp"))
+
+
+@pytest.mark.emulator
+def test_local_tier_restores_from_local_disk_and_falls_back_per_file(
+    tmp_path: Path, slow_s3: tuple[str, dict, dict, LatencyProxy]
+) -> None:
+    url, _, slow, proxy = slow_s3
+    local = tmp_path / "nvme"
+    opts = {"keep_local": True, "local_dir": str(local), "storage_options": slow,
+            "writer_options": {"file_size": 8 * 1024}}  # several data files
+    with CheckpointManager(url, **opts) as mgr:
+        mgr.save(1, state_for(1))
+        mgr.save(2, state_for(2))
+    assert sorted(os.listdir(local)) == ["step-00000002"]  # only the newest copy is kept
+
+    proxy.reset_counts()
+    with CheckpointManager(url, **opts) as mgr:  # a restart on the same node
+        step, state = restored(mgr)
+    assert step == 2 and differences(state, state_for(2)) == []
+    assert _data_gets(proxy) == 0
+
+    files = sorted(local.joinpath("step-00000002").rglob("*.distcp"))
+    assert len(files) >= 2
+    blob = bytearray(files[0].read_bytes())
+    blob[-1] ^= 0xFF
+    files[0].write_bytes(bytes(blob))  # a damaged local copy
+    proxy.reset_counts()
+    with CheckpointManager(url, **opts) as mgr:
+        step, state = restored(mgr)
+    assert step == 2 and differences(state, state_for(2)) == []
+    fetched = {p.rsplit("/", 1)[-1] for (m, p) in proxy.requests if m == "GET"
+               and p.endswith(".distcp")}
+    assert fetched == {files[0].name}  # only the bad file came from the volume
+
+    proxy.reset_counts()
+    with CheckpointManager(url, storage_options=slow) as mgr:  # no local tier
+        step, state = restored(mgr)
+    assert step == 2 and differences(state, state_for(2)) == []
+    assert _data_gets(proxy) >= len(files)
+
+
+# -- two real ranks ------------------------------------------------------------------------
+
+
+def _rank_save_restore(rank: int, world: int, url: str, options: dict) -> dict[str, Any]:
+    mgr = CheckpointManager(url, keep_last=2, storage_options=options)
+    for step in (1, 2, 3):
+        mgr.save(step, state_for(step, rank=rank))
+    mgr.wait()
+    if rank == 0:  # a crashed newer save: every rank must still pick step 3
+        Volume(url, storage_options=options).publish(f"{step_dir(9)}/__0_0.distcp", b"x")
+    dist.barrier()
+    state = empty_state(rank=rank)
+    step = mgr.restore(state)
+    diff = differences(state, state_for(3, rank=rank))
+    mgr.close()
+    return {"step": step, "diff": diff, "complete": complete_steps(url, options)}
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.emulator)])
+def test_two_ranks_save_and_agree_on_restore(
+    request: pytest.FixtureRequest, tmp_path: Path, where: str
+) -> None:
+    if where == "local":
+        url, options = str(tmp_path / "run"), {}
+    else:
+        bucket, options = request.getfixturevalue("s3_bucket")
+        url = f"{bucket}/run"
+    results = run_ranks(_rank_save_restore, 2, url, options, timeout=180)
+    assert [r["step"] for r in results] == [3, 3]
+    assert [r["diff"] for r in results] == [[], []]
+    assert results[0]["complete"] == [2, 3]
+
+
+class _Exploding(Progress):
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError("state_dict exploded on this rank")
+
+
+def _rank_one_fails(rank: int, world: int, url: str, how: str, bad_staging: str) -> dict:
+    staging = bad_staging if (how == "staging" and rank == 1) else None
+    mgr = CheckpointManager(url, staging_dir=staging, keep_last=None)
+    errors = []
+    state = state_for(2, rank=rank)
+    if how == "stateful" and rank == 1:
+        state["progress"] = _Exploding(2)
+    try:
+        mgr.save(2, state)
+        mgr.wait()
+    except DcpVolumesError as exc:
+        errors.append((type(exc).__name__, str(exc)))
+    except RuntimeError as exc:
+        errors.append((type(exc).__name__, str(exc)))
+    committed = os.path.exists(os.path.join(url, step_dir(2), METADATA_NAME))
+    mgr.close()
+    return {"errors": errors, "committed": committed}
+
+
+@pytest.mark.parametrize("how", ["stateful", "staging"])
+def test_a_rank_failing_fails_the_save_on_every_rank(tmp_path: Path, how: str) -> None:
+    url = str(tmp_path / "run")
+    bad = tmp_path / "not-a-dir"
+    bad.write_bytes(b"")  # a staging "directory" that is a file: unusable on rank 1
+    results = run_ranks(_rank_one_fails, 2, url, how, str(bad), timeout=180)
+    r0, r1 = results
+    assert not r0["committed"] and not r1["committed"]
+    assert len(r0["errors"]) == 1 and len(r1["errors"]) == 1
+    assert r0["errors"][0][0] == "CheckpointError" and "rank 1" in r0["errors"][0][1]
+    if how == "stateful":
+        assert r1["errors"][0] == ("RuntimeError", "state_dict exploded on this rank")
+        assert "state_dict exploded" in r0["errors"][0][1]
+    else:
+        assert r1["errors"][0][0] == "StagingError"
+        assert "StagingError" in r0["errors"][0][1]
+    assert complete_steps(url, {}) == []

@@ -1,0 +1,427 @@
+"""VolumeWriter / VolumeReader: conformance on every backend, interop with stock DCP, layout."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+from dcp_volumes import CheckpointExistsError, CheckpointNotFoundError, VolumeReader, VolumeWriter
+from dcp_volumes._volume import Volume
+from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME, Manifest
+from tests.checkpoint_helpers import assert_same, blank_like, failure_of, join, sample_state
+from tests.emulators import LatencyProxy, MotoServer
+
+# dcp.save/load without a process group warn that they run in a single process.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _data_files(url: str, opts: dict[str, Any]) -> dict[str, int]:
+    return {
+        f.path: f.size
+        for f in Volume(url, storage_options=opts).list()
+        if f.path.endswith(".distcp")
+    }
+
+
+# -- conformance: every backend ---------------------------------------------------------------
+
+
+def test_roundtrip_every_backend(volume_url: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    url, opts = volume_url
+    ck = join(url, "run", "step-1")
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    state = sample_state()
+    writer = VolumeWriter(ck, storage_options=opts, staging_dir=staging, file_size="1MiB")
+    dcp.save(state, storage_writer=writer)
+
+    files = _data_files(ck, opts)
+    assert len(files) >= 3, f"file_size=1MiB should split ~4 MiB into several files: {files}"
+    listed = {f.path for f in Volume(ck, storage_options=opts).list()}
+    assert {METADATA_NAME, MANIFEST_NAME} <= listed
+    manifest = Manifest.from_json(Volume(ck, storage_options=opts).read_bytes(MANIFEST_NAME))
+    assert dict(manifest.files.items()) and {k: r.size for k, r in manifest.files.items()} == files
+    assert list(staging.iterdir()) == [], "staged files must be removed after the upload"
+
+    out = blank_like(state)
+    dcp.load(out, storage_reader=VolumeReader(ck, storage_options=opts))
+    assert_same(out, state)
+
+    # verify=True reads every file whole and checks it: same result.
+    out = blank_like(state)
+    dcp.load(out, storage_reader=VolumeReader(ck, storage_options=opts, verify=True))
+    assert_same(out, state)
+
+
+def test_partial_load_reads_only_needed_keys(tmp_path: Path) -> None:
+    ck = str(tmp_path / "ck")
+    state = sample_state()
+    dcp.save(state, storage_writer=VolumeWriter(ck, file_size="1MiB"))
+    out = {"f32": torch.zeros(17, 5), "nested": {"step": 0}}
+    dcp.load(out, storage_reader=VolumeReader(ck))
+    assert_same(out["f32"], state["f32"])
+    assert out["nested"]["step"] == state["nested"]["step"]
+
+
+def test_checkpoint_id_overrides_path_and_writer_is_reused(tmp_path: Path) -> None:
+    writer = VolumeWriter(tmp_path / "unused")
+    reader = VolumeReader(tmp_path / "unused")
+    for step in (1, 2):
+        state = sample_state(seed=step, big_mib=1)
+        dcp.save(state, checkpoint_id=str(tmp_path / f"step-{step}"), storage_writer=writer)
+        out = blank_like(state)
+        dcp.load(out, checkpoint_id=str(tmp_path / f"step-{step}"), storage_reader=reader)
+        assert_same(out, state)
+    assert not (tmp_path / "unused").exists()
+
+
+# -- .metadata holds only stock types ---------------------------------------------------------
+
+_UNPICKLE_WITHOUT_US = r"""
+import pickle, sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "dcp_volumes":
+            raise ImportError("dcp_volumes must not be needed to read .metadata")
+        return None
+sys.meta_path.insert(0, Block())
+with open(sys.argv[1], "rb") as f:
+    md = pickle.load(f)
+types = {type(v).__module__ + "." + type(v).__qualname__ for v in md.storage_data.values()}
+print(sorted(types), type(md.storage_meta).__qualname__)
+assert not any(m.startswith("dcp_volumes") for m in sys.modules)
+"""
+
+
+def test_metadata_unpickles_without_dcp_volumes(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    dcp.save(sample_state(big_mib=1), storage_writer=VolumeWriter(ck, prefix_spread=4))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", _UNPICKLE_WITHOUT_US, str(ck / METADATA_NAME)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "torch.distributed.checkpoint.filesystem._StorageInfo" in proc.stdout
+    assert "StorageMeta" in proc.stdout
+
+
+# -- interop with stock DCP -------------------------------------------------------------------
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("spread", [0, 16])
+def test_stock_readers_load_volume_writer(
+    s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path, spread: int
+) -> None:
+    url, opts = s3_bucket
+    ck = join(url, "ck")
+    state = sample_state()
+    dcp.save(
+        state,
+        storage_writer=VolumeWriter(ck, storage_options=opts, file_size="512KiB",
+                                    prefix_spread=spread),
+    )
+    files = _data_files(ck, opts)
+    prefixes = {p.split("/")[0] for p in files if "/" in p}
+    if spread:
+        assert all("/" in p for p in files) and len(prefixes) >= 3, files
+    else:
+        assert not prefixes
+
+    # Stock FsspecReader straight from S3.
+    out = blank_like(state)
+    dcp.load(out, storage_reader=FsspecReader(ck, **opts))
+    assert_same(out, state)
+
+    # Stock FileSystemReader after downloading the directory.
+    local = tmp_path / "download"
+    vol = Volume(ck, storage_options=opts)
+    for f in vol.list():
+        vol.get_file(f.path, local / f.path)
+    out = blank_like(state)
+    dcp.load(out, storage_reader=FileSystemReader(local))
+    assert_same(out, state)
+
+
+def test_volume_reader_loads_stock_filesystem_writer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ck = tmp_path / "stock"
+    state = sample_state()
+    dcp.save(state, storage_writer=FileSystemWriter(ck, thread_count=2))
+    out = blank_like(state)
+    with caplog.at_level(logging.DEBUG, logger="dcp_volumes"):
+        dcp.load(out, storage_reader=VolumeReader(ck, verify=True))
+    assert_same(out, state)
+    skipped = [r for r in caplog.records if "verification skipped" in r.getMessage()]
+    assert skipped and skipped[0].levelno == logging.DEBUG
+
+
+@pytest.mark.emulator
+def test_volume_reader_loads_stock_fsspec_writer(s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    url, opts = s3_bucket
+    ck = join(url, "stock")
+    state = sample_state()
+    dcp.save(state, storage_writer=FsspecWriter(ck, **opts))
+    out = blank_like(state)
+    dcp.load(out, storage_reader=VolumeReader(ck, storage_options=opts))
+    assert_same(out, state)
+
+
+# -- commit ordering --------------------------------------------------------------------------
+
+
+@pytest.mark.emulator
+def test_metadata_appears_only_after_every_shard(
+    moto_server: MotoServer, s3_bucket: tuple[str, dict[str, Any]]
+) -> None:
+    """Poll the bucket while a bandwidth-capped save runs: never `.metadata` before all files."""
+    url, _ = s3_bucket
+    bucket = url.split("://", 1)[1]
+    state = sample_state(big_mib=2)
+    client = moto_server.boto3_client()
+    snapshots: list[dict[str, int]] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            resp = client.list_objects_v2(Bucket=bucket, Prefix="ck/")
+            snapshots.append({o["Key"][3:]: o["Size"] for o in resp.get("Contents", [])})
+            time.sleep(0.01)
+
+    # 40 Mbit/s per connection: ~5 MiB of shards take about a second to upload.
+    with LatencyProxy.in_front_of(moto_server, bandwidth_bps=40e6) as proxy:
+        opts = moto_server.storage_options(proxy.endpoint)
+        writer = VolumeWriter(
+            join(url, "ck"), storage_options=opts, file_size="512KiB", upload_concurrency=2
+        )
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            dcp.save(state, storage_writer=writer)
+        finally:
+            stop.set()
+            poller.join()
+    final = snapshots[-1] if METADATA_NAME in snapshots[-1] else {
+        o["Key"][3:]: o["Size"] for o in client.list_objects_v2(Bucket=bucket, Prefix="ck/")["Contents"]
+    }
+    manifest = Manifest.from_json(
+        client.get_object(Bucket=bucket, Key=f"ck/{MANIFEST_NAME}")["Body"].read()
+    )
+    expected = {name: rec.size for name, rec in manifest.files.items()}
+    assert len(expected) >= 3
+    assert {k: final[k] for k in expected} == expected
+    in_flight = [s for s in snapshots if METADATA_NAME not in s and any(k in expected for k in s)]
+    assert in_flight, "the poller never saw the save in progress; the test proved nothing"
+    for snap in snapshots:
+        if METADATA_NAME in snap:
+            assert MANIFEST_NAME in snap
+            assert {k: snap.get(k) for k in expected} == expected, "committed before all shards"
+
+
+# -- overwrite --------------------------------------------------------------------------------
+
+
+def test_overwrite_refused_then_allowed(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    first = sample_state(seed=1)
+    dcp.save(first, storage_writer=VolumeWriter(ck, file_size="256KiB"))
+    many_files = set(_data_files(str(ck), {}))
+
+    second = sample_state(seed=2, big_mib=1)
+    with pytest.raises(BaseException) as excinfo:
+        dcp.save(second, storage_writer=VolumeWriter(ck))
+    err = failure_of(excinfo.value)
+    assert isinstance(err, CheckpointExistsError) and str(ck) in str(err)
+    out = blank_like(first)
+    dcp.load(out, storage_reader=VolumeReader(ck))
+    assert_same(out, first)  # untouched
+
+    dcp.save(second, storage_writer=VolumeWriter(ck, overwrite=True))
+    out = blank_like(second)
+    dcp.load(out, storage_reader=VolumeReader(ck, verify=True))
+    assert_same(out, second)
+    remaining = set(_data_files(str(ck), {}))
+    assert len(remaining) < len(many_files), "files of the replaced checkpoint must be removed"
+
+
+def test_overwrite_failure_leaves_incomplete_not_mixed(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    old = sample_state(seed=1, big_mib=1)
+    dcp.save(old, storage_writer=VolumeWriter(ck))  # one data file: __0_0.distcp
+    old_first = (ck / "__0_0.distcp").read_bytes()
+    # Fault: a directory where the new save's second file must go makes its upload fail.
+    (ck / "__0_1.distcp").mkdir()
+    (ck / "__0_1.distcp" / "blocker").write_text("x")
+
+    new = sample_state(seed=2, big_mib=1)
+    with pytest.raises(BaseException):
+        dcp.save(new, storage_writer=VolumeWriter(ck, overwrite=True, file_size="256KiB"))
+    assert not (ck / METADATA_NAME).exists(), "a failed overwrite must leave no .metadata"
+    assert (ck / "__0_0.distcp").read_bytes() != old_first, "the new first file was uploaded"
+    with pytest.raises(CheckpointNotFoundError, match="incomplete"):
+        VolumeReader(ck).read_metadata()
+
+
+# -- local tier -------------------------------------------------------------------------------
+
+
+def test_local_copy_is_kept_and_preferred(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ck = tmp_path / "volume" / "step-5"
+    local_root = tmp_path / "nvme"
+    state = sample_state()
+    writer = VolumeWriter(ck, local_copy_dir=local_root, file_size="1MiB")
+    dcp.save(state, storage_writer=writer)
+    assert writer.local_copy_path == str(local_root / "step-5")
+    local_files = sorted(p.name for p in (local_root / "step-5").iterdir())
+    assert MANIFEST_NAME in local_files
+    assert sorted(_data_files(str(ck), {})) == [n for n in local_files if n.endswith(".distcp")]
+
+    # Damage one file on the volume: the intact local copy is read instead.
+    victim = ck / "__0_0.distcp"
+    original = victim.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2] ^= 0xFF
+    victim.write_bytes(bytes(damaged))
+    out = blank_like(state)
+    dcp.load(out, storage_reader=VolumeReader(ck, local_copy_dir=local_root))
+    assert_same(out, state)
+    with pytest.raises(BaseException, match="checksum"):
+        dcp.load(blank_like(state), storage_reader=VolumeReader(ck))
+
+    # Damage a local file too, restore the volume: that file falls back to the volume, logged.
+    victim.write_bytes(original)
+    local_victim = local_root / "step-5" / "__0_1.distcp"
+    local_bytes = local_victim.read_bytes()
+    local_victim.write_bytes(local_bytes[:-1] + bytes([local_bytes[-1] ^ 0xFF]))
+    out = blank_like(state)
+    with caplog.at_level(logging.INFO, logger="dcp_volumes"):
+        dcp.load(out, storage_reader=VolumeReader(ck, local_copy_dir=local_root))
+    assert_same(out, state)
+    assert any("__0_1.distcp" in r.getMessage() and "volume" in r.getMessage()
+               for r in caplog.records)
+
+
+# -- async staging buffers and pickling --------------------------------------------------------
+
+
+def test_stage_reuses_buffers_and_isolates_training(tmp_path: Path) -> None:
+    writer = VolumeWriter(tmp_path / "ck")
+    live = {"w": torch.randn(256, 256), "b": torch.zeros(3), "step": 1}
+    staged = writer.stage(live)
+    ptr = staged["w"].data_ptr()
+    live["w"].add_(1.0)
+    assert not torch.equal(staged["w"], live["w"]), "staged copy must not follow training"
+    again = writer.stage(live)
+    assert again["w"].data_ptr() == ptr, "buffers must be reused across saves"
+    assert torch.equal(again["w"], live["w"])
+    live["b"] = torch.zeros(4)  # shape change: new buffers, right values
+    third = writer.stage(live)
+    assert third["b"].shape == (4,)
+
+    blob = pickle.dumps(writer)
+    assert len(blob) < 64 * 1024, "staging buffers must not be pickled"
+    clone = pickle.loads(blob)
+    state = sample_state(big_mib=1)
+    dcp.save(state, storage_writer=clone)
+    reader = pickle.loads(pickle.dumps(VolumeReader(tmp_path / "ck")))
+    out = blank_like(state)
+    dcp.load(out, storage_reader=reader)
+    assert_same(out, state)
+
+
+def test_async_save_thread_reuses_writer(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    writer = VolumeWriter(tmp_path / "a1", file_size="1MiB")
+    state = sample_state(seed=1)
+    expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    fut = dcp.async_save(
+        state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.THREAD
+    )
+    state["f32"].add_(100.0)  # training continues: must not leak into the checkpoint
+    fut.result()
+    out = blank_like(expected)
+    dcp.load(out, storage_reader=VolumeReader(tmp_path / "a1"))
+    assert_same(out, expected)
+
+    second = sample_state(seed=2)
+    fut = dcp.async_save(second, checkpoint_id=str(tmp_path / "a2"), storage_writer=writer)
+    fut.result()
+    out = blank_like(second)
+    dcp.load(out, storage_reader=VolumeReader(tmp_path / "a2"))
+    assert_same(out, second)
+
+
+# -- range coalescing (plan shapes) ----------------------------------------------------------
+
+_FILE_SIZE = 4096
+
+
+@pytest.fixture(scope="module")
+def blob_volume(tmp_path_factory: pytest.TempPathFactory) -> tuple[Volume, bytes]:
+    root = tmp_path_factory.mktemp("blob")
+    blob = os.urandom(_FILE_SIZE)
+    (root / "f.distcp").write_bytes(blob)
+    return Volume(root), blob
+
+
+@given(
+    items=st.lists(
+        st.tuples(st.integers(0, _FILE_SIZE), st.integers(0, 600)), min_size=1, max_size=40
+    ),
+    gap=st.sampled_from([0, 1, 7, 100, 1000]),
+    part=st.sampled_from([64, 512, 10_000]),
+)
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_coalesced_ranges_cover_and_read_back(
+    blob_volume: tuple[Volume, bytes], items: list[tuple[int, int]], gap: int, part: int
+) -> None:
+    volume, blob = blob_volume
+    ranges = [(o, min(_FILE_SIZE, o + n)) for o, n in items]
+    spans = _layout.coalesce(ranges, gap=gap)
+    # Sorted, disjoint, and separated by more than the gap (else they would have merged).
+    for (s1, e1), (s2, e2) in zip(spans, spans[1:]):
+        assert s1 <= e1 < s2 <= e2 and s2 - e1 > gap
+    starts = [s for s, _ in spans]
+    # Fetch through the spans the way the reader does: split into parts, in parallel.
+    buffers = []
+    for s, e in spans:
+        parts = [p for p in _layout.split_range(s, e, part) if p[1] > p[0]]
+        data = b"".join(volume.read_ranges([("f.distcp", a, b) for a, b in parts]))
+        assert len(data) == e - s
+        buffers.append(data)
+    for s, e in ranges:
+        i = _layout.find_span(starts, spans, s, e)
+        lo = s - spans[i][0]
+        assert buffers[i][lo : lo + (e - s)] == blob[s:e]
+    assert sum(e - s for s, e in spans) <= _FILE_SIZE
+
+
+def test_coalesce_rejects_bad_ranges() -> None:
+    with pytest.raises(ValueError):
+        _layout.coalesce([(5, 3)])
+    with pytest.raises(KeyError):
+        _layout.find_span([0], [(0, 10)], 5, 11)
