@@ -15,7 +15,7 @@ AZURITE := .tools/node_modules/.bin/azurite-blob
 INSTALL_STAMP := $(VENV)/.dcp-volumes-installed
 PYTEST_ARGS ?=
 
-.PHONY: test lint demo setup
+.PHONY: test lint demo setup constraints
 
 setup: $(INSTALL_STAMP) $(AZURITE)
 
@@ -45,3 +45,9 @@ lint: $(INSTALL_STAMP)
 
 demo: setup
 	$(VENV)/bin/dcp-volumes demo
+
+# Re-pin constraints.txt from a .venv that works (keeps its header comment).
+constraints: $(INSTALL_STAMP)
+	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable \
+		| grep -v -e '^torch==' -e '^dcp.volumes'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt

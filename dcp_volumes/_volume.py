@@ -1,13 +1,10 @@
 """Volume: one URL (object store, mount path or any fsspec protocol) as a small file API.
 
 Everything above this module speaks ``Volume``; backends differ only here.
-Three concerns live in this one place on purpose:
-
-* lazy, fork-safe clients: the fsspec filesystem is created on first use in
-  each process and never pickled, so a ``Volume`` survives fork and pickling;
-* retries with exponential backoff and full jitter on transient errors;
-* translation of backend errors into ``dcp_volumes`` exceptions whose
-  messages never contain credentials.
+Clients are lazy and fork-safe: the fsspec filesystem is created on first use
+in each process and never pickled, so a ``Volume`` survives fork and pickling.
+Every backend call goes through ``_call``, which retries transient errors and
+translates failures (``_retry.py``), so no caller handles backend exceptions.
 """
 
 from __future__ import annotations
@@ -16,15 +13,12 @@ import contextlib
 import errno
 import logging
 import os
-import random
 import shutil
-import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import fsspec
 from fsspec.core import split_protocol
@@ -39,6 +33,13 @@ from dcp_volumes._exceptions import (
     VolumeError,
     VolumeExistsError,
     VolumeNotFoundError,
+)
+from dcp_volumes._retry import (
+    RetryPolicy,
+    call_with_retries,
+    redact_url,
+    secret_values,
+    translate_error,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,63 +57,6 @@ _EXTRA_FOR_PROTOCOL = {
     "abfss": "azure",
     "adl": "azure",
 }
-# storage_options keys whose values are secrets and must never reach a message or log.
-_SECRET_KEYS = (
-    "key",
-    "secret",
-    "token",
-    "password",
-    "account_key",
-    "connection_string",
-    "sas_token",
-    "credential",
-    "client_secret",
-    "aws_secret_access_key",
-    "aws_session_token",
-)
-# Error codes (HTTP status or service code) that mean "try again later".
-_TRANSIENT_CODES = frozenset(
-    {
-        "408",
-        "429",
-        "500",
-        "502",
-        "503",
-        "504",
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "RequestTimeTooSkewed",
-        "InternalError",
-        "ServiceUnavailable",
-        "ServerBusy",
-        "OperationTimedOut",
-    }
-)
-_ACCESS_CODES = frozenset(
-    {
-        "401",
-        "403",
-        "AccessDenied",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "AuthenticationFailed",
-        "AuthorizationFailure",
-        "ExpiredToken",
-        "InvalidToken",
-    }
-)
-_CREDENTIAL_ERRORS = frozenset(
-    {"NoCredentialsError", "PartialCredentialsError", "ClientAuthenticationError"}
-)
-_MISSING_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound", "BucketNotFound"})
-_EXISTS_CODES = frozenset({"412", "PreconditionFailed", "BlobAlreadyExists", "ConditionNotMet"})
-_TRANSIENT_ERRNOS = frozenset(
-    {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT}
-)
-
-
 @dataclass(frozen=True)
 class FileInfo:
     """One file on a volume; ``path`` is relative to the volume's root, ``/``-separated."""
@@ -121,104 +65,6 @@ class FileInfo:
     size: int
     etag: str | None = None
     mtime: float | None = None
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How often and how patiently to retry transient errors."""
-
-    attempts: int = 5
-    base_delay_s: float = 0.1
-    max_delay_s: float = 8.0
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ConfigurationError(f"RetryPolicy.attempts={self.attempts} must be >= 1.")
-        if self.base_delay_s < 0 or self.max_delay_s < 0:
-            raise ConfigurationError("RetryPolicy delays must be >= 0 seconds.")
-
-    def delay(self, attempt: int) -> float:
-        """Backoff before retry number ``attempt`` (1-based): exponential, full jitter."""
-        cap = min(self.max_delay_s, self.base_delay_s * (2 ** (attempt - 1)))
-        return random.uniform(0.0, cap)
-
-
-def redact_url(url: str) -> str:
-    """The URL with any ``user:password@`` part and query string removed."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if not parts.scheme:
-        return url
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    return urlunsplit((parts.scheme, host, parts.path, "", ""))
-
-
-def _secret_values(options: Mapping[str, Any]) -> list[str]:
-    found: list[str] = []
-    for key, value in options.items():
-        if isinstance(value, Mapping):
-            found.extend(_secret_values(value))
-        elif isinstance(value, str) and len(value) >= 4 and key.lower() in _SECRET_KEYS:
-            found.append(value)
-    return found
-
-
-def _error_codes(exc: BaseException) -> set[str]:
-    """Service error codes and HTTP statuses found on ``exc`` and its causes (never its text)."""
-    codes: set[str] = set()
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        response = getattr(cur, "response", None)
-        if isinstance(response, Mapping):  # botocore ClientError
-            err = response.get("Error", {})
-            if err.get("Code"):
-                codes.add(str(err["Code"]))
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status:
-                codes.add(str(status))
-        for attr in ("error_code", "status_code", "code", "status"):  # azure, gcsfs, aiohttp
-            value = getattr(cur, attr, None)
-            if isinstance(value, (int, str)) and not isinstance(value, bool) and value != "":
-                codes.add(str(value))
-        cur = cur.__cause__ or cur.__context__
-    return codes
-
-
-def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, DcpVolumesError)):
-        return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
-        return True
-    codes = _error_codes(exc)
-    if codes & _TRANSIENT_CODES:
-        return True
-    # Network-level failures of the HTTP stacks fsspec backends use.
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    return bool(
-        names
-        & {
-            "EndpointConnectionError",
-            "ConnectionClosedError",
-            "ReadTimeoutError",
-            "ConnectTimeoutError",
-            "ResponseStreamingError",
-            "IncompleteReadError",
-            "ClientConnectionError",
-            "ClientPayloadError",
-            "ServerDisconnectedError",
-            "ServiceRequestError",
-            "ServiceResponseError",
-            "ProtocolError",
-        }
-    )
 
 
 def _fsync_dir(path: str) -> None:
@@ -273,7 +119,7 @@ class Volume:
                 )
         self._fs: fsspec.AbstractFileSystem | None = None
         self._fs_pid = -1
-        self._secrets = _secret_values(self.storage_options)
+        self._secrets = secret_values(self.storage_options)
 
     # -- identity -------------------------------------------------------------------------
 
@@ -367,56 +213,18 @@ class Volume:
         return text
 
     def _translate(self, exc: BaseException, op: str, relpath: str) -> DcpVolumesError:
-        if isinstance(exc, DcpVolumesError):
-            return exc
         where = self.display_url if not relpath else redact_url(self.url_of(relpath))
-        detail = self._scrub(f"{type(exc).__name__}: {exc}")
-        codes = _error_codes(exc)
-        if codes & _MISSING_BUCKET_CODES:
-            return BucketNotFoundError(
-                f"Cannot {op} {where}: the bucket or container does not exist ({detail}). "
-                "Fix: create it first, or correct the URL."
-            )
-        if isinstance(exc, FileExistsError) or codes & _EXISTS_CODES:
-            return VolumeExistsError(
-                f"Cannot {op} {where}: it already exists and this write must not replace it."
-            )
-        if isinstance(exc, FileNotFoundError):
-            return VolumeNotFoundError(f"Cannot {op} {where}: not found ({detail}).")
-        names = {cls.__name__ for cls in type(exc).__mro__}
-        if (
-            isinstance(exc, PermissionError)
-            or codes & _ACCESS_CODES
-            or names & _CREDENTIAL_ERRORS
-        ):
-            return VolumeAccessError(
-                f"Cannot {op} {where}: access denied or credentials missing/invalid ({detail}). "
-                "Fix: check the credentials in storage_options or the environment and that "
-                "they grant this operation."
-            )
-        return VolumeError(f"Cannot {op} {where}: {detail}.")
+        return translate_error(exc, op, where, self._scrub)
 
     def _call(self, op: str, relpath: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` with retries on transient errors; translate the final failure."""
-        for attempt in range(1, self.retry.attempts + 1):
-            try:
-                return fn()
-            except Exception as exc:
-                if attempt < self.retry.attempts and _is_transient(exc):
-                    delay = self.retry.delay(attempt)
-                    logger.warning(
-                        "transient error on %s %s (attempt %d/%d, retrying in %.2fs): %s",
-                        op,
-                        redact_url(self.url_of(relpath)),
-                        attempt,
-                        self.retry.attempts,
-                        delay,
-                        self._scrub(f"{type(exc).__name__}: {exc}"),
-                    )
-                    time.sleep(delay)
-                    continue
-                raise self._translate(exc, op, relpath) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+        return call_with_retries(
+            fn,
+            policy=self.retry,
+            op=op,
+            where=lambda: redact_url(self.url_of(relpath)),
+            scrub=self._scrub,
+        )
 
     # -- queries --------------------------------------------------------------------------
 

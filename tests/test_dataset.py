@@ -121,7 +121,7 @@ def test_changed_data_is_refused_or_warned(s3_data: tuple[str, Any], tmp_path: P
         DataLoader(ds, batch_size=6, num_workers=0).load_state_dict(state)
     volume.publish(name_of(0), payload(0, 64))
     volume.publish("extra/new.bin", payload(99, 64))  # a file added
-    with pytest.raises(DatasetChangedError, match="36 files .* then, 37"):
+    with pytest.raises(DatasetChangedError, match=r"36 files .* then, 37"):
         ds = VolumeDataset(url, storage_options=opts, cache_dir=cache, transform=read_id)
         DataLoader(ds, batch_size=6, num_workers=0).load_state_dict(state)
     ds = VolumeDataset(url, storage_options=opts, cache_dir=cache, transform=read_id,
@@ -224,6 +224,6 @@ def test_bad_input_gives_clear_errors(s3_bucket: tuple[str, Any], tmp_path: Path
     # A file that cannot be read any more: the error names it and reaches the loop.
     os.remove(src / name_of(3))
     loader = DataLoader(ds, batch_size=2, num_workers=1)
-    with pytest.raises(VolumeNotFoundError, match="sample-00003.bin"):
+    with pytest.raises(VolumeNotFoundError, match=r"sample-00003\.bin"):
         for _ in loader:
             pass

@@ -300,7 +300,8 @@ class CheckpointManager:
 
     def _check_target(self, step: int, name: str) -> bool:
         """Coordinator: refuse a committed step (unless overwrite); True if it must be cleared."""
-        if self._volume.exists(f"{name}/{METADATA_NAME}"):
+        files = {f.path for f in self._volume.list(name)}
+        if f"{name}/{METADATA_NAME}" in files:
             if not self.options.overwrite:
                 raise CheckpointExistsError(
                     f"Step {step} already has a complete checkpoint at "
@@ -309,7 +310,7 @@ class CheckpointManager:
                 )
             return True
         # Files left by a crashed save of this step must not mix with the new ones.
-        return bool(self._volume.list(name))
+        return bool(files)
 
     def _writer_for(self, name: str) -> VolumeWriter:
         # One writer serves every save (its staging buffers are reused); each save

@@ -36,7 +36,8 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._staging import parse_size
-from dcp_volumes._volume import RetryPolicy, Volume, redact_url
+from dcp_volumes._retry import RetryPolicy, redact_url
+from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
     METADATA_NAME,

@@ -45,7 +45,8 @@ from dcp_volumes._exceptions import (
     VolumeExistsError,
 )
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
-from dcp_volumes._volume import RetryPolicy, Volume, redact_url
+from dcp_volumes._retry import RetryPolicy, redact_url
+from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
