@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from _common import MiB, RssSampler, current_rss, max_rss_lifetime, release_free_memory
 from _raw import (
     ByteSource,
@@ -90,6 +89,7 @@ class Job:
     direct_endpoint: str  # the server itself, for housekeeping outside the timings
     storage_options: dict[str, Any]
     isolated: bool  # one fresh pair of processes per method (ru_maxrss is then exact)
+    vw_options: dict[str, Any] = field(default_factory=dict)  # extra VolumeWriter options
     load_source: str | None = None  # checkpoint URL the DCP readers load
     keep: tuple[str, ...] = field(default=())  # methods whose last save the loads need
 
@@ -225,7 +225,7 @@ class Saver:
             import torch
 
             self.dst = [torch.empty_like(t) for t in state_tensors(state)]
-            for dst, src in zip(self.dst, state_tensors(state)):
+            for dst, src in zip(self.dst, state_tensors(state), strict=True):
                 dst.copy_(src)  # preallocated and warm, as reused staging buffers are
         elif method in RAW_SAVES:
             self.client = boto3_client(job.endpoint, UPLOAD_STREAMS * 2)
@@ -236,7 +236,10 @@ class Saver:
             from dcp_volumes import VolumeWriter
 
             self.writer = VolumeWriter(
-                url(job, method), storage_options=job.storage_options, staging_dir=self.tmp
+                url(job, method),
+                storage_options=job.storage_options,
+                staging_dir=self.tmp,
+                **job.vw_options,
             )
 
     def close(self) -> None:
@@ -252,7 +255,7 @@ class Saver:
         job, m = self.job, self.method
         t0 = time.perf_counter()
         if m == "memcpy":
-            for dst, src in zip(self.dst, state_tensors(self.state)):
+            for dst, src in zip(self.dst, state_tensors(self.state), strict=True):
                 dst.copy_(src)
         elif m == "local_fs":
             from torch.distributed.checkpoint import FileSystemWriter
@@ -326,7 +329,9 @@ def run_save_method(
             barrier()
             sampler.reset()
             blocking, e2e = saver.save(i)
-            saves.append({"blocking_s": blocking, "e2e_s": e2e, "peak_extra": sampler.peak - baseline})
+            saves.append(
+                {"blocking_s": blocking, "e2e_s": e2e, "peak_extra": sampler.peak - baseline}
+            )
     except _FAILURES as exc:
         error = _describe(exc)
     finally:
@@ -427,6 +432,29 @@ def run_loads(
 # ---------------------------------------------------------------------------
 
 
+def _import_everything() -> None:
+    """Import every library a method may use before any RSS baseline is taken.
+
+    s3fs/aiobotocore, boto3 and s3torchconnector each add tens of MiB of code
+    and tables to a process once; charged to the first method that imports
+    them, that would swamp small-state figures.
+    """
+    import contextlib
+    import importlib
+
+    for name in (
+        "torch.distributed.checkpoint",
+        "torch.distributed.checkpoint._fsspec_filesystem",
+        "s3fs",
+        "boto3",
+        "s3torchconnector",
+        "s3torchconnector.dcp",
+        "dcp_volumes",
+    ):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+
+
 def rank_main(rank: int, world_size: int, jobs: tuple[Job, ...]) -> list[dict[str, Any]]:
     """One rank: build the state, run each job's methods in order, return the measurements."""
     import os
@@ -436,6 +464,7 @@ def rank_main(rank: int, world_size: int, jobs: tuple[Job, ...]) -> list[dict[st
     def barrier() -> None:
         dist.barrier()
 
+    _import_everything()
     out = []
     state: dict[str, Any] | None = None
     for job in jobs:

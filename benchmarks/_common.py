@@ -291,10 +291,10 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[fmt(c) for c in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in cells:
-        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
 
     def line(items: Sequence[str]) -> str:
-        return "| " + " | ".join(s.ljust(w) for s, w in zip(items, widths)) + " |"
+        return "| " + " | ".join(s.ljust(w) for s, w in zip(items, widths, strict=True)) + " |"
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(headers), sep, *(line(r) for r in cells)])

@@ -89,7 +89,9 @@ class NaiveFsspec(Dataset[torch.Tensor]):
 class FsspecFileCache(Dataset[torch.Tensor]):
     """fsspec's ``filecache::`` protocol: downloads whole files on first open, then local."""
 
-    def __init__(self, urls: Sequence[str], storage_options: dict[str, Any], cache_dir: str) -> None:
+    def __init__(
+        self, urls: Sequence[str], storage_options: dict[str, Any], cache_dir: str
+    ) -> None:
         self.urls = list(urls)
         self.storage_options = storage_options
         self.cache_dir = cache_dir

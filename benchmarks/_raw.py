@@ -71,7 +71,7 @@ class ByteSource:
         # One copy into a bytearray, which boto3 sends as it is.
         out = bytearray(length)
         pos = 0
-        for view, base in zip(self.views, self.offsets):
+        for view, base in zip(self.views, self.offsets, strict=True):
             lo, hi = max(start, base), min(start + length, base + len(view))
             if lo < hi:
                 out[pos : pos + hi - lo] = view[lo - base : hi - base]
@@ -82,9 +82,8 @@ class ByteSource:
         if len(buf) != self.total:
             return False
         view = memoryview(buf)
-        return all(
-            view[base : base + len(v)] == v for v, base in zip(self.views, self.offsets)
-        )
+        pairs = zip(self.views, self.offsets, strict=True)
+        return all(view[base : base + len(v)] == v for v, base in pairs)
 
 
 def chunk_key(prefix: str, index: int) -> str:
@@ -98,9 +97,7 @@ def put_chunks(
 
     def put(item: tuple[int, tuple[int, int]]) -> None:
         index, (start, length) = item
-        client.put_object(
-            Bucket=bucket, Key=chunk_key(prefix, index), Body=src.read(start, length)
-        )
+        client.put_object(Bucket=bucket, Key=chunk_key(prefix, index), Body=src.read(start, length))
 
     list(pool.map(put, enumerate(spans(src.total, size))))
 

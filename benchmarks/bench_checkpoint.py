@@ -49,9 +49,9 @@ from _ckpt_ranks import (
     save_url,
 )
 from _common import (
-    MiB,
     REMOTE_BANDWIDTH_BPS,
     REMOTE_LATENCY_S,
+    MiB,
     format_table,
     link_endpoint,
     load_average,
@@ -65,7 +65,7 @@ from _common import (
 LABELS = {
     "memcpy": "memcpy into preallocated tensors",
     "local_fs": "FileSystemWriter -> local disk (t=8)",
-    "raw_put": "raw parallel PUTs of 16 MiB chunks",
+    "raw_put": "raw parallel PUTs of chunk objects",
     "raw_multipart": "raw parallel multipart upload",
     "fsspec_t1": "dcp.save FsspecWriter t=1",
     "fsspec_t8": "dcp.save FsspecWriter t=8",
@@ -94,7 +94,11 @@ BUCKET = "bench"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny smoke run: 16 MiB per rank, 1 save, one pair of processes")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny smoke run: 16 MiB per rank, 1 save, one pair of processes",
+    )
     p.add_argument(
         "--link",
         choices=("both", "loopback", "remote"),
@@ -108,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--methods",
         default=",".join(SAVE_METHODS) + ",load",
         help="comma-separated subset of: " + ", ".join((*SAVE_METHODS, "load")),
+    )
+    p.add_argument(
+        "--vw-file-size",
+        default=None,
+        help="VolumeWriter file_size (e.g. 32MiB); default: the library's default",
     )
     p.add_argument(
         "--shared-processes",
@@ -149,6 +158,7 @@ def make_job(args: argparse.Namespace, server: Any, link: str, endpoint: str) ->
         direct_endpoint=server.endpoint,
         storage_options=server.storage_options(endpoint),
         isolated=not args.shared_processes,
+        vw_options={"file_size": args.vw_file_size} if args.vw_file_size else {},
         keep=(*RAW_SAVES, source_method) if "load" in args.methods else (),
     )
     return dataclasses.replace(job, load_source=save_url(job, source_method, args.repeats - 1))
@@ -179,11 +189,13 @@ def run_links(args: argparse.Namespace, server: Any, links: tuple[str, ...]) -> 
                 rank_main, WORLD_SIZE, batch, timeout=120 + per_save_s * args.repeats * units
             )
             for rank, per_job in enumerate(out):
-                for job, res in zip(batch, per_job):
+                for job, res in zip(batch, per_job, strict=True):
                     merged[job.link][rank]["state_bytes"] = res["state_bytes"]
                     merged[job.link][rank]["methods"].update(res["methods"])
             names = ", ".join(f"{j.link}: {'+'.join(j.methods)}" for j in batch)
-            print(f"[{names}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"[{names}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True
+            )
     return {
         j.link: summarise(merged[j.link], j.link, j.load_source or "", j.keep[-1] if j.keep else "")
         for j in jobs
@@ -282,7 +294,7 @@ def check_targets(res: dict[str, Any]) -> dict[str, Any]:
         "best_peer_s": best_peer,
         "checks": {},
     }
-    for m, s in saves.items():
+    for s in saves.values():
         s["x_floor"] = s["steady_e2e_s"] / floor if _ok(s) else math.nan
     for m in ("vw_sync", "vw_async"):
         s = saves.get(m)
@@ -321,7 +333,7 @@ def check_targets(res: dict[str, Any]) -> dict[str, Any]:
     ]
     raw_s = min(raw_loads) if raw_loads else math.nan
     targets["raw_download_s"] = raw_s
-    for r, s in loads.items():
+    for s in loads.values():
         s["x_raw"] = raw_s / s["steady_s"] if s["seconds"] and not s["error"] else math.nan
     vr = loads.get("vw_reader")
     if vr is not None:
@@ -405,7 +417,10 @@ def plot(report: dict[str, Any], path: Any) -> None:
     plt = pyplot()
     links = list(report["links"])
     fig, axes = plt.subplots(
-        len(links), 2, figsize=(15, 4.8 * len(links)), squeeze=False,
+        len(links),
+        2,
+        figsize=(15, 4.8 * len(links)),
+        squeeze=False,
         gridspec_kw={"width_ratios": [3, 2]},
     )
     for row, link in enumerate(links):
@@ -415,8 +430,14 @@ def plot(report: dict[str, Any], path: Any) -> None:
         labels = [res["saves"][m]["label"] for m in names]
         e2e = [res["saves"][m]["steady_e2e_s"] for m in names]
         blk = [res["saves"][m]["steady_blocking_s"] for m in names]
-        colors = ["tab:green" if m.startswith("vw_") else "tab:gray" if m in (
-            "memcpy", "local_fs", *RAW_SAVES) else "tab:blue" for m in names]
+        colors = [
+            "tab:green"
+            if m.startswith("vw_")
+            else "tab:gray"
+            if m in ("memcpy", "local_fs", *RAW_SAVES)
+            else "tab:blue"
+            for m in names
+        ]
         y = range(len(names))
         ax.barh(y, e2e, color=colors, alpha=0.45, label="end-to-end")
         ax.barh(y, blk, color=colors, alpha=1.0, label="blocking (training waits)")
@@ -428,14 +449,16 @@ def plot(report: dict[str, Any], path: Any) -> None:
         ax.set_xlabel("seconds (steady state, lower is better)")
         mib = res["state_bytes_per_rank"] / MiB
         ax.set_title(f"save, {link} link: {res['world_size']} ranks x {mib:.0f} MiB")
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
         ax = axes[row][1]
         rnames = [r for r, s in res["loads"].items() if s["seconds"]]
         ax.barh(
             range(len(rnames)),
             [res["loads"][r]["steady_s"] for r in rnames],
-            color=["tab:green" if r == "vw_reader" else "tab:gray" if r in RAW_LOADS
-                   else "tab:blue" for r in rnames],
+            color=[
+                "tab:green" if r == "vw_reader" else "tab:gray" if r in RAW_LOADS else "tab:blue"
+                for r in rnames
+            ],
         )
         ax.set_yticks(range(len(rnames)), [res["loads"][r]["label"] for r in rnames])
         ax.invert_yaxis()
@@ -465,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "methods": list(args.methods),
             "isolated_processes_per_method": not args.shared_processes,
+            "volume_writer_options": {"file_size": args.vw_file_size} if args.vw_file_size else {},
             "remote_link": {"latency_s": REMOTE_LATENCY_S, "bandwidth_bps": REMOTE_BANDWIDTH_BPS},
             "server": "moto_server (separate process)",
         },
@@ -478,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     report["wall_s"] = time.perf_counter() - t_start
     report["machine"]["load_average_end"] = load_average()
     stem = "checkpoint_quick" if args.quick else "checkpoint"
+    if args.vw_file_size:
+        stem += f"_file_size_{args.vw_file_size.lower()}"
     json_path = write_json(f"{stem}.json", report)
     png_path = results_path(f"{stem}.png")
     plot(report, png_path)
@@ -490,8 +516,10 @@ def main(argv: list[str] | None = None) -> int:
             if link == "remote"
             else ""
         )
-        print(f"\n## {link} link{extra}: {res['world_size']} ranks x {mib:.0f} MiB, "
-              f"steady state of {args.repeats} saves\n")
+        print(
+            f"\n## {link} link{extra}: {res['world_size']} ranks x {mib:.0f} MiB, "
+            f"steady state of {args.repeats} saves\n"
+        )
         print(save_table(res))
         t = res["targets"]
         print(

@@ -47,9 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from _common import (
-    MiB,
     REMOTE_BANDWIDTH_BPS,
     REMOTE_LATENCY_S,
+    MiB,
     format_table,
     link_endpoint,
     load_average,
@@ -87,16 +87,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--large-files", type=int, default=None, help="default 64 (quick 16)")
     p.add_argument("--large-mib", type=int, default=None, help="default 8 (quick 1)")
     p.add_argument("--compute-ms", type=float, default=20.0, help="compute step per batch")
-    p.add_argument("--compute-files", type=int, default=None,
-                   help="small files in the compute-step runs (default 640, quick 32)")
-    p.add_argument("--remote-small", type=int, default=None,
-                   help="small files in the remote-link runs (default 320, quick 32)")
-    p.add_argument("--remote-large", type=int, default=None,
-                   help="large files in the remote-link runs (default 16)")
+    p.add_argument(
+        "--compute-files",
+        type=int,
+        default=None,
+        help="small files in the compute-step runs (default 640, quick 32)",
+    )
+    p.add_argument(
+        "--remote-small",
+        type=int,
+        default=None,
+        help="small files in the remote-link runs (default 320, quick 32)",
+    )
+    p.add_argument(
+        "--remote-large",
+        type=int,
+        default=None,
+        help="large files in the remote-link runs (default 16)",
+    )
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--raw-threads", type=int, default=16,
-                   help="threads of the raw GET row (ours: 2 workers x 8 fetch threads)")
+    p.add_argument(
+        "--raw-threads",
+        type=int,
+        default=16,
+        help="threads of the raw GET row (ours: 2 workers x 8 fetch threads)",
+    )
     args = p.parse_args(argv)
     q = args.quick
     args.small_files = args.small_files or (64 if q else 2000)
@@ -139,7 +155,6 @@ class FileSet:
 def make_files(server: Any, root: Path, name: str, count: int, size: int) -> FileSet:
     """Upload ``count`` distinct files of ``size`` bytes and write the same files locally."""
     import numpy as np
-
     from _raw import boto3_client
 
     base = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8).tobytes()
@@ -166,12 +181,14 @@ def make_files(server: Any, root: Path, name: str, count: int, size: int) -> Fil
 
 @contextlib.contextmanager
 def make_loader(
-    row: str, files: FileSet, storage_options: dict[str, Any], args: argparse.Namespace,
-    tmp: Path, full_set: bool,
+    row: str,
+    files: FileSet,
+    storage_options: dict[str, Any],
+    args: argparse.Namespace,
+    tmp: Path,
+    full_set: bool,
 ) -> Iterator[Any]:
     import torch
-    from torch.utils.data import DataLoader as TorchLoader
-
     from _data_peers import (
         FsspecFileCache,
         LocalFiles,
@@ -180,6 +197,7 @@ def make_loader(
         read_local,
         read_s3_reader,
     )
+    from torch.utils.data import DataLoader as TorchLoader
 
     cache_dir = tempfile.mkdtemp(prefix=f"{row}-cache-", dir=tmp)
     loader: Any
@@ -262,18 +280,34 @@ def run_epochs(loader: Any, epochs: int, compute_s: float) -> list[dict[str, Any
             if compute_s:
                 time.sleep(compute_s)  # the training step (the GIL is free, as on a GPU)
         seconds = time.perf_counter() - t0
-        out.append({"seconds": seconds, "samples": samples, "bytes": nbytes, "fetch_seconds": fetch})
+        out.append(
+            {"seconds": seconds, "samples": samples, "bytes": nbytes, "fetch_seconds": fetch}
+        )
     return out
 
 
 def run_row(
-    row: str, files: FileSet, endpoint: str, server: Any, args: argparse.Namespace, tmp: Path,
-    *, epochs: int, compute_s: float, full_set: bool,
+    row: str,
+    files: FileSet,
+    endpoint: str,
+    server: Any,
+    args: argparse.Namespace,
+    tmp: Path,
+    *,
+    epochs: int,
+    compute_s: float,
+    full_set: bool,
 ) -> dict[str, Any]:
     from _data_peers import raw_concurrent_gets
 
-    result: dict[str, Any] = {"row": row, "compute_s": compute_s, "files": len(files.keys),
-                              "file_bytes": files.size, "error": None, "epochs": []}
+    result: dict[str, Any] = {
+        "row": row,
+        "compute_s": compute_s,
+        "files": len(files.keys),
+        "file_bytes": files.size,
+        "error": None,
+        "epochs": [],
+    }
     t0 = time.perf_counter()
     try:
         if row == "raw":
@@ -335,19 +369,39 @@ def run_all(args: argparse.Namespace, server: Any, sets: dict[str, FileSet], tmp
         print("experiment 1: throughput, loopback, no compute step", file=sys.stderr)
         for name, files in sets.items():
             exp["sets"][name] = {
-                row: run_row(row, files, server.endpoint, server, args, tmp, epochs=2,
-                             compute_s=0.0, full_set=True)
+                row: run_row(
+                    row,
+                    files,
+                    server.endpoint,
+                    server,
+                    args,
+                    tmp,
+                    epochs=2,
+                    compute_s=0.0,
+                    full_set=True,
+                )
                 for row in ROWS
             }
         experiments["throughput"] = exp
 
         compute_s = args.compute_ms / 1000
-        print(f"experiment 2: fetch_seconds with a {args.compute_ms:.0f} ms step, loopback",
-              file=sys.stderr)
+        print(
+            f"experiment 2: fetch_seconds with a {args.compute_ms:.0f} ms step, loopback",
+            file=sys.stderr,
+        )
         files = sets["small"].subset(args.compute_files)
         rows = {
-            row: run_row(row, files, server.endpoint, server, args, tmp, epochs=2,
-                         compute_s=compute_s, full_set=False)
+            row: run_row(
+                row,
+                files,
+                server.endpoint,
+                server,
+                args,
+                tmp,
+                epochs=2,
+                compute_s=compute_s,
+                full_set=False,
+            )
             for row in ("naive", "filecache", "s3tc", "ours")
         }
         # A step longer than ours' cold per-batch fetch time (from experiment 1):
@@ -355,8 +409,17 @@ def run_all(args: argparse.Namespace, server: Any, sets: dict[str, FileSet], tmp
         cold = _rate(exp["sets"]["small"]["ours"], 0)
         wanted = 2.0 * args.batch_size / cold if cold > 0 else math.inf
         slow_step = min(max(compute_s, wanted), args.max_step_s)
-        rows["ours_slow_step"] = run_row("ours", files, server.endpoint, server, args, tmp,
-                                         epochs=1, compute_s=slow_step, full_set=False)
+        rows["ours_slow_step"] = run_row(
+            "ours",
+            files,
+            server.endpoint,
+            server,
+            args,
+            tmp,
+            epochs=1,
+            compute_s=slow_step,
+            full_set=False,
+        )
         experiments["compute"] = {
             "link": "loopback",
             "compute_s": compute_s,
@@ -371,8 +434,17 @@ def run_all(args: argparse.Namespace, server: Any, sets: dict[str, FileSet], tmp
             for name, n in (("small", args.remote_small), ("large", args.remote_large)):
                 files = sets[name].subset(n)
                 exp["sets"][name] = {
-                    row: run_row(row, files, endpoint, server, args, tmp, epochs=1,
-                                 compute_s=0.0, full_set=False)
+                    row: run_row(
+                        row,
+                        files,
+                        endpoint,
+                        server,
+                        args,
+                        tmp,
+                        epochs=1,
+                        compute_s=0.0,
+                        full_set=False,
+                    )
                     for row in ("naive", "filecache", "s3tc", "ours", "raw")
                 }
             experiments["remote"] = exp
@@ -383,13 +455,19 @@ def check_targets(experiments: dict[str, Any]) -> dict[str, Any]:
     checks: dict[str, Any] = {}
 
     def add(name: str, value: float, target: str, met: bool) -> None:
-        checks[name] = {"value": value, "target": target, "met": bool(met) and not math.isnan(value)}
+        checks[name] = {
+            "value": value,
+            "target": target,
+            "met": bool(met) and not math.isnan(value),
+        }
 
     thr = experiments.get("throughput")
     if thr:
         for name, rows in thr["sets"].items():
             v = _rate(rows["ours"], 1) / _rate(rows["local"], 1)
-            add(f"loopback/{name}: warm vs local disk", v, f">= {WARM_VS_LOCAL}", v >= WARM_VS_LOCAL)
+            add(
+                f"loopback/{name}: warm vs local disk", v, f">= {WARM_VS_LOCAL}", v >= WARM_VS_LOCAL
+            )
             v = _rate(rows["ours"], 0) / _rate(rows["raw"], 0)
             add(f"loopback/{name}: cold vs raw GETs", v, f">= {COLD_VS_RAW}", v >= COLD_VS_RAW)
     rem = experiments.get("remote")
@@ -398,21 +476,33 @@ def check_targets(experiments: dict[str, Any]) -> dict[str, Any]:
             v = _rate(rows["ours"], 0) / _rate(rows["raw"], 0)
             add(f"remote/{name}: cold vs raw GETs", v, f">= {COLD_VS_RAW}", v >= COLD_VS_RAW)
             v = _rate(rows["ours"], 0) / _rate(rows["naive"], 0)
-            add(f"remote/{name}: cold vs naive", v, f">= {COLD_VS_NAIVE_REMOTE}",
-                v >= COLD_VS_NAIVE_REMOTE)
+            add(
+                f"remote/{name}: cold vs naive",
+                v,
+                f">= {COLD_VS_NAIVE_REMOTE}",
+                v >= COLD_VS_NAIVE_REMOTE,
+            )
     comp = experiments.get("compute")
     if comp:
         rows = comp["sets"]["small"]
         e = _epoch(rows["ours_slow_step"], 0)
         if e:
             share = e["fetch_p50_s"] / rows["ours_slow_step"]["compute_s"]
-            add("compute: cold fetch p50 / step (step > fetch)", share,
-                f"<= {NEAR_ZERO_SHARE}", share <= NEAR_ZERO_SHARE)
+            add(
+                "compute: cold fetch p50 / step (step > fetch)",
+                share,
+                f"<= {NEAR_ZERO_SHARE}",
+                share <= NEAR_ZERO_SHARE,
+            )
         e = _epoch(rows["ours"], 1)
         if e:
             share = e["fetch_p50_s"] / comp["compute_s"]
-            add("compute: warm fetch p50 / step", share, f"<= {NEAR_ZERO_SHARE}",
-                share <= NEAR_ZERO_SHARE)
+            add(
+                "compute: warm fetch p50 / step",
+                share,
+                f"<= {NEAR_ZERO_SHARE}",
+                share <= NEAR_ZERO_SHARE,
+            )
     return checks
 
 
@@ -428,9 +518,17 @@ def _ms(e: dict[str, Any] | None) -> str:
 
 
 def table(rows: dict[str, Any], ref: dict[str, Any] | None = None) -> str:
-    headers = ["method", "epoch 1 (cold) files/s", "cold MiB/s", "epoch 2 (warm) files/s",
-               "warm MiB/s", "cold fetch p50/p95 ms", "warm fetch p50/p95 ms",
-               "warm x local", "cold x raw"]
+    headers = [
+        "method",
+        "epoch 1 (cold) files/s",
+        "cold MiB/s",
+        "epoch 2 (warm) files/s",
+        "warm MiB/s",
+        "cold fetch p50/p95 ms",
+        "warm fetch p50/p95 ms",
+        "warm x local",
+        "cold x raw",
+    ]
     local, raw = rows.get("local"), rows.get("raw")
     out = []
     for row, res in rows.items():
@@ -441,56 +539,107 @@ def table(rows: dict[str, Any], ref: dict[str, Any] | None = None) -> str:
             out.append([label, f"FAILED: {res['error'][:70]}", *["-"] * 7])
             continue
         c, w = _epoch(res, 0), _epoch(res, 1)
-        out.append([
-            label,
-            c["files_s"] if c else None,
-            c["mib_s"] if c else None,
-            w["files_s"] if w else None,
-            w["mib_s"] if w else None,
-            _ms(c),
-            _ms(w),
-            _rate(res, 1) / _rate(local, 1) if w and local else None,
-            _rate(res, 0) / _rate(raw, 0) if c and raw and row != "raw" else None,
-        ])
+        out.append(
+            [
+                label,
+                c["files_s"] if c else None,
+                c["mib_s"] if c else None,
+                w["files_s"] if w else None,
+                w["mib_s"] if w else None,
+                _ms(c),
+                _ms(w),
+                _rate(res, 1) / _rate(local, 1) if w and local else None,
+                _rate(res, 0) / _rate(raw, 0) if c and raw and row != "raw" else None,
+            ]
+        )
     return format_table(headers, out)
+
+
+def _bars(
+    ax: Any,
+    title: str,
+    rows: dict[str, Any],
+    series: list[tuple[str, Any, str]],
+    xlabel: str,
+    log: bool,
+) -> None:
+    """Grouped horizontal bars: one group per row, one bar per series."""
+    names = [r for r in rows if not rows[r]["error"]]
+    height = 0.8 / len(series)
+    for k, (label, value, color) in enumerate(series):
+        ys = [i + (k - (len(series) - 1) / 2) * height for i in range(len(names))]
+        ax.barh(ys, [value(rows[r]) for r in names], height=height, label=label, color=color)
+    labels = []
+    for r in names:
+        text = LABELS.get(r, r)
+        if rows[r]["compute_s"] and r == "ours_slow_step":
+            text += f" ({rows[r]['compute_s'] * 1000:.0f} ms)"
+        labels.append(text)
+    ax.set_yticks(range(len(names)), labels, fontsize=8)
+    ax.invert_yaxis()
+    if log:
+        from matplotlib.ticker import LogFormatter, NullFormatter
+
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="best")
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
-    panels = []
-    for exp_name, exp in report["experiments"].items():
-        if exp_name == "compute":
-            continue
-        for set_name, rows in exp["sets"].items():
-            panels.append((f"{exp_name} ({exp['link']}): {set_name} files", rows))
-    comp = report["experiments"].get("compute")
+    exps = report["experiments"]
+    panels: list[tuple[str, str, dict[str, Any]]] = []
+    for exp_name in ("throughput", "remote"):
+        for rows in exps.get(exp_name, {}).get("sets", {}).values():
+            any_row = next(iter(rows.values()))
+            size = any_row["file_bytes"]
+            size_s = f"{size / MiB:.0f} MiB" if size >= MiB else f"{size / 1024:.0f} KiB"
+            link = (
+                "loopback"
+                if exp_name == "throughput"
+                else (
+                    f"remote link (+{REMOTE_LATENCY_S * 1000:.0f} ms/request, "
+                    f"{REMOTE_BANDWIDTH_BPS / 1e6:.0f} Mbit/s per connection)"
+                )
+            )
+            title = f"{any_row['files']} x {size_s} files, {link}"
+            panels.append((exp_name, title, rows))
+    comp = exps.get("compute")
     n = len(panels) + (1 if comp else 0)
-    fig, axes = plt.subplots(1, max(n, 1), figsize=(5.2 * max(n, 1), 4.6), squeeze=False)
-    for ax, (title, rows) in zip(axes[0], panels):
-        names = [r for r in rows if not rows[r]["error"]]
-        x = range(len(names))
-        cold = [_rate(rows[r], 0) for r in names]
-        warm = [_rate(rows[r], 1) if _epoch(rows[r], 1) else 0 for r in names]
-        ax.bar([i - 0.2 for i in x], cold, width=0.4, label="epoch 1 (cold)", color="tab:blue")
-        ax.bar([i + 0.2 for i in x], warm, width=0.4, label="epoch 2 (warm)", color="tab:green")
-        ax.set_xticks(list(x), [LABELS[r].replace(" ", "\n", 1) for r in names], fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("files/s (log, higher is better)")
-        ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=7)
+    cols = 3
+    rows_n = max(1, -(-n // cols))
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6.2 * cols, 4.2 * rows_n), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+
+    def rate(i: int) -> Any:
+        return lambda res: _rate(res, i) if _epoch(res, i) else 0.0
+
+    for ax, (exp_name, title, rows) in zip(flat, panels, strict=False):
+        series = [("epoch 1 (cold)", rate(0), "tab:blue")]
+        if exp_name == "throughput":
+            series.append(("epoch 2 (warm)", rate(1), "tab:green"))
+        _bars(ax, title, rows, series, "files/s (log scale, higher is better)", log=True)
     if comp:
-        ax = axes[0][len(panels)]
-        rows = comp["sets"]["small"]
-        names = [r for r in rows if not rows[r]["error"]]
-        for k, (i, label) in enumerate(((0, "cold"), (1, "warm"))):
-            vals = [(_epoch(rows[r], i) or {}).get("fetch_p50_s", 0) * 1000 for r in names]
-            ax.bar([j + (k - 0.5) * 0.4 for j in range(len(names))], vals, width=0.4,
-                   label=f"fetch p50, {label}")
-        ax.set_xticks(range(len(names)), [LABELS[r].replace(" ", "\n", 1) for r in names],
-                      fontsize=7)
-        ax.set_ylabel("ms waited in next() per batch (lower is better)")
-        ax.set_title(f"fetch_seconds p50, {comp['compute_s'] * 1000:.0f} ms step", fontsize=9)
-        ax.legend(fontsize=7)
+
+        def p50(i: int) -> Any:
+            return lambda res: ((_epoch(res, i) or {}).get("fetch_p50_s") or 0.0) * 1000
+
+        _bars(
+            flat[len(panels)],
+            f"time waiting in next(), {comp['compute_s'] * 1000:.0f} ms step per batch",
+            comp["sets"]["small"],
+            [
+                ("fetch p50, epoch 1 (cold)", p50(0), "tab:blue"),
+                ("fetch p50, epoch 2 (warm)", p50(1), "tab:green"),
+            ],
+            "ms per batch (lower is better)",
+            log=False,
+        )
+    for ax in flat[n:]:
+        ax.axis("off")
     fig.suptitle(report["command"], fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -507,14 +656,27 @@ def main(argv: list[str] | None = None) -> int:
         "command": command.strip(),
         "config": {
             k: getattr(args, k)
-            for k in ("small_files", "small_kib", "large_files", "large_mib", "compute_ms",
-                      "compute_files", "remote_small", "remote_large", "batch_size", "workers",
-                      "raw_threads", "link")
+            for k in (
+                "small_files",
+                "small_kib",
+                "large_files",
+                "large_mib",
+                "compute_ms",
+                "compute_files",
+                "remote_small",
+                "remote_large",
+                "batch_size",
+                "workers",
+                "raw_threads",
+                "link",
+            )
         },
         "machine": machine_info(),
     }
-    report["config"]["remote_link"] = {"latency_s": REMOTE_LATENCY_S,
-                                       "bandwidth_bps": REMOTE_BANDWIDTH_BPS}
+    report["config"]["remote_link"] = {
+        "latency_s": REMOTE_LATENCY_S,
+        "bandwidth_bps": REMOTE_BANDWIDTH_BPS,
+    }
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="dcpv-bench-data-"))
     try:
@@ -522,9 +684,7 @@ def main(argv: list[str] | None = None) -> int:
             server.create_bucket(BUCKET)
             # s3torchconnector's client (in the loader workers) reads credentials from
             # the environment; the endpoint is passed explicitly per run.
-            os.environ.update(
-                {k: v for k, v in server.env().items() if k != "AWS_ENDPOINT_URL"}
-            )
+            os.environ.update({k: v for k, v in server.env().items() if k != "AWS_ENDPOINT_URL"})
             sets = {
                 "small": make_files(server, tmp, "small", args.small_files, args.small_kib * 1024),
                 "large": make_files(server, tmp, "large", args.large_files, args.large_mib * MiB),
@@ -544,25 +704,29 @@ def main(argv: list[str] | None = None) -> int:
     titles = {
         "throughput": "throughput, loopback, no compute step",
         "compute": f"fetch_seconds with a {args.compute_ms:.0f} ms compute step per batch, "
-                   "loopback",
+        "loopback",
         "remote": f"cold epoch behind the remote-like link (+{REMOTE_LATENCY_S * 1000:.0f} ms "
-                  f"per request, {REMOTE_BANDWIDTH_BPS / 1e6:.0f} Mbit/s per connection)",
+        f"per request, {REMOTE_BANDWIDTH_BPS / 1e6:.0f} Mbit/s per connection)",
     }
     for exp_name, exp in report["experiments"].items():
-        for set_name, rows in exp["sets"].items():
+        for rows in exp["sets"].values():
             any_row = next(iter(rows.values()))
             size = any_row["file_bytes"]
             size_s = f"{size / MiB:.0f} MiB" if size >= MiB else f"{size / 1024:.0f} KiB"
             print(f"\n## {titles[exp_name]}: {any_row['files']} x {size_s} files\n")
             print(table(rows))
     print("\n## targets\n")
-    print(format_table(
-        ["check", "value", "target", "met"],
-        [[k, v["value"], v["target"], v["met"]] for k, v in report["targets"].items()],
-    ))
+    print(
+        format_table(
+            ["check", "value", "target", "met"],
+            [[k, v["value"], v["target"], v["met"]] for k, v in report["targets"].items()],
+        )
+    )
     la0, la1 = report["machine"]["load_average_start"], report["machine"]["load_average_end"]
-    print(f"\nload average start {la0[0]:.2f}, end {la1[0]:.2f}; wall {report['wall_s']:.0f} s"
-          f"\nwrote {json_path} and {png_path}")
+    print(
+        f"\nload average start {la0[0]:.2f}, end {la1[0]:.2f}; wall {report['wall_s']:.0f} s"
+        f"\nwrote {json_path} and {png_path}"
+    )
     return 0
 
 

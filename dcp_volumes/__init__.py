@@ -17,6 +17,8 @@ from dcp_volumes._exceptions import (
     VolumeExistsError,
     VolumeNotFoundError,
 )
+from dcp_volumes.checkpoint._discovery import CheckpointInfo
+from dcp_volumes.checkpoint._manager import CheckpointManager
 from dcp_volumes.checkpoint._reader import VolumeReader
 from dcp_volumes.checkpoint._writer import VolumeWriter
 from dcp_volumes.data._cache import FileCache
@@ -29,6 +31,8 @@ __all__ = [
     "BackendNotInstalledError",
     "BucketNotFoundError",
     "CacheError",
+    "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointExistsError",

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 
 def sample_state(seed: int = 0, *, big_mib: int = 2) -> dict[str, Any]:
-    """Tensors of several dtypes (one non-contiguous, one 0-d, two of ``big_mib`` MiB) and objects."""
+    """Tensors of many dtypes (non-contiguous, 0-d, two of ``big_mib`` MiB) and objects."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(64, 48, generator=g)
     n_big = big_mib * 2**20 // 4
@@ -29,7 +29,7 @@ def sample_state(seed: int = 0, *, big_mib: int = 2) -> dict[str, Any]:
         "nested": {
             "inner": {"t": torch.full((3, 3), float(seed))},
             "step": 12 + seed,
-            "name": "run-α",
+            "name": "run-日本",
             "mixed": [1, 2.5, "x"],
         },
         "epoch": 7,
@@ -39,7 +39,7 @@ def sample_state(seed: int = 0, *, big_mib: int = 2) -> dict[str, Any]:
 
 
 def blank_like(obj: Any) -> Any:
-    """A target for ``dcp.load`` with the structure of ``obj``: zero tensors, placeholder objects."""
+    """A ``dcp.load`` target shaped like ``obj``: zero tensors, placeholder objects."""
     if isinstance(obj, torch.Tensor):
         return torch.zeros(obj.shape, dtype=obj.dtype)
     if isinstance(obj, dict):

@@ -102,9 +102,9 @@ def _optimizer_roundtrip(url: str, opts: dict[str, Any]) -> None:
     state = {"model": msd2, "optim": osd2}
     dcp.load(state, storage_reader=VolumeReader(url, storage_options=opts))
     set_state_dict(model2, optim2, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for p, q in zip(model.parameters(), model2.parameters()):
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(p, q)
-    for p, q in zip(model.parameters(), model2.parameters()):
+    for p, q in zip(model.parameters(), model2.parameters(), strict=True):
         s, t = optim.state[p], optim2.state[q]
         assert set(s) == set(t) and all(torch.equal(s[k], t[k]) for k in s)
     assert optim2.param_groups[0]["lr"] == 0.01
@@ -160,7 +160,7 @@ def test_dtensor_saved_on_two_loads_on_three_and_one(tmp_path: Path) -> None:
     ck = str(tmp_path / "dt")
     results = run_ranks(_dtensor_two_then_three, 3, ck, timeout=180)
     # Saved as (5, 5) rows on two ranks, loaded as uneven (4, 4, 2) on three.
-    for (w, b, full, step), (lo, hi) in zip(results, [(0, 4), (4, 8), (8, 10)]):
+    for (w, b, full, step), (lo, hi) in zip(results, [(0, 4), (4, 8), (8, 10)], strict=True):
         assert torch.equal(w, _full()[lo:hi])
         assert torch.equal(b, _full()[lo:hi, 0])
         assert torch.equal(full, _full())

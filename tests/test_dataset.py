@@ -32,6 +32,9 @@ from tests.test_data_support import (
     write_samples,
 )
 
+# More workers than this machine's cores is deliberate here (torch warns about it).
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
 
 @pytest.fixture
 def s3_data(s3_bucket: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
@@ -47,7 +50,7 @@ def test_stream_is_the_same_for_any_ranks_and_workers(s3_data: tuple[str, Any],
     reference, _ = run_job(url, opts, cache, world=1, workers=0, global_batch_size=12)
     assert sorted(reference) == list(range(36))  # every file exactly once per epoch
     assert reference != list(range(36))  # and shuffled
-    for world, workers in ((2, 2), (3, 1), (4, 3)):
+    for world, workers in ((2, 3), (4, 1)):
         stream, state = run_job(url, opts, cache, world=world, workers=workers,
                                 global_batch_size=12)
         assert stream == reference, (world, workers)
@@ -86,11 +89,14 @@ def test_augmentation_is_reproducible(tmp_path: Path) -> None:
     src = str(tmp_path / "src")
     write_samples(src, None, 16)
     cache = str(tmp_path / "cache")
-    before = torch.get_rng_state()
     reference, _ = run_job(src, None, cache, world=1, workers=0, global_batch_size=4,
                            transform=augment)
-    # The training process's own random stream is untouched by the transforms.
+    # Transforms running in the training process leave its random streams as they were
+    # (iterating the dataset directly: torch's DataLoader itself draws a base seed).
+    before = torch.get_rng_state()
+    plain = list(VolumeDataset(src, cache_dir=cache, transform=augment))
     assert torch.equal(torch.get_rng_state(), before)
+    assert plain == reference
     ids = [s[0] for s in reference]
     assert sorted(ids) == list(range(16))
     assert len({s[1] for s in reference}) == 16 and len({s[2] for s in reference}) == 16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
@@ -223,9 +224,8 @@ def test_metadata_appears_only_after_every_shard(
         finally:
             stop.set()
             poller.join()
-    final = snapshots[-1] if METADATA_NAME in snapshots[-1] else {
-        o["Key"][3:]: o["Size"] for o in client.list_objects_v2(Bucket=bucket, Prefix="ck/")["Contents"]
-    }
+    listing = client.list_objects_v2(Bucket=bucket, Prefix="ck/")["Contents"]
+    final = {o["Key"][3:]: o["Size"] for o in listing}
     manifest = Manifest.from_json(
         client.get_object(Bucket=bucket, Key=f"ck/{MANIFEST_NAME}")["Body"].read()
     )
@@ -276,7 +276,7 @@ def test_overwrite_failure_leaves_incomplete_not_mixed(tmp_path: Path) -> None:
     (ck / "__0_1.distcp" / "blocker").write_text("x")
 
     new = sample_state(seed=2, big_mib=1)
-    with pytest.raises(BaseException):
+    with pytest.raises(BaseException, match=r"__0_1\.distcp"):
         dcp.save(new, storage_writer=VolumeWriter(ck, overwrite=True, file_size="256KiB"))
     assert not (ck / METADATA_NAME).exists(), "a failed overwrite must leave no .metadata"
     assert (ck / "__0_0.distcp").read_bytes() != old_first, "the new first file was uploaded"
@@ -403,7 +403,7 @@ def test_coalesced_ranges_cover_and_read_back(
     ranges = [(o, min(_FILE_SIZE, o + n)) for o, n in items]
     spans = _layout.coalesce(ranges, gap=gap)
     # Sorted, disjoint, and separated by more than the gap (else they would have merged).
-    for (s1, e1), (s2, e2) in zip(spans, spans[1:]):
+    for (s1, e1), (s2, e2) in itertools.pairwise(spans):
         assert s1 <= e1 < s2 <= e2 and s2 - e1 > gap
     starts = [s for s, _ in spans]
     # Fetch through the spans the way the reader does: split into parts, in parallel.

@@ -46,8 +46,12 @@ _STEP_NAME = re.compile(
     r"^(?:(?:step|steps|checkpoint|ckpt|global_step|global-step|iter|iteration)[-_]?)?(\d+)$",
     re.IGNORECASE,
 )
-# Listing many checkpoint prefixes is latency-bound on object stores.
+# Reading many manifests is latency-bound on object stores.
 _LIST_CONCURRENCY = 16
+
+
+#: Manifests already read, by (directory, size, etag, mtime) of the manifest file.
+ManifestCache = dict[tuple[str, int, str | None, float | None], Manifest]
 
 
 def step_dir(step: int) -> str:
@@ -99,14 +103,25 @@ def sort_key(info: CheckpointInfo) -> tuple[int, int, str]:
     return (info.step, 1 if is_canonical(info.name) else 0, info.name)
 
 
-def inspect_dir(volume: Volume, name: str, step: int) -> CheckpointInfo | None:
+def inspect_dir(
+    volume: Volume,
+    name: str,
+    step: int,
+    listing: Sequence[FileInfo] | None = None,
+    *,
+    manifests: ManifestCache | None = None,
+) -> CheckpointInfo | None:
     """Describe the checkpoint directory ``name``; ``None`` if it is not a checkpoint.
 
-    A directory without ``.metadata`` counts as a (partial) checkpoint only if it
-    is in the canonical form or holds DCP or manifest files, so that unrelated
-    directories that happen to be named by a number are left alone.
+    ``listing``: the files below ``name`` (paths relative to the volume root),
+    when the caller listed them already; ``manifests``: manifests read before
+    (a listing entry with the same size, etag and mtime is the same manifest).
+    A directory without ``.metadata`` counts as a (partial) checkpoint only if
+    it is in the canonical form or holds DCP or manifest files, so that
+    unrelated directories that happen to be named by a number are left alone.
     """
-    listing = volume.list(name)
+    if listing is None:
+        listing = volume.list(name)
     prefix = f"{name}/"
     files = [
         FileInfo(path=f.path[len(prefix) :], size=f.size, etag=f.etag, mtime=f.mtime)
@@ -123,10 +138,16 @@ def inspect_dir(volume: Volume, name: str, step: int) -> CheckpointInfo | None:
     problems: list[str] = []
     created: float | None = None
     if has_manifest:
+        entry = next(f for f in files if f.path == MANIFEST_NAME)
+        key = (name, entry.size, entry.etag, entry.mtime)
         try:
-            manifest = Manifest.from_json(
-                volume.read_bytes(f"{name}/{MANIFEST_NAME}"), where=volume.url_of(name)
-            )
+            manifest = manifests.get(key) if manifests is not None else None
+            if manifest is None:
+                manifest = Manifest.from_json(
+                    volume.read_bytes(f"{name}/{MANIFEST_NAME}"), where=volume.url_of(name)
+                )
+                if manifests is not None:
+                    manifests[key] = manifest
         except CheckpointCorruptError as exc:
             problems.append(f"{MANIFEST_NAME}: unreadable ({exc})")
         else:
@@ -150,25 +171,31 @@ def inspect_dir(volume: Volume, name: str, step: int) -> CheckpointInfo | None:
     )
 
 
-def scan(volume: Volume) -> list[CheckpointInfo]:
+def scan(volume: Volume, *, manifests: ManifestCache | None = None) -> list[CheckpointInfo]:
     """All checkpoints under ``volume``'s root, complete or not, oldest first.
 
-    Raises the volume's error when the root cannot be listed: callers that
-    delete must never act on a listing that failed.
+    One recursive listing of the root (a consistent snapshot, and few requests
+    on object stores), then one read per manifest. Raises the volume's error
+    when the root cannot be listed: callers that delete must never act on a
+    listing that failed.
     """
-    candidates = [(name, parse_step(name)) for name in volume.list_dirs("")]
-    named = [(name, step) for name, step in candidates if step is not None]
-    if not named:
+    by_dir: dict[str, list[FileInfo]] = {}
+    for f in volume.list(""):
+        top, sep, _ = f.path.partition("/")
+        if sep and parse_step(top) is not None:
+            by_dir.setdefault(top, []).append(f)
+    if not by_dir:
         return []
 
-    def one(item: tuple[str, int]) -> CheckpointInfo | None:
-        return inspect_dir(volume, item[0], item[1])
+    def one(name: str) -> CheckpointInfo | None:
+        step = int(parse_step(name) or 0)
+        return inspect_dir(volume, name, step, by_dir[name], manifests=manifests)
 
-    if len(named) == 1 or volume.is_local:
-        found = [one(item) for item in named]
-    else:
-        with ThreadPoolExecutor(max_workers=min(_LIST_CONCURRENCY, len(named))) as pool:
-            found = list(pool.map(one, named))
+    if len(by_dir) == 1 or volume.is_local:
+        found = [one(name) for name in by_dir]
+    else:  # manifest reads are latency-bound: overlap them
+        with ThreadPoolExecutor(max_workers=min(_LIST_CONCURRENCY, len(by_dir))) as pool:
+            found = list(pool.map(one, by_dir))
     return sorted((f for f in found if f is not None), key=sort_key)
 
 

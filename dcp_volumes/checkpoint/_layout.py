@@ -93,8 +93,13 @@ def split_range(start: int, end: int, part_size: int) -> list[tuple[int, int]]:
     return [(s, min(end, s + part_size)) for s in range(start, end, part_size)]
 
 
-def find_span(starts: Sequence[int], spans: Sequence[tuple[int, int]], start: int, end: int) -> int:
-    """Index of the span in sorted, disjoint ``spans`` (``starts`` = their starts) holding a range."""
+def find_span(
+    starts: Sequence[int], spans: Sequence[tuple[int, int]], start: int, end: int
+) -> int:
+    """Index of the span in sorted, disjoint ``spans`` that holds ``[start, end)``.
+
+    ``starts`` are the spans' start offsets (for bisection).
+    """
     i = bisect.bisect_right(starts, start) - 1
     if i < 0 or end > spans[i][1]:
         raise KeyError(f"no span contains [{start}, {end})")

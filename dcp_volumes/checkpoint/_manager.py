@@ -56,6 +56,7 @@ from dcp_volumes._volume import RetryPolicy, Volume
 from dcp_volumes.checkpoint._coordination import Coordinator, Prestaged, summary
 from dcp_volumes.checkpoint._discovery import (
     CheckpointInfo,
+    ManifestCache,
     newest_complete,
     scan,
     step_dir,
@@ -193,6 +194,8 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._closed = False
+        # Manifests never change once written: read each one once per manager.
+        self._manifests: ManifestCache = {}
 
     # -- properties -----------------------------------------------------------------------
 
@@ -218,7 +221,10 @@ class CheckpointManager:
 
     def list(self) -> list[CheckpointInfo]:
         """All checkpoints under the root, complete or not, oldest first."""
-        return scan(self._volume)
+        infos = scan(self._volume, manifests=self._manifests)
+        names = {i.name for i in infos}
+        self._manifests = {k: m for k, m in self._manifests.items() if k[0] in names}
+        return infos
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint, or ``None``."""
@@ -345,7 +351,7 @@ class CheckpointManager:
         if self.is_coordinator:
             try:
                 apply_retention(self._volume, keep_last=self.options.keep_last,
-                                protect=[name])
+                                protect=[name], manifests=self._manifests)
             except BaseException as exc:
                 logger.error("retention after step %d failed under %s: %s", step,
                              self._volume.display_url, summary(exc))
@@ -405,7 +411,7 @@ class CheckpointManager:
 
     def _choose(self, step: int | None) -> tuple[int, str] | None:
         """Coordinator: the (step, directory) to restore."""
-        infos = scan(self._volume)
+        infos = self.list()
         if step is not None:
             matches = [i for i in infos if i.step == step]
             complete = [i for i in matches if i.complete]

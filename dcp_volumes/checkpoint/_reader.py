@@ -35,8 +35,8 @@ from dcp_volumes._exceptions import (
     ConfigurationError,
     VolumeNotFoundError,
 )
-from dcp_volumes._staging import parse_size
 from dcp_volumes._retry import RetryPolicy, redact_url
+from dcp_volumes._staging import parse_size
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
@@ -57,7 +57,7 @@ except ImportError:  # pragma: no cover - torch < 2.4
 try:
     from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
 except ImportError:  # pragma: no cover - torch < 2.7
-    _StorageReaderTransforms = None
+    _StorageReaderTransforms = None  # type: ignore[misc,assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class _FileJob:
 
 def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     """The part of a saved tensor a read item asks for (resharding)."""
-    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
         if offset != 0 or length != tensor.size(dim):
             tensor = tensor.narrow(dim, offset, length)
     return tensor
@@ -289,9 +289,9 @@ class VolumeReader(StorageReader):
                 "not DCP Metadata; this is not a DCP checkpoint."
             )
         if StorageMeta is not None:
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self._load_id
+            storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            storage_meta.load_id = self._load_id
+            metadata.storage_meta = storage_meta
         return metadata
 
     def set_up_storage_reader(
@@ -455,7 +455,7 @@ class VolumeReader(StorageReader):
     def _submit(self, pool: ThreadPoolExecutor, job: _FileJob) -> None:
         job.buffers = [bytearray(e - s) for s, e in job.spans]
         job.futures = []
-        for buf, (start, end) in zip(job.buffers, job.spans):
+        for buf, (start, end) in zip(job.buffers, job.spans, strict=True):
             for s, e in _layout.split_range(start, end, self.options.part_size):
                 if e > s:
                     job.futures.append(
@@ -538,7 +538,9 @@ class VolumeReader(StorageReader):
             target.copy_(tensor)
             planner.commit_tensor(req, target)
 
-    def _untransform(self, req: ReadItem, descriptors: Sequence[str], stream: IO[bytes]) -> IO[bytes]:
+    def _untransform(
+        self, req: ReadItem, descriptors: Sequence[str], stream: IO[bytes]
+    ) -> IO[bytes]:
         if _StorageReaderTransforms is None:  # pragma: no cover - torch < 2.7
             raise CheckpointCorruptError(
                 f"{req.storage_index.fqn} was saved with stream transforms {list(descriptors)} "

@@ -28,6 +28,7 @@ from dcp_volumes import _env
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._discovery import (
     CheckpointInfo,
+    ManifestCache,
     newest_complete,
     parse_step,
     scan,
@@ -73,10 +74,15 @@ def delete_checkpoint(volume: Volume, name: str) -> None:
 
 
 def apply_retention(
-    volume: Volume, *, keep_last: int | None, protect: Sequence[str] = ()
+    volume: Volume,
+    *,
+    keep_last: int | None,
+    protect: Sequence[str] = (),
+    manifests: ManifestCache | None = None,
 ) -> list[CheckpointInfo]:
     """List the root, then delete what the rules allow; returns what was deleted."""
-    victims = retention_victims(scan(volume), keep_last=keep_last, protect=protect)
+    infos = scan(volume, manifests=manifests)
+    victims = retention_victims(infos, keep_last=keep_last, protect=protect)
     for info in victims:
         logger.info("retention: deleting %s checkpoint %s",
                     "complete" if info.complete else "partial", info.url)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import logging
 import os
 import pickle
@@ -26,7 +27,7 @@ from collections.abc import Mapping
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,10 @@ from dcp_volumes._exceptions import (
     ConfigurationError,
     VolumeError,
     VolumeExistsError,
+    VolumeNotFoundError,
 )
-from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
 from dcp_volumes._retry import RetryPolicy, redact_url
+from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
@@ -63,15 +65,15 @@ from dcp_volumes.checkpoint._manifest import (
 try:
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 except ImportError:  # pragma: no cover - depends on the torch version
-    _copy_state_dict = None
-    _create_cpu_state_dict = None
+    _copy_state_dict = None  # type: ignore[assignment]
+    _create_cpu_state_dict = None  # type: ignore[assignment]
 
 # Stock writers stamp the format version into .metadata since torch 2.7; older
 # versions have neither the constant nor the field.
 try:
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _DCP_VERSION
 except ImportError:  # pragma: no cover - torch < 2.7
-    _DCP_VERSION = None
+    _DCP_VERSION = None  # type: ignore[misc,assignment]
 
 try:
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -467,8 +469,15 @@ class VolumeWriter(StorageWriter, AsyncStager):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Check the volume, refuse or clear an existing checkpoint, name files (coordinator)."""
-        self._volume.check_root(create=True)
-        if self._volume.exists(METADATA_NAME):
+        # A HEAD on .metadata first: unlike an existence check of the bucket, it
+        # reports missing or wrong credentials as such instead of "no bucket".
+        try:
+            self._volume.info(METADATA_NAME)
+            committed = True
+        except VolumeNotFoundError:
+            committed = False
+            self._volume.check_root(create=True)  # missing bucket vs. fresh location
+        if committed:
             if not self.options.overwrite:
                 raise CheckpointExistsError(
                     f"A committed checkpoint already exists at {self._volume.display_url}. "
@@ -640,10 +649,11 @@ class VolumeWriter(StorageWriter, AsyncStager):
                         current = _HashingFile(local)
                     offset = current.tell()
                     data = planner.resolve_data(item)
-                    if item.type == WriteItemType.BYTE_IO:
+                    if isinstance(data, io.BytesIO):
                         current.write(data.getbuffer())
                     else:
-                        torch.save(_plain_cpu_tensor(data), current)
+                        # torch.save streams each storage as a memoryview: no copy.
+                        torch.save(_plain_cpu_tensor(data), cast(IO[bytes], current))
                     pending.append((item, offset, current.tell() - offset))
                     del data
                     if current.tell() >= opts.file_size:
@@ -655,7 +665,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
                 for f in uploads:
                     f.cancel()
                 raise
-            done, not_done = wait(uploads, return_when=FIRST_EXCEPTION)
+            _, not_done = wait(uploads, return_when=FIRST_EXCEPTION)
             for f in uploads:
                 if f.done() and not f.cancelled() and f.exception() is not None:
                     for other in not_done:

@@ -34,8 +34,9 @@ from fsspec.core import split_protocol
 
 from dcp_volumes import _env
 from dcp_volumes._exceptions import CacheError, ConfigurationError, DatasetChangedError, VolumeError
+from dcp_volumes._retry import redact_url
 from dcp_volumes._staging import parse_size
-from dcp_volumes._volume import LOCAL_PROTOCOLS, FileInfo, Volume, redact_url
+from dcp_volumes._volume import LOCAL_PROTOCOLS, FileInfo, Volume
 from dcp_volumes.data._locks import EntryLock
 from dcp_volumes.data._store import (
     CacheCounters,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from dcp_volumes._exceptions import CacheError
-from dcp_volumes._volume import redact_url
+from dcp_volumes._retry import redact_url
 from dcp_volumes.data._locks import CounterLock, EntryLock
 
 logger = logging.getLogger(__name__)

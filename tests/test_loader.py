@@ -1,0 +1,175 @@
+"""DataLoader: tuned defaults, metrics (per batch, windows, sinks), a DCP-friendly global
+state, and real gloo ranks sharing one listing and one sample stream."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dcp_volumes import ConfigurationError, DataLoader, VolumeDataset
+from dcp_volumes.data._loader import default_num_workers
+from tests.dist import run_ranks
+from tests.emulators import LatencyProxy, MotoServer
+from tests.test_data_support import read_id, run_job, to_list, write_samples
+
+
+@pytest.fixture
+def local_data(tmp_path: Path) -> tuple[str, str]:
+    src = str(tmp_path / "src")
+    write_samples(src, None, 24, size=1000)
+    return src, str(tmp_path / "cache")
+
+
+def test_tuned_defaults_and_explicit_arguments_win(local_data: tuple[str, str]) -> None:
+    src, cache = local_data
+    ds = VolumeDataset(src, cache_dir=cache)
+    tuned = DataLoader(ds, batch_size=4)
+    assert tuned.num_workers == default_num_workers(1) >= 1
+    assert tuned.persistent_workers and tuned.prefetch_factor == 4
+    assert tuned.pin_memory == torch.cuda.is_available()
+    assert len(tuned) == 6 and tuned.global_batch_size == 4
+    mine = DataLoader(ds, batch_size=4, num_workers=0, pin_memory=False)
+    assert mine.num_workers == 0 and not mine.persistent_workers and mine.prefetch_factor is None
+    explicit = DataLoader(ds, batch_size=4, num_workers=1, persistent_workers=False,
+                          prefetch_factor=2)
+    assert not explicit.persistent_workers and explicit.prefetch_factor == 2
+    split = DataLoader(ds, global_batch_size=12, rank=1, world_size=3)
+    assert split.batch_size == 4 and split.global_batch_size == 12 and len(split) == 2
+
+
+def test_metrics_per_batch_windows_and_worker_counters(
+    local_data: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    src, cache = local_data
+    ds = VolumeDataset(src, cache_dir=cache, transform=read_id, prefetch=4)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, metrics_window_s=3600)
+    m = loader.metrics
+    with caplog.at_level(logging.INFO, logger="dcp_volumes.data"):
+        for _ in loader:
+            time.sleep(0.02)  # the "training step"
+    assert len(m.fetch_seconds) == 6 and all(s >= 0 for s in m.fetch_seconds)
+    assert len(m.between_next_seconds) == 5 and min(m.between_next_seconds) >= 0.02
+    window = m.last
+    assert window is not None and len(m.windows) == 1  # flushed at the end of the epoch
+    assert window["batches"] == 6 and window["step"] == 6
+    assert window["between_next_seconds"] >= 0.02
+    assert math.isclose(window["fetch_seconds"], sum(m.fetch_seconds) / 6, rel_tol=1e-9)
+    # Worker-side counters reached the main process with the batches.
+    assert (window["cache_misses"], window["cache_hits"]) == (24, 0)
+    assert window["bytes_fetched"] == 24 * 1000 and window["download_mib_s"] > 0
+    assert window["prefetch_depth"] >= 0
+    assert "dataloader rank 0 step 6" in caplog.text
+    # Second epoch: all local; a break flushes the partial window.
+    it = iter(loader)
+    for _ in range(2):
+        next(it)
+    del it
+    gc.collect()
+    assert len(m.windows) == 2
+    assert m.last is not None and m.last["batches"] == 2 and m.last["cache_hit_rate"] == 1.0
+    assert m.flush() is None  # nothing pending
+    assert m.summary()["batches"] == 8
+
+
+def test_windows_close_on_time(local_data: tuple[str, str]) -> None:
+    src, cache = local_data
+    loader = DataLoader(VolumeDataset(src, cache_dir=cache), batch_size=4, num_workers=0,
+                        metrics_window_s=0.05)
+    for _ in loader:
+        time.sleep(0.03)
+    assert len(loader.metrics.windows) >= 3
+    assert sum(w["batches"] for w in loader.metrics.windows) == 6
+
+
+def test_mlflow_sink(local_data: tuple[str, str], tmp_path: Path) -> None:
+    mlflow = pytest.importorskip(
+        "mlflow", reason="mlflow is not installed (optional extra dcp_volumes[mlflow])")
+    src, cache = local_data
+    mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
+    loader = DataLoader(VolumeDataset(src, cache_dir=cache), batch_size=4, num_workers=0)
+    with mlflow.start_run() as run:
+        for _ in loader:
+            pass
+    history = mlflow.tracking.MlflowClient().get_metric_history(
+        run.info.run_id, "dataloader/fetch_seconds/rank_0")
+    assert history and history[-1].step == 6
+
+
+def test_state_is_global_dcp_friendly_and_resumes(local_data: tuple[str, str],
+                                                  tmp_path: Path) -> None:
+    src, cache = local_data
+    reference, _ = run_job(src, None, cache, world=1, workers=0, global_batch_size=4)
+    ds = VolumeDataset(src, cache_dir=cache, transform=read_id)
+    loader = DataLoader(ds, batch_size=4, num_workers=2)
+    head = []
+    for batch in loader:
+        head += to_list(batch)
+        if len(head) == 12:
+            break
+    state = loader.state_dict()
+    assert all(isinstance(v, (int, str)) for v in state.values())
+    assert state["position"] == 12 and state["epoch"] == 0 and state["step"] == 3
+    dcp.save({"data": loader}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ck")))
+    fresh = DataLoader(VolumeDataset(src, cache_dir=cache, transform=read_id), batch_size=4,
+                       num_workers=1)
+    dcp.load({"data": fresh}, storage_reader=dcp.FileSystemReader(str(tmp_path / "ck")))
+    assert fresh.state_dict() == state
+    tail = [i for batch in fresh for i in to_list(batch)]
+    assert head + tail == reference
+    assert fresh.epoch == 1 and fresh.state_dict()["position"] == 0
+    with pytest.raises(ConfigurationError, match="version"):
+        fresh.load_state_dict({"epoch": 0})
+
+
+def test_any_dataset_gets_defaults_and_metrics_but_no_state() -> None:
+    data = torch.utils.data.TensorDataset(torch.arange(10))
+    loader = DataLoader(data, batch_size=5, num_workers=0)
+    assert [b[0].tolist() for b in loader] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert len(loader.metrics.fetch_seconds) == 2
+    with pytest.raises(ConfigurationError, match="VolumeDataset"):
+        loader.state_dict()
+
+
+def _rank_stream(rank: int, world_size: int, url: str, opts: dict[str, Any], cache: str,
+                 ck: str) -> dict[str, Any]:
+    ds = VolumeDataset(url, storage_options=opts, cache_dir=f"{cache}-{rank}",
+                       transform=read_id)
+    loader = DataLoader(ds, global_batch_size=8, num_workers=1)
+    batches = [to_list(b) for b in loader]
+    dcp.save({"data": loader}, storage_writer=dcp.FileSystemWriter(ck))
+    dist.barrier()
+    return {"batches": batches, "state": loader.state_dict(), "files": ds.num_files}
+
+
+def test_gloo_ranks_list_once_and_share_one_stream(moto_server: MotoServer,
+                                                   s3_bucket: tuple[str, Any],
+                                                   tmp_path: Path) -> None:
+    url, direct = s3_bucket
+    write_samples(url, direct, 24)
+    with LatencyProxy.in_front_of(moto_server) as proxy:
+        opts = moto_server.storage_options(proxy.endpoint)
+        VolumeDataset(url, storage_options=opts, cache_dir=tmp_path / "c0")
+        listing_requests = sum(proxy.requests.values())
+        proxy.reset_counts()
+        results = run_ranks(_rank_stream, 2, url, opts, str(tmp_path / "cache"),
+                            str(tmp_path / "ck"), timeout=180)
+        gets = sum(n for (method, path), n in proxy.requests.items()
+                   if method == "GET" and path.count("/") > 1)
+        # Rank 0 listed, rank 1 received the manifest: the same listing requests as one process.
+        assert sum(proxy.requests.values()) - gets == listing_requests
+    reference, _ = run_job(url, direct, str(tmp_path / "ref"), world=1, workers=0,
+                           global_batch_size=8)
+    stream = [i for step in zip(*(r["batches"] for r in results), strict=True)
+              for batch in step for i in batch]
+    assert stream == reference and sorted(stream) == list(range(24))
+    assert results[0]["state"] == results[1]["state"]
+    assert gets == 24  # each file downloaded once (each rank has its own cache here)
