@@ -84,6 +84,8 @@ logger = logging.getLogger(__name__)
 
 # S3 rejects multipart parts below 5 MiB (except the last one).
 _MIN_PART_SIZE = 5 * 2**20
+# Files uploaded at once per rank (they share upload_concurrency transfers).
+_MAX_FILES_IN_FLIGHT = 4
 # Slack per item on top of the raw tensor bytes (torch.save's zip headers).
 _ITEM_OVERHEAD = 4096
 
@@ -99,8 +101,8 @@ class WriterOptions:
         keep_staging: keep the staged files after the upload.
         local_copy_dir: root of the local tier; the files of a checkpoint are
             staged into and kept in ``local_copy_dir/<checkpoint name>``.
-        upload_concurrency: files uploaded at once, and parts of one large
-            file uploaded at once.
+        upload_concurrency: transfers (parts or whole small files) in flight
+            for this rank; up to 4 files at once share them.
         part_size: multipart part size.
         file_size: target size of one data file; a rank's items are split
             into files of about this size so upload overlaps serialisation.
@@ -278,8 +280,11 @@ class VolumeWriter(StorageWriter, AsyncStager):
             into ``local_copy_dir/<checkpoint name>`` and kept there, with a
             copy of the manifest; ``VolumeReader(local_copy_dir=...)`` reads
             from it when the files match the manifest.
-        upload_concurrency: files uploaded at once, and parts of one large
-            file uploaded at once.
+        upload_concurrency: transfers (multipart parts, or whole small files)
+            in flight for this rank; up to 4 files upload at once and share
+            them. Upload buffers take about ``2 * upload_concurrency *
+            part_size`` of RAM (512 MiB with the defaults), whatever the
+            checkpoint size.
         part_size: multipart part size (bytes or e.g. ``"32MiB"``, >= 5 MiB).
         file_size: target size of one data file (bytes or e.g. ``"256MiB"``).
         prefix_spread: ``N >= 2`` spreads the files over ``N`` hashed
@@ -634,7 +639,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
             current = None
 
         with ThreadPoolExecutor(
-            max_workers=opts.upload_concurrency, thread_name_prefix="dcpv-upload"
+            max_workers=self._files_in_flight, thread_name_prefix="dcpv-upload"
         ) as pool:
             try:
                 for item in items:
@@ -673,6 +678,13 @@ class VolumeWriter(StorageWriter, AsyncStager):
                     raise f.exception()  # type: ignore[misc]
         return results, total, index
 
+    @property
+    def _files_in_flight(self) -> int:
+        # Files upload in parallel, and each splits its share of the transfers
+        # into parts: the total in flight, and so the RAM used by upload
+        # buffers, stays at upload_concurrency parts.
+        return min(_MAX_FILES_IN_FLIGHT, self.options.upload_concurrency)
+
     def _upload(self, local: str, rel: str, size: int, keep: bool) -> None:
         """Upload one closed file and verify its size on the volume (upload threads)."""
         volume = self._volume
@@ -681,7 +693,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
             local,
             rel,
             part_size=self.options.part_size,
-            concurrency=self.options.upload_concurrency,
+            concurrency=max(1, self.options.upload_concurrency // self._files_in_flight),
             move=move,
             verify_size=True,
         )
