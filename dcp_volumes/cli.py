@@ -178,18 +178,28 @@ def _table(rows: Sequence[Sequence[str]], out: Output, *, right: Sequence[int] =
         out.line("  ".join(cells).rstrip())
 
 
+def _split(vol: Volume) -> tuple[Volume | None, str]:
+    """The parent volume of ``vol`` and ``vol``'s last path component."""
+    parent_url, _, last = vol.url.rstrip("/").rpartition("/")
+    if not parent_url or (not vol.is_local and "/" not in vol.root):
+        return None, last  # a bucket root has no parent to list
+    return Volume(parent_url, storage_options=vol.storage_options, retry=vol.retry), last
+
+
 def _checkpoints_at(vol: Volume) -> tuple[list[tuple[Volume, CheckpointInfo | None]], bool]:
     """The checkpoint(s) a URL names: itself, ``root/<step>``, or every one in a root.
 
     Returns ``([(volume, info)], single)``; ``single`` is True when the URL named one
-    checkpoint (directly or by step number).
+    checkpoint (a directory, or a step number under a root).
     """
-    if vol.exists(METADATA_NAME) or vol.exists(MANIFEST_NAME):
-        return [(vol, None)], True
-    parent_url, _, last = vol.url.rstrip("/").rpartition("/")
+    parent, last = _split(vol)
     step = parse_step(last)
-    if step is not None and parent_url and not vol.list(""):
-        parent = Volume(parent_url, storage_options=vol.storage_options, retry=vol.retry)
+    is_checkpoint = vol.exists(METADATA_NAME) or vol.exists(MANIFEST_NAME)
+    if is_checkpoint or (step is not None and parent is not None and vol.list("")):
+        # A checkpoint directory, committed or not (its name may not carry a step).
+        info = inspect_dir(parent, last, step or 0) if parent is not None else None
+        return [(vol, info)], True
+    if step is not None and parent is not None:
         matches = [i for i in scan(parent) if i.step == step]
         if matches:
             best = sorted(matches, key=lambda i: (i.complete, i.name.startswith("step-")))[-1]
@@ -202,16 +212,14 @@ def _checkpoints_at(vol: Volume) -> tuple[list[tuple[Volume, CheckpointInfo | No
     return [(vol.child(i.name), i) for i in scan(vol)], False
 
 
-def _single(vol: Volume) -> tuple[Volume, int | None]:
+def _single(vol: Volume) -> tuple[Volume, CheckpointInfo | None]:
     found, single = _checkpoints_at(vol)
     if not single:
         raise CheckpointNotFoundError(
             f"{vol.display_url} is not a checkpoint (no {METADATA_NAME}). Fix: name one "
             f"checkpoint, e.g. {vol.display_url}/<step> (see `dcp-volumes ls`)."
         )
-    cvol, info = found[0]
-    step = info.step if info is not None else parse_step(cvol.root.rstrip("/").rsplit("/", 1)[-1])
-    return cvol, step
+    return found[0]
 
 
 # -- ls -------------------------------------------------------------------------------------
@@ -372,9 +380,9 @@ def _entries(metadata: Any) -> list[dict[str, Any]]:
 
 @command("inspect", "show tensor names, shapes and dtypes of a checkpoint", _configure_inspect)
 def _inspect(args: argparse.Namespace, out: Output) -> int:
-    cvol, step = _single(_volume(args, args.url))
+    cvol, info = _single(_volume(args, args.url))
+    step = info.step if info is not None else None
     entries = _entries(read_metadata(cvol))
-    info = inspect_dir(_parent(cvol), cvol.root.rstrip("/").rsplit("/", 1)[-1], step or 0)
     tensor_bytes = sum(e["nbytes"] or 0 for e in entries)
     out.json({"url": cvol.display_url, "step": step,
               "complete": info.complete if info else None,
@@ -391,13 +399,6 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
             rows.append([e["name"], "(object)", "-", "-"])
     _table(rows, out, right=(3,))
     return EXIT_OK
-
-
-def _parent(vol: Volume) -> Volume:
-    parent = vol.root.rstrip("/").rsplit("/", 1)[0] or "/"
-    new = vol.child("")
-    new.root = parent
-    return new
 
 
 # -- entry point ----------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 from .proxy import LatencyProxy
 
@@ -117,6 +117,9 @@ def _stop_all() -> None:
             emu.stop()
 
 
+_E = TypeVar("_E", bound="Emulator")
+
+
 class Emulator:
     """Common surface of the object-store launchers."""
 
@@ -130,7 +133,7 @@ class Emulator:
         self._running = False
 
     # -- lifecycle -----------------------------------------------------------
-    def start(self) -> Emulator:
+    def start(self: _E) -> _E:
         if self._running:
             return self
         self._start()
@@ -149,7 +152,7 @@ class Emulator:
     def running(self) -> bool:
         return self._running
 
-    def __enter__(self) -> Emulator:
+    def __enter__(self: _E) -> _E:
         return self.start()
 
     def __exit__(
@@ -234,9 +237,15 @@ class _ProcessEmulator(Emulator):
         self._workdir = Path(tempfile.mkdtemp(prefix=f"dcpv-{self.name}-"))
         # The chosen port can be taken between probe and bind: retry with another.
         last_error = ""
+        cmd: list[str] = []
         for _attempt in range(3):
             self.port = free_port()
-            cmd = self._command(self.port)
+            try:
+                cmd = self._command(self.port)
+            except BaseException:
+                shutil.rmtree(self._workdir, ignore_errors=True)
+                self._workdir, self.port = None, 0
+                raise
             with open(self.log_path, "ab") as log:
                 self._proc = subprocess.Popen(
                     cmd,
@@ -253,7 +262,9 @@ class _ProcessEmulator(Emulator):
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
                     break
-                if self._probe():
+                # Alive after a good probe: the answer came from our server, not
+                # from whoever else might hold the port it failed to bind.
+                if self._probe() and self._proc.poll() is None:
                     return
                 time.sleep(0.05)
             code = self._proc.poll()
@@ -507,8 +518,10 @@ class Azurite(_ProcessEmulator):
         return Path(found) if found else None
 
     def _command(self, port: int) -> list[str]:
+        if self._binary is not None and not self._binary.exists():
+            raise EmulatorError(f"azurite-blob not found at {self._binary}")
         binary = self._binary or self.find_binary()
-        if binary is None or not binary.exists():
+        if binary is None:
             raise EmulatorError(
                 "azurite-blob not found (looked in .tools/node_modules/.bin and PATH). "
                 "Run `make test` (it installs it), or "

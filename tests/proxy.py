@@ -267,12 +267,12 @@ class LatencyProxy:
         except OSError:
             pass  # a peer went away; both sides are closed below
         finally:
-            for s in (client, upstream):
-                if s is not None:
+            for sock in (client, upstream):
+                if sock is not None:
                     with self._lock:
-                        self._conns.discard(s)
+                        self._conns.discard(sock)
                     with contextlib.suppress(OSError):
-                        s.close()
+                        sock.close()
             with self._lock:
                 self._threads.discard(threading.current_thread())
 

@@ -288,3 +288,38 @@ def test_bad_cache_configuration(tmp_path: Path) -> None:
     assert small.usage() == 0
     with pytest.raises(ConfigurationError, match="names no file"):
         small.fetch("s3://bucket-only")
+
+
+@pytest.mark.slow
+def test_large_file_ranged_fill_killed_midway(moto_server: MotoServer,
+                                              s3_bucket: tuple[str, Any],
+                                              tmp_path: Path) -> None:
+    """A >16 MiB file is fetched as parallel ranges into <fill>.part-*; a kill leaves those
+    behind, and the next fill removes them before it starts."""
+    url, direct = s3_bucket
+    data = os.urandom(20 * 2**20)
+    Volume(url, storage_options=direct).publish("large.bin", data)
+    cache_dir = str(tmp_path / "cache")
+    with LatencyProxy.in_front_of(moto_server, bandwidth_bps=40e6) as slow:
+        opts = moto_server.storage_options(slow.endpoint)
+        filler = _FORK.Process(target=_fetch_large, args=(cache_dir, f"{url}/large.bin", opts))
+        filler.start()
+        cache = FileCache(cache_dir, reconcile=False)
+        ref = cache._ref(Volume(url, storage_options=opts), "large.bin")
+        folder = os.path.dirname(ref.fill)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+            os.path.isdir(folder) and any(".fill.part-" in n for n in os.listdir(folder))):
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(filler.pid or 0, signal.SIGKILL)
+        filler.join()
+        assert any(".fill.part-" in n for n in os.listdir(folder))
+        path = cache.fetch(f"{url}/large.bin", storage_options=opts, size=len(data))
+    assert Path(path).read_bytes() == data
+    assert not any(".part-" in n or n.endswith((".fill", ".resv")) for n in os.listdir(folder))
+    assert cache.usage() == len(data)
+
+
+def _fetch_large(cache_dir: str, url: str, opts: dict[str, Any]) -> None:
+    FileCache(cache_dir).fetch(url, storage_options=opts, size=20 * 2**20)

@@ -1,12 +1,21 @@
-"""The `dcp-volumes` console script, run as a real subprocess against local and moto volumes."""
+"""The `dcp-volumes` CLI against local and moto volumes.
+
+A few calls run the console script's module in a fresh interpreter (``python -m
+dcp_volumes.cli``: exit codes, stderr, storage options from the environment);
+the rest call ``main(argv)`` in this process, the same code without the
+~3 s interpreter and torch start-up per call.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,22 +31,45 @@ from dcp_volumes.checkpoint._manifest import (
     Manifest,
     checksum_bytes,
 )
+from dcp_volumes.cli import main
 from tests.emulators import repo_root
 
 Location = tuple[str, dict[str, Any]]
 
 
-def run_cli(*args: str, options: dict[str, Any] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m dcp_volumes.cli ARGS`` in a fresh interpreter (the console script's main)."""
-    env = dict(os.environ)
-    env.pop("DCP_VOLUMES_STORAGE_OPTIONS", None)
-    if options:
-        env["DCP_VOLUMES_STORAGE_OPTIONS"] = json.dumps(options)
-    env["PYTHONPATH"] = str(repo_root()) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run(
-        [sys.executable, "-m", "dcp_volumes.cli", *args],
-        capture_output=True, text=True, timeout=120, env=env, cwd=str(repo_root()),
-    )
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args: str, options: dict[str, Any] | None = None, subprocess_: bool = False
+            ) -> Result:
+    """Run the CLI: ``python -m dcp_volumes.cli ARGS`` in a fresh interpreter (the console
+    script's entry point), or ``main(ARGS)`` in this process (same code, no interpreter
+    start-up: most tests use this to stay fast)."""
+    if subprocess_:
+        env = dict(os.environ)
+        env.pop("DCP_VOLUMES_STORAGE_OPTIONS", None)
+        if options:
+            env["DCP_VOLUMES_STORAGE_OPTIONS"] = json.dumps(options)
+        env["PYTHONPATH"] = str(repo_root()) + os.pathsep + env.get("PYTHONPATH", "")
+        proc = subprocess.run(
+            [sys.executable, "-m", "dcp_volumes.cli", *args],
+            capture_output=True, text=True, timeout=120, env=env, cwd=str(repo_root()),
+        )
+        return Result(proc.returncode, proc.stdout, proc.stderr)
+    argv = list(args)
+    if options and "--storage-options" not in argv:
+        argv += ["--storage-options", json.dumps(options)]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse usage errors
+            code = int(exc.code or 0)
+    return Result(code, out.getvalue(), err.getvalue())
 
 
 def state_for(step: int) -> dict[str, Any]:
@@ -94,7 +126,7 @@ def root(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
 
 def test_ls_table_and_json(root: Location) -> None:
     url, options = root
-    res = run_cli("ls", url, options=options)
+    res = run_cli("ls", url, options=options, subprocess_=url.startswith("s3://"))
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0].split() == ["STEP", "STATUS", "SIZE", "FILES", "AGE", "NAME"]
@@ -140,7 +172,8 @@ def test_verify_ok_then_flipped_byte_names_the_file(root: Location) -> None:
     assert res.returncode == 1
     assert "FAILED" in res.stdout and data_file in res.stdout and "checksum" in res.stdout
     assert res.stderr == ""
-    res = run_cli("verify", f"{url}/300", "--json", options=options)
+    res = run_cli("verify", f"{url}/300", "--json", options=options,
+                  subprocess_=url.startswith("s3://"))
     assert res.returncode == 1
     doc = json.loads(res.stdout)
     assert doc["ok"] is False
@@ -155,6 +188,10 @@ def test_verify_root_checks_every_complete_and_skips_partial(root: Location) -> 
     status = {c["step"]: (c["status"], c.get("checksums")) for c in doc["checkpoints"]}
     assert status == {100: ("ok", False), 200: ("ok", False), 300: ("ok", True),
                       400: ("skipped", None)}
+    # Named directly, a partial checkpoint fails verification.
+    res = run_cli("verify", f"{url}/step-00000400", "--no-progress", options=options)
+    assert res.returncode == 1
+    assert "FAILED" in res.stdout and ".metadata: missing" in res.stdout
 
 
 def test_verify_stock_checkpoint_with_a_missing_file_fails(tmp_path: Path) -> None:
@@ -218,30 +255,46 @@ def test_inspect_names_shapes_dtypes(root: Location) -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "code", "needle"),
+    ("args", "code", "needle", "in_subprocess"),
     [
-        (["gc", "{root}"], 2, "--keep-last"),  # argparse usage error
-        (["gc", "{root}", "--keep-last", "0"], 2, "must be >= 1"),
-        (["ls", "{root}", "--storage-options", "{{bad"], 2, "not valid JSON"),
-        (["ls", "{root}", "--storage-options", "[1]"], 2, "JSON object"),
-        (["ls", "{root}/missing"], 1, "does not exist"),
-        (["inspect", "{root}"], 1, "not a checkpoint"),
-        (["inspect", "{root}/123"], 1, "No checkpoint of step 123"),
-        (["ls", "nosuchproto://x/y"], 2, "protocol"),
-        (["frobnicate"], 2, "invalid choice"),
+        (["gc", "{root}"], 2, "--keep-last", True),  # argparse usage error
+        (["gc", "{root}", "--keep-last", "0"], 2, "must be >= 1", False),
+        (["ls", "{root}", "--storage-options", "{{bad"], 2, "not valid JSON", False),
+        (["ls", "{root}", "--storage-options", "[1]"], 2, "JSON object", False),
+        (["ls", "{root}/missing"], 1, "does not exist", False),
+        (["inspect", "{root}"], 1, "not a checkpoint", False),
+        (["inspect", "{root}/123"], 1, "No checkpoint of step 123", False),
+        (["ls", "nosuchproto://x/y"], 2, "protocol", False),
+        (["frobnicate"], 2, "invalid choice", False),
     ],
 )
 def test_errors_are_one_line_with_exit_codes(
-    tmp_path: Path, args: list[str], code: int, needle: str
+    tmp_path: Path, args: list[str], code: int, needle: str, in_subprocess: bool
 ) -> None:
     root_dir = tmp_path / "run"
     root_dir.mkdir()
-    res = run_cli(*[a.format(root=root_dir) for a in args])
+    res = run_cli(*[a.format(root=root_dir) for a in args], subprocess_=in_subprocess)
     assert res.returncode == code, res.stdout + res.stderr
     assert needle in res.stderr
     assert "Traceback" not in res.stderr
     if code == 1 or "protocol" in needle or "JSON" in needle:
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_env_storage_options_are_used(s3_bucket: Location) -> None:
+    bucket, options = s3_bucket
+    write_stock(f"{bucket}/run", options, "step_1", 1)
+    old = os.environ.get("DCP_VOLUMES_STORAGE_OPTIONS")
+    os.environ["DCP_VOLUMES_STORAGE_OPTIONS"] = json.dumps(options)
+    try:
+        res = run_cli("ls", f"{bucket}/run", "--json")
+    finally:
+        if old is None:
+            del os.environ["DCP_VOLUMES_STORAGE_OPTIONS"]
+        else:
+            os.environ["DCP_VOLUMES_STORAGE_OPTIONS"] = old
+    assert res.returncode == 0, res.stderr
+    assert [c["step"] for c in json.loads(res.stdout)["checkpoints"]] == [1]
 
 
 @pytest.mark.emulator

@@ -195,6 +195,10 @@ def run_trials(
             tally.wrong_restores += 1
             tally.failures.append(f"child restored {restored_step} (newest {newest}): {diff[:3]}")
         time.sleep(rng.uniform(0.0, max_delay_s))
+        if not child.is_alive():
+            child.join()
+            pytest.fail(f"trial {trial}: the child failed by itself (exit code "
+                        f"{child.exitcode}) before it was killed; see its stderr")
         child.kill()  # SIGKILL: no handler, no cleanup, no flush
         child.join()
         events = [first, *_drain(recv)]

@@ -190,6 +190,16 @@ def test_a_list_of_file_urls(s3_data: tuple[str, Any], tmp_path: Path) -> None:
                        transform=read_id)
     assert [i for b in DataLoader(ds, batch_size=3, num_workers=0) for i in to_list(b)] == [
         5, 3, 31]
+    # Many files in few folders: listed per folder (one LIST each) instead of one HEAD each.
+    many = [f"{url}/{name_of(i)}" for i in (19, *range(10), 18, 17)]
+    ds = VolumeDataset(many, storage_options=opts, cache_dir=tmp_path / "c", shuffle=False,
+                       transform=read_id)
+    assert [f.size for f in ds.manifest.files] == [64] * 13
+    assert [i for b in DataLoader(ds, batch_size=13, num_workers=0) for i in to_list(b)] == [
+        19, *range(10), 18, 17]
+    with pytest.raises(VolumeNotFoundError):
+        VolumeDataset([*many, f"{url}/part-0/missing.bin"], storage_options=opts,
+                      cache_dir=tmp_path / "c")
 
 
 def test_stock_torch_dataloader_needs_only_the_batch_size_hint(tmp_path: Path) -> None:
@@ -233,3 +243,14 @@ def test_bad_input_gives_clear_errors(s3_bucket: tuple[str, Any], tmp_path: Path
     with pytest.raises(VolumeNotFoundError, match=r"sample-00003\.bin"):
         for _ in loader:
             pass
+
+
+def test_every_backend(volume_url: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    url, opts = volume_url
+    write_samples(url, opts, 10, size=300)
+    cache = str(tmp_path / "cache")
+    stream, state = run_job(url, opts, cache, world=2, workers=1, global_batch_size=4)
+    assert sorted(stream[:10]) == list(range(10)) and stream[10:] == stream[:2]  # padded
+    again, _ = run_job(url, opts, cache, world=1, workers=0, global_batch_size=4)
+    assert again == stream
+    assert state["num_files"] == 10 and len(state["manifest"]) == 64

@@ -231,7 +231,7 @@ def test_proxy_drop_next_fails_requests(
 def test_proxy_fail_every(moto_server: MotoServer, s3_object: tuple[str, bytes]) -> None:
     path, _ = s3_object
     with LatencyProxy.in_front_of(moto_server, fail_every=2) as proxy:
-        outcomes = []
+        outcomes: list[int | str] = []
         for _ in range(4):
             try:
                 outcomes.append(_get(proxy.endpoint, path)[0])

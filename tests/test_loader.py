@@ -119,6 +119,9 @@ def test_state_is_global_dcp_friendly_and_resumes(local_data: tuple[str, str],
     assert all(isinstance(v, (int, str)) for v in state.values())
     assert state["position"] == 12 and state["epoch"] == 0 and state["step"] == 3
     dcp.save({"data": loader}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "ck")))
+    # Iterating again continues from what was delivered, not from what the (persistent)
+    # workers had prefetched.
+    assert [i for batch in loader for i in to_list(batch)] == reference[12:]
     fresh = DataLoader(VolumeDataset(src, cache_dir=cache, transform=read_id), batch_size=4,
                        num_workers=1)
     dcp.load({"data": fresh}, storage_reader=dcp.FileSystemReader(str(tmp_path / "ck")))
@@ -175,3 +178,29 @@ def test_gloo_ranks_list_once_and_share_one_stream(moto_server: MotoServer,
     assert stream == reference and sorted(stream) == list(range(24))
     assert results[0]["state"] == results[1]["state"]
     assert gets == 24  # each file downloaded once (each rank has its own cache here)
+
+
+def _as_tensor(path: str) -> torch.Tensor:
+    return torch.tensor([read_id(path)])
+
+
+def test_counters_survive_the_pin_memory_step() -> None:
+    from dcp_volumes.data._loader import _Delivery
+
+    delivery = _Delivery(["a", "b"], {"hits": 2})
+    pinned = delivery.pin_memory()  # what torch's pin-memory thread calls
+    assert pinned.batch == ["a", "b"] and pinned.stats == {"hits": 2}
+
+
+@pytest.mark.gpu
+def test_pinned_batches_on_cuda(local_data: tuple[str, str]) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    src, cache = local_data
+    loader = DataLoader(VolumeDataset(src, cache_dir=cache, transform=_as_tensor), batch_size=4,
+                        num_workers=1)
+    assert loader.pin_memory  # the tuned default with CUDA present
+    batches = list(loader)
+    assert all(b.is_pinned() for b in batches)
+    assert sorted(int(i) for b in batches for i in b) == list(range(24))
+    assert loader.metrics.last is not None and loader.metrics.last["cache_misses"] == 24

@@ -401,10 +401,12 @@ def test_local_tier_restores_from_local_disk_and_falls_back_per_file(
     assert _data_gets(proxy) >= len(files)
 
 
-# -- two real ranks ------------------------------------------------------------------------
+# -- two real ranks ---------------------------------------------------------------------------
+# One spawn of two gloo ranks runs every scenario (starting ranks costs seconds);
+# the tests below check its results.
 
 
-def _rank_save_restore(rank: int, world: int, url: str, options: dict) -> dict[str, Any]:
+def _agree_on_restore(rank: int, url: str, options: dict) -> dict[str, Any]:
     mgr = CheckpointManager(url, keep_last=2, storage_options=options)
     for step in (1, 2, 3):
         mgr.save(step, state_for(step, rank=rank))
@@ -419,27 +421,12 @@ def _rank_save_restore(rank: int, world: int, url: str, options: dict) -> dict[s
     return {"step": step, "diff": diff, "complete": complete_steps(url, options)}
 
 
-@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.emulator)])
-def test_two_ranks_save_and_agree_on_restore(
-    request: pytest.FixtureRequest, tmp_path: Path, where: str
-) -> None:
-    if where == "local":
-        url, options = str(tmp_path / "run"), {}
-    else:
-        bucket, options = request.getfixturevalue("s3_bucket")
-        url = f"{bucket}/run"
-    results = run_ranks(_rank_save_restore, 2, url, options, timeout=180)
-    assert [r["step"] for r in results] == [3, 3]
-    assert [r["diff"] for r in results] == [[], []]
-    assert results[0]["complete"] == [2, 3]
-
-
 class _Exploding(Progress):
     def state_dict(self) -> dict[str, Any]:
         raise RuntimeError("state_dict exploded on this rank")
 
 
-def _rank_one_fails(rank: int, world: int, url: str, how: str, bad_staging: str) -> dict:
+def _one_rank_fails(rank: int, url: str, how: str, bad_staging: str) -> dict[str, Any]:
     staging = bad_staging if (how == "staging" and rank == 1) else None
     mgr = CheckpointManager(url, staging_dir=staging, keep_last=None)
     errors = []
@@ -449,22 +436,50 @@ def _rank_one_fails(rank: int, world: int, url: str, how: str, bad_staging: str)
     try:
         mgr.save(2, state)
         mgr.wait()
-    except DcpVolumesError as exc:
-        errors.append((type(exc).__name__, str(exc)))
-    except RuntimeError as exc:
+    except (DcpVolumesError, RuntimeError) as exc:
         errors.append((type(exc).__name__, str(exc)))
     committed = os.path.exists(os.path.join(url, step_dir(2), METADATA_NAME))
+    if how == "stateful":  # the manager stays usable on every rank after a failed save
+        mgr.save(3, state_for(3, rank=rank))
     mgr.close()
-    return {"errors": errors, "committed": committed}
+    return {"errors": errors, "committed": committed, "complete": complete_steps(url, {})}
+
+
+def _rank_scenarios(rank: int, world: int, base: str, s3_url: str, s3_options: dict,
+                    bad_staging: str) -> dict[str, Any]:
+    return {
+        "agree_local": _agree_on_restore(rank, f"{base}/agree", {}),
+        "agree_s3": _agree_on_restore(rank, s3_url, s3_options),
+        "stateful": _one_rank_fails(rank, f"{base}/stateful", "stateful", bad_staging),
+        "staging": _one_rank_fails(rank, f"{base}/staging", "staging", bad_staging),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(
+    tmp_path_factory: pytest.TempPathFactory, moto_server: MotoServer
+) -> list[dict[str, Any]]:
+    base = tmp_path_factory.mktemp("ranks")
+    bad = base / "not-a-dir"
+    bad.write_bytes(b"")  # a staging "directory" that is a file: unusable on rank 1
+    bucket = moto_server.create_bucket(f"t-ranks-{os.getpid()}")
+    return run_ranks(_rank_scenarios, 2, str(base), f"{bucket}/run",
+                     moto_server.storage_options(), str(bad), timeout=240)
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.emulator)])
+def test_two_ranks_save_and_agree_on_restore(two_ranks: list[dict[str, Any]], where: str) -> None:
+    results = [r[f"agree_{where}"] for r in two_ranks]
+    assert [r["step"] for r in results] == [3, 3]
+    assert [r["diff"] for r in results] == [[], []]
+    assert results[0]["complete"] == [2, 3]
 
 
 @pytest.mark.parametrize("how", ["stateful", "staging"])
-def test_a_rank_failing_fails_the_save_on_every_rank(tmp_path: Path, how: str) -> None:
-    url = str(tmp_path / "run")
-    bad = tmp_path / "not-a-dir"
-    bad.write_bytes(b"")  # a staging "directory" that is a file: unusable on rank 1
-    results = run_ranks(_rank_one_fails, 2, url, how, str(bad), timeout=180)
-    r0, r1 = results
+def test_a_rank_failing_fails_the_save_on_every_rank(
+    two_ranks: list[dict[str, Any]], how: str
+) -> None:
+    r0, r1 = (r[how] for r in two_ranks)
     assert not r0["committed"] and not r1["committed"]
     assert len(r0["errors"]) == 1 and len(r1["errors"]) == 1
     assert r0["errors"][0][0] == "CheckpointError" and "rank 1" in r0["errors"][0][1]
@@ -474,4 +489,4 @@ def test_a_rank_failing_fails_the_save_on_every_rank(tmp_path: Path, how: str) -
     else:
         assert r1["errors"][0][0] == "StagingError"
         assert "StagingError" in r0["errors"][0][1]
-    assert complete_steps(url, {}) == []
+    assert r0["complete"] == ([3] if how == "stateful" else [])

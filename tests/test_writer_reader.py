@@ -425,3 +425,64 @@ def test_coalesce_rejects_bad_ranges() -> None:
         _layout.coalesce([(5, 3)])
     with pytest.raises(KeyError):
         _layout.find_span([0], [(0, 10)], 5, 11)
+
+
+# -- async staging cost (benchmark target) -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_async_save_blocking_time_and_memory(tmp_path: Path) -> None:
+    """Steady state: blocking <= 2x a copy into preallocated memory; extra RAM <= 1.25x state."""
+    psutil = pytest.importorskip("psutil")
+    mib = 2**20
+    size = 256 * mib
+    live = {f"layer{i}": torch.randn(size // 4 // 32) for i in range(32)}
+    live["step"] = 0
+    writer = VolumeWriter(tmp_path / "unused", file_size="64MiB")
+    proc = psutil.Process()
+
+    def peak_extra_during(fn: Any) -> tuple[float, int]:
+        base = proc.memory_info().rss
+        peak = [base]
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                peak[0] = max(peak[0], proc.memory_info().rss)
+                time.sleep(0.002)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            seconds = fn()
+        finally:
+            stop.set()
+            sampler.join()
+        return seconds, peak[0] - base
+
+    def save(step: int) -> float:
+        started = time.perf_counter()
+        fut = dcp.async_save(live, checkpoint_id=str(tmp_path / f"s{step}"), storage_writer=writer)
+        blocked = time.perf_counter() - started
+        fut.result()
+        return blocked
+
+    _, first_extra = peak_extra_during(lambda: save(0))
+    assert first_extra <= 1.25 * size, f"first save took {first_extra / mib:.0f} MiB extra"
+    blocking, extras = [], []
+    for step in range(1, 5):
+        live["step"] = step
+        seconds, extra = peak_extra_during(lambda step=step: save(step))
+        blocking.append(seconds)
+        extras.append(extra)
+    assert max(extras) <= 0.25 * size, f"steady-state saves took {max(extras) / mib:.0f} MiB extra"
+
+    buffers = {k: torch.empty_like(v) for k, v in live.items() if isinstance(v, torch.Tensor)}
+    copies = []
+    for _ in range(4):
+        started = time.perf_counter()
+        for k, buf in buffers.items():
+            buf.copy_(live[k])
+        copies.append(time.perf_counter() - started)
+    ratio = sorted(blocking)[len(blocking) // 2] / sorted(copies)[len(copies) // 2]
+    assert ratio <= 2.0, f"async_save blocked {ratio:.2f}x a memcpy into preallocated memory"

@@ -46,6 +46,7 @@ from dcp_volumes.checkpoint._manifest import (
     checksum_bytes,
     read_manifest,
 )
+from dcp_volumes.checkpoint._shards import MemoryReader, narrow
 
 try:
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -91,36 +92,6 @@ class ReaderOptions:
             raise ConfigurationError("coalesce_gap and prefetch_bytes must be >= 0 bytes.")
 
 
-class _MemoryReader(io.RawIOBase):
-    """A seekable read-only stream over a memoryview: torch.load reads it without a copy."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), len(self._view) - self._pos))
-        out[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-
 @dataclass
 class _FileJob:
     """The reads of one data file: its items, merged spans and where the bytes come from."""
@@ -138,14 +109,6 @@ class _FileJob:
     @property
     def nbytes(self) -> int:
         return sum(e - s for s, e in self.spans)
-
-
-def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-    """The part of a saved tensor a read item asks for (resharding)."""
-    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
-        if offset != 0 or length != tensor.size(dim):
-            tensor = tensor.narrow(dim, offset, length)
-    return tensor
 
 
 class VolumeReader(StorageReader):
@@ -511,7 +474,7 @@ class VolumeReader(StorageReader):
             i = _layout.find_span(starts, job.spans, info.offset, info.offset + info.length)
             lo = info.offset - job.spans[i][0]
             view = memoryview(job.buffers[i])[lo : lo + info.length]
-            stream: IO[bytes] = cast(IO[bytes], _MemoryReader(view))
+            stream: IO[bytes] = cast(IO[bytes], MemoryReader(view))
             descriptors = getattr(info, "transform_descriptors", None)
             if descriptors:
                 stream = self._untransform(req, descriptors, stream)
@@ -528,7 +491,7 @@ class VolumeReader(StorageReader):
                     f"cannot be deserialised ({type(exc).__name__}: {exc}). The file is damaged; "
                     "load with verify=True to check it, or load an older checkpoint."
                 ) from exc
-            tensor = _narrow(tensor, req.storage_offsets, req.lengths)
+            tensor = narrow(tensor, req.storage_offsets, req.lengths)
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise CheckpointCorruptError(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import logging
 import os
 import pickle
@@ -24,17 +23,14 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass
-from typing import IO, Any, cast
+from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -53,20 +49,13 @@ from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
-    Checksum,
     FileRecord,
     Manifest,
     check_listing,
     read_manifest,
 )
-
-# The helpers behind DCP's own BlockingAsyncStager (pinned CPU copies, in-place
-# refresh). Private, so guarded: without them we fall back to the public stager.
-try:
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-except ImportError:  # pragma: no cover - depends on the torch version
-    _copy_state_dict = None  # type: ignore[assignment]
-    _create_cpu_state_dict = None  # type: ignore[assignment]
+from dcp_volumes.checkpoint._shards import WrittenItem, estimate_bytes, write_and_upload
+from dcp_volumes.checkpoint._stager import CpuStager
 
 # Stock writers stamp the format version into .metadata since torch 2.7; older
 # versions have neither the constant nor the field.
@@ -84,10 +73,13 @@ logger = logging.getLogger(__name__)
 
 # S3 rejects multipart parts below 5 MiB (except the last one).
 _MIN_PART_SIZE = 5 * 2**20
-# Files uploaded at once per rank (they share upload_concurrency transfers).
+# Files uploaded at once per rank (they share the transfers in flight).
 _MAX_FILES_IN_FLIGHT = 4
-# Slack per item on top of the raw tensor bytes (torch.save's zip headers).
-_ITEM_OVERHEAD = 4096
+# Upload buffers may take this share of a rank's checkpoint bytes in RAM (each
+# transfer holds about two copies of a part), so an async save needs at most
+# ~1.25x the state: the staged copy, this, and some slack. Large states get
+# the full upload_concurrency; small ones upload with fewer streams.
+_UPLOAD_RAM_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -151,92 +143,6 @@ class _RankFiles:
     prefix: str
 
 
-@dataclass(frozen=True)
-class _WrittenItem:
-    """``WriteResult.storage_data`` on its way to ``finish``: stock info plus the file record.
-
-    ``finish`` keeps only ``info`` for ``.metadata`` (stock readers must not
-    need dcp_volumes to unpickle it); the records go to the manifest.
-    """
-
-    info: _StorageInfo
-    record: FileRecord
-
-
-class _HashingFile:
-    """A write-only file that hashes every byte on its way to disk (no extra copy)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self._hash = Checksum()
-        self._size = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._hash.update(view)
-        self._f.write(view)
-        self._size += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def tell(self) -> int:
-        return self._size
-
-    def close(self, *, fsync: bool) -> FileRecord:
-        # Flush before fsync: fsync only persists what reached the kernel.
-        self._f.flush()
-        if fsync:
-            os.fsync(self._f.fileno())
-        self._f.close()
-        return FileRecord(size=self._size, checksum=self._hash.hexdigest())
-
-    def abort(self) -> None:
-        with contextlib.suppress(OSError):
-            self._f.close()
-
-
-def _plain_cpu_tensor(data: torch.Tensor) -> torch.Tensor:
-    """The tensor as stock DCP serialises it: on CPU, storage no larger than its data."""
-    tensor = data.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        # torch.save writes the whole storage: a view into a big buffer would
-        # drag the buffer along, so copy just this tensor.
-        tensor = tensor.clone()
-    return tensor
-
-
-def _estimate_bytes(items: list[WriteItem]) -> int:
-    total = 0
-    for item in items:
-        total += _ITEM_OVERHEAD
-        if item.tensor_data is not None:
-            total += item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
-    return total
-
-
-def _signature(obj: Any) -> Any:
-    """Structure, shapes and dtypes of a state dict: equal signatures can share buffers."""
-    if isinstance(obj, torch.Tensor):
-        local = getattr(obj, "_local_tensor", None)  # DTensor: the shard this rank holds
-        shards = getattr(obj, "local_shards", None)  # ShardedTensor
-        extra: Any = None
-        if local is not None:
-            extra = tuple(local.shape)
-        elif callable(shards):
-            extra = tuple(tuple(s.tensor.shape) for s in shards())
-        return (type(obj), tuple(obj.shape), obj.dtype, extra)
-    if isinstance(obj, Mapping):
-        return (type(obj), tuple((k, _signature(v)) for k, v in obj.items()))
-    if isinstance(obj, (list, tuple)):
-        return (type(obj), tuple(_signature(v) for v in obj))
-    return type(obj)
-
-
 class VolumeWriter(StorageWriter, AsyncStager):
     """DCP storage writer for any volume: object store, fsspec URL or mount path.
 
@@ -280,11 +186,11 @@ class VolumeWriter(StorageWriter, AsyncStager):
             into ``local_copy_dir/<checkpoint name>`` and kept there, with a
             copy of the manifest; ``VolumeReader(local_copy_dir=...)`` reads
             from it when the files match the manifest.
-        upload_concurrency: transfers (multipart parts, or whole small files)
-            in flight for this rank; up to 4 files upload at once and share
-            them. Upload buffers take about ``2 * upload_concurrency *
-            part_size`` of RAM (512 MiB with the defaults), whatever the
-            checkpoint size.
+        upload_concurrency: most transfers (multipart parts, or whole small
+            files) in flight for this rank; up to 4 files upload at once and
+            share them. Each takes about ``2 * part_size`` of RAM, so fewer
+            are used when the rank's checkpoint is small: upload buffers stay
+            within a fifth of its size (at least one transfer).
         part_size: multipart part size (bytes or e.g. ``"32MiB"``, >= 5 MiB).
         file_size: target size of one data file (bytes or e.g. ``"256MiB"``).
         prefix_spread: ``N >= 2`` spreads the files over ``N`` hashed
@@ -343,9 +249,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
         self._save_id = uuid.uuid4().hex
         self._is_coordinator = False
         self._rank = 0
-        self._stage_cache: STATE_DICT_TYPE | None = None
-        self._stage_signature: Any = None
-        self._fallback_stager: BlockingAsyncStager | None = None
+        self._stager = CpuStager(cache=self.options.cache_staged_state_dict)
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -376,11 +280,8 @@ class VolumeWriter(StorageWriter, AsyncStager):
 
     def __getstate__(self) -> dict[str, Any]:
         # The PROCESS async checkpointer pickles the writer on every save: the
-        # staging buffers, the stager and the finalizer stay in this process.
+        # staging buffers (the stager pickles empty) and the finalizer stay here.
         state = self.__dict__.copy()
-        state["_stage_cache"] = None
-        state["_stage_signature"] = None
-        state["_fallback_stager"] = None
         state["_finalizer"] = None
         return state
 
@@ -408,37 +309,14 @@ class VolumeWriter(StorageWriter, AsyncStager):
         save (pinned when CUDA is present) and refreshed in place afterwards;
         they are reallocated only when the structure, a shape or a dtype changes.
         """
-        if _copy_state_dict is None or _create_cpu_state_dict is None:  # pragma: no cover
-            if self._fallback_stager is None:
-                self._fallback_stager = BlockingAsyncStager(
-                    cache_staged_state_dict=self.options.cache_staged_state_dict
-                )
-            return self._fallback_stager.stage(state_dict)
-        pin = torch.cuda.is_available()
-        if self.options.cache_staged_state_dict:
-            signature = _signature(state_dict)
-            if self._stage_cache is None or signature != self._stage_signature:
-                self._stage_cache = None  # free the old buffers before allocating new ones
-                self._stage_cache = _create_cpu_state_dict(state_dict, pin_memory=pin)
-                self._stage_signature = signature
-            target = self._stage_cache
-        else:
-            target = _create_cpu_state_dict(state_dict, pin_memory=pin)
-        staged = _copy_state_dict(state_dict, target, non_blocking=pin, type_check=False)
-        if pin:
-            torch.cuda.synchronize()
-        return staged
+        return self._stager.stage(state_dict)
 
     def synchronize_staging(self) -> None:
         """No-op: ``stage`` returns only once the copy is complete."""
 
     def close(self) -> None:
         """Free the staging buffers and remove a temporary staging directory."""
-        self._stage_cache = None
-        self._stage_signature = None
-        if self._fallback_stager is not None:
-            self._fallback_stager.close()
-            self._fallback_stager = None
+        self._stager.close()
         if self._finalizer is not None:
             self._finalizer()
 
@@ -469,7 +347,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Check the staging directory can take this rank's bytes (all ranks)."""
         self._staging.check()
-        self._staging.ensure_space(_estimate_bytes(plan.items))
+        self._staging.ensure_space(estimate_bytes(plan.items))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -509,11 +387,23 @@ class VolumeWriter(StorageWriter, AsyncStager):
         else:
             name = _layout.checkpoint_name(self._volume.root)
             save_dir = self._staging.new_dir(f"{name}-r{self._rank}")
+        transfers = self._transfers(estimate_bytes(plan.items))
         items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
         items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         started = time.monotonic()
         try:
-            results, nbytes, nfiles = self._serialise_and_upload(items, planner, prefix, save_dir)
+            results, nbytes, nfiles = write_and_upload(
+                items,
+                planner,
+                prefix=prefix,
+                save_dir=save_dir,
+                prefix_spread=self.options.prefix_spread,
+                file_size=self.options.file_size,
+                # Mount-path volumes get the file by rename: it must be on disk first.
+                fsync=self._volume.is_local or local_copy is not None,
+                files_in_flight=min(_MAX_FILES_IN_FLIGHT, transfers),
+                upload=lambda local, rel, size: self._upload(local, rel, size, keep, transfers),
+            )
         finally:
             if not keep:
                 StagingArea.remove(save_dir)
@@ -538,7 +428,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
         for rank_results in results:
             for wr in rank_results:
                 data = wr.storage_data
-                if not isinstance(data, _WrittenItem):
+                if not isinstance(data, WrittenItem):
                     raise CheckpointCorruptError(
                         f"A write result for {wr.index} came from another storage writer "
                         f"({type(data).__name__}); every rank must save with VolumeWriter."
@@ -605,87 +495,15 @@ class VolumeWriter(StorageWriter, AsyncStager):
         self._volume.delete(MANIFEST_NAME)
         self._volume.delete_many(old_files)
 
-    def _serialise_and_upload(
-        self, items: list[WriteItem], planner: SavePlanner, prefix: str, save_dir: str
-    ) -> tuple[list[WriteResult], int, int]:
-        opts = self.options
-        keep = opts.keep_staging or opts.local_copy_dir is not None
-        # Mount-path volumes get the file by rename: it must be on disk first.
-        fsync = self._volume.is_local or opts.local_copy_dir is not None
-        results: list[WriteResult] = []
-        uploads: list[ThreadFuture[None]] = []
-        total = 0
-        index = 0
-        current: _HashingFile | None = None
-        rel = ""
-        pending: list[tuple[WriteItem, int, int]] = []
+    def _transfers(self, rank_bytes: int) -> int:
+        """Transfers (parts or small files) in flight: RAM for upload buffers stays bounded."""
+        if self._volume.is_local:
+            return self.options.upload_concurrency  # copies and renames buffer nothing
+        budget = max(2 * self.options.part_size, int(rank_bytes * _UPLOAD_RAM_SHARE))
+        fit = budget // (2 * self.options.part_size)
+        return max(1, min(self.options.upload_concurrency, fit))
 
-        def close_and_upload(pool: ThreadPoolExecutor) -> None:
-            nonlocal current, total
-            if current is None:
-                return
-            record = current.close(fsync=fsync)
-            total += record.size
-            for item, offset, length in pending:
-                results.append(
-                    WriteResult(
-                        index=item.index,
-                        size_in_bytes=length,
-                        storage_data=_WrittenItem(_StorageInfo(rel, offset, length), record),
-                    )
-                )
-            pending.clear()
-            uploads.append(pool.submit(self._upload, current.path, rel, record.size, keep))
-            current = None
-
-        with ThreadPoolExecutor(
-            max_workers=self._files_in_flight, thread_name_prefix="dcpv-upload"
-        ) as pool:
-            try:
-                for item in items:
-                    if any(f.done() and f.exception() is not None for f in uploads):
-                        break  # an upload failed: stop serialising, report it below
-                    if current is None:
-                        name = _layout.data_file_name(prefix, index)
-                        index += 1
-                        rel = _layout.relative_path(name, opts.prefix_spread)
-                        local = os.path.join(save_dir, *rel.split("/"))
-                        os.makedirs(os.path.dirname(local), exist_ok=True)
-                        current = _HashingFile(local)
-                    offset = current.tell()
-                    data = planner.resolve_data(item)
-                    if isinstance(data, io.BytesIO):
-                        current.write(data.getbuffer())
-                    else:
-                        # torch.save streams each storage as a memoryview: no copy.
-                        torch.save(_plain_cpu_tensor(data), cast(IO[bytes], current))
-                    pending.append((item, offset, current.tell() - offset))
-                    del data
-                    if current.tell() >= opts.file_size:
-                        close_and_upload(pool)
-                close_and_upload(pool)
-            except BaseException:
-                if current is not None:
-                    current.abort()
-                for f in uploads:
-                    f.cancel()
-                raise
-            _, not_done = wait(uploads, return_when=FIRST_EXCEPTION)
-            for f in uploads:
-                if f.done() and not f.cancelled() and f.exception() is not None:
-                    for other in not_done:
-                        other.cancel()
-                    raise f.exception()  # type: ignore[misc]
-        return results, total, index
-
-    @property
-    def _files_in_flight(self) -> int:
-        # Files upload in parallel, and each splits its share of the transfers
-        # into parts: the total in flight, and so the RAM used by upload
-        # buffers, stays at upload_concurrency parts.
-        return min(_MAX_FILES_IN_FLIGHT, self.options.upload_concurrency)
-
-    def _upload(self, local: str, rel: str, size: int, keep: bool) -> None:
+    def _upload(self, local: str, rel: str, size: int, keep: bool, transfers: int) -> None:
         """Upload one closed file and verify its size on the volume (upload threads)."""
         volume = self._volume
         move = volume.is_local and not keep
@@ -693,7 +511,8 @@ class VolumeWriter(StorageWriter, AsyncStager):
             local,
             rel,
             part_size=self.options.part_size,
-            concurrency=max(1, self.options.upload_concurrency // self._files_in_flight),
+            # Files in flight share the transfers: each uploads parts this wide.
+            concurrency=max(1, transfers // min(_MAX_FILES_IN_FLIGHT, transfers)),
             move=move,
             verify_size=True,
         )

@@ -173,25 +173,29 @@ class VolumeDataset(IterableDataset[Any]):
         if isinstance(url_or_file_list, str) and not url_or_file_list.strip():
             raise ConfigurationError("The dataset URL is empty; pass e.g. 's3://bucket/train/'.")
         self.rank, self.world_size, self.local_world_size = detect_world()
-        cache = FileCache(cache_dir, limit=cache_limit)
+        probe = None
         if isinstance(url_or_file_list, (str, os.PathLike)):
             probe = Volume(os.fspath(url_or_file_list), storage_options=storage_options)
-            if probe.is_local and _inside(cache.cache_dir, probe.root):
+        in_place = probe is not None and probe.is_local and not cache_local
+        self.cache: FileCache | None = None
+        if not in_place:
+            self.cache = FileCache(cache_dir, limit=cache_limit)
+            if probe is not None and probe.is_local and _inside(self.cache.cache_dir, probe.root):
                 raise ConfigurationError(
-                    f"The cache directory {cache.cache_dir} is inside the dataset directory "
-                    f"{probe.root}, so the dataset would read its own cache. Fix: pass a "
-                    "cache_dir= outside it."
+                    f"The cache directory {self.cache.cache_dir} is inside the dataset "
+                    f"directory {probe.root}, so the dataset would read its own cache. Fix: "
+                    "pass a cache_dir= outside it."
                 )
-        self.volume, self.manifest = self._list(url_or_file_list, storage_options, suffixes)
-        self.cache: FileCache | None = cache
-        if self.volume.is_local and not cache_local:
-            self.cache = None
-        elif cache.limit is not None:
+        self.volume, self.manifest = self._list(url_or_file_list, storage_options, suffixes,
+                                                share=share_listing)
+        if self.cache is not None and self.volume.is_local and not cache_local:
+            self.cache = None  # a list of local files, read in place
+        if self.cache is not None and self.cache.limit is not None:
             largest = max(f.size for f in self.manifest.files)
-            if largest > cache.limit:
+            if largest > self.cache.limit:
                 raise CacheError(
-                    f"cache_limit={cache.limit} bytes is smaller than the largest file of the "
-                    f"dataset ({largest} bytes). Fix: raise cache_limit."
+                    f"cache_limit={self.cache.limit} bytes is smaller than the largest file of "
+                    f"the dataset ({largest} bytes). Fix: raise cache_limit."
                 )
         self.transform = transform
         self._transform = SampleTransform(transform, seed_rngs=seed_rngs)
@@ -209,9 +213,9 @@ class VolumeDataset(IterableDataset[Any]):
                     self.manifest.digest[:12])
 
     def _list(self, source: Any, storage_options: Mapping[str, Any] | None,
-              suffixes: Sequence[str] | None) -> tuple[Volume, DataManifest]:
+              suffixes: Sequence[str] | None, *, share: bool) -> tuple[Volume, DataManifest]:
         dist = torch.distributed
-        shared = (self.world_size > 1 and dist.is_available() and dist.is_initialized())
+        shared = share and self.world_size > 1 and dist.is_available() and dist.is_initialized()
         if not shared:
             return build_manifest(source, storage_options=storage_options, suffixes=suffixes,
                                   concurrency=self.options.list_concurrency)

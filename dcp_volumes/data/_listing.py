@@ -88,6 +88,21 @@ def _common_root(urls: Sequence[str]) -> tuple[str, str, list[str]]:
     return protocol, root, rels
 
 
+def _stat_many(volume: Volume, rels: Sequence[str], concurrency: int) -> list[FileInfo]:
+    """Size and etag of each file: one listing per folder where files share folders
+    (a LIST returns up to 1000 entries), else one stat per file."""
+    folders = sorted({rel.rpartition("/")[0] for rel in rels})
+    found: dict[str, FileInfo] = {}
+    workers = max(1, min(concurrency, len(rels)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        if len(folders) * 4 <= len(rels):
+            for listing in pool.map(lambda d: volume.list(d, recursive=False), folders):
+                found.update((f.path, f) for f in listing)
+        missing = [rel for rel in rels if rel not in found]
+        found.update(zip(missing, pool.map(volume.info, missing), strict=True))
+    return [found[rel] for rel in rels]
+
+
 def build_manifest(
     source: str | os.PathLike[str] | Sequence[str],
     *,
@@ -114,8 +129,7 @@ def build_manifest(
         protocol, root, rels = _common_root(urls)
         root_url = root if protocol in LOCAL_PROTOCOLS else f"{protocol}://{root.strip('/')}"
         volume = Volume(root_url, storage_options=storage_options)
-        with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(rels)))) as pool:
-            files = list(pool.map(volume.info, rels))
+        files = _stat_many(volume, rels, concurrency)
         where = f"the {len(urls)} listed files"
     if not files:
         raise VolumeNotFoundError(

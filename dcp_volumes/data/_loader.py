@@ -100,6 +100,13 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         mlflow: send windows to MLflow when it is installed and a run is active.
         **kwargs: passed to ``torch.utils.data.DataLoader``. Explicit
             arguments always win over the tuned defaults.
+
+    Workers start with torch's default method (fork on Linux before Python
+    3.14); processes that were themselves spawned inherit "spawn", so pass
+    ``multiprocessing_context="fork"`` there for fast worker starts. Epochs:
+    an exhausted epoch moves the state to the next one; ``set_epoch(e)`` with
+    another epoch than the current starts ``e`` at its beginning, with the
+    same epoch it keeps a restored position.
     """
 
     def __init__(
@@ -160,6 +167,11 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             dataset, batch_size=per_rank, num_workers=workers, collate_fn=collate,
             pin_memory=pin_memory, drop_last=torch_drop_last,
             persistent_workers=persistent_workers, prefetch_factor=prefetch_factor, **kwargs,
+        )
+        logger.info(
+            "DataLoader rank %d/%d: batch %d per rank (%d global), %d workers, prefetch_factor "
+            "%s, persistent_workers %s, pin_memory %s", self._rank, self._world, per_rank,
+            per_rank * self._world, workers, prefetch_factor, persistent_workers, pin_memory,
         )
 
     def _resolve_batch(self, batch_size: int | None, global_batch_size: int | None) -> int:

@@ -217,7 +217,7 @@ class LoaderMetrics:
                                         < self._mlflow_interval_s):
             return  # batched: at most one burst every mlflow_interval_s
         try:
-            import mlflow  # optional extra: dcp_volumes[mlflow]
+            import mlflow  # type: ignore[import-not-found,unused-ignore]  # optional extra
         except ImportError:
             self._mlflow = False
             self._mlflow_pending.clear()

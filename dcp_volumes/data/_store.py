@@ -283,12 +283,10 @@ class Store:
             if not known.has_meta:
                 ranked.append((float("inf"), key, known))  # broken or half-done: first to go
                 continue
-            if schedule is None:
-                priority: float | None = now - known.mtime  # least recently used first
-            else:
-                priority = schedule.eviction_priority(key)
-                if priority is None:
-                    continue  # inside the prefetch window: never evicted
+            # Without a schedule: least recently used first.
+            priority = now - known.mtime if schedule is None else schedule.eviction_priority(key)
+            if priority is None:
+                continue  # inside the prefetch window: never evicted
             ranked.append((priority, key, known))
         ranked.sort(key=lambda r: r[0], reverse=True)
         return [(key, known) for _, key, known in ranked]

@@ -1,0 +1,224 @@
+"""Data files of a checkpoint: items serialised into hashed files, and read back.
+
+The byte format is stock DCP's (``torch.distributed.checkpoint.filesystem``):
+``BYTE_IO`` items as raw bytes, tensors as ``torch.save`` of a CPU tensor whose
+storage holds only its data, back to back; ``_StorageInfo(relative_path,
+offset, length)`` locates each item. Writing hashes every byte on its way to
+disk and hands each file to an upload callback the moment it is closed, so
+serialisation of later files overlaps the upload of earlier ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import Future as ThreadFuture
+from dataclasses import dataclass
+from typing import IO, Any, cast
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
+
+# Slack per item on top of the raw tensor bytes (torch.save's zip headers).
+_ITEM_OVERHEAD = 4096
+
+# upload(local_path, relative_path, size): put one closed file on the volume.
+Upload = Callable[[str, str, int], None]
+
+
+@dataclass(frozen=True)
+class WrittenItem:
+    """``WriteResult.storage_data`` on its way to ``finish``: stock info plus the file record.
+
+    ``finish`` keeps only ``info`` for ``.metadata`` (stock readers must not
+    need dcp_volumes to unpickle it); the records go to the manifest.
+    """
+
+    info: _StorageInfo
+    record: FileRecord
+
+
+class HashingFile:
+    """A write-only file that hashes every byte on its way to disk (no extra copy)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._f = open(path, "wb")  # noqa: SIM115 - closed in close()/abort()
+        self._hash = Checksum()
+        self._size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._hash.update(view)
+        self._f.write(view)
+        self._size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def tell(self) -> int:
+        return self._size
+
+    def close(self, *, fsync: bool) -> FileRecord:
+        # Flush before fsync: fsync only persists what reached the kernel.
+        self._f.flush()
+        if fsync:
+            os.fsync(self._f.fileno())
+        self._f.close()
+        return FileRecord(size=self._size, checksum=self._hash.hexdigest())
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._f.close()
+
+
+def plain_cpu_tensor(data: torch.Tensor) -> torch.Tensor:
+    """The tensor as stock DCP serialises it: on CPU, storage no larger than its data."""
+    tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        # torch.save writes the whole storage: a view into a big buffer would
+        # drag the buffer along, so copy just this tensor.
+        tensor = tensor.clone()
+    return tensor
+
+
+def estimate_bytes(items: Sequence[WriteItem]) -> int:
+    """Bytes the items take on disk, about (objects count as their slack only)."""
+    total = 0
+    for item in items:
+        total += _ITEM_OVERHEAD
+        if item.tensor_data is not None:
+            total += item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+    return total
+
+
+def write_and_upload(
+    items: Sequence[WriteItem],
+    planner: SavePlanner,
+    *,
+    prefix: str,
+    save_dir: str,
+    prefix_spread: int,
+    file_size: int,
+    fsync: bool,
+    files_in_flight: int,
+    upload: Upload,
+) -> tuple[list[WriteResult], int, int]:
+    """Serialise ``items`` into files of about ``file_size`` bytes, uploading each once closed.
+
+    Returns the write results, the bytes written and the number of files,
+    once every upload has finished. The first failure (serialising or
+    uploading) stops further serialisation, cancels queued uploads and is
+    raised after the running ones end.
+    """
+    results: list[WriteResult] = []
+    uploads: list[ThreadFuture[None]] = []
+    pending: list[tuple[WriteItem, int, int]] = []
+    state: dict[str, Any] = {"file": None, "rel": "", "total": 0, "index": 0}
+
+    def close_and_upload(pool: ThreadPoolExecutor) -> None:
+        current: HashingFile | None = state["file"]
+        if current is None:
+            return
+        record = current.close(fsync=fsync)
+        state["total"] += record.size
+        rel = state["rel"]
+        for item, offset, length in pending:
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=length,
+                    storage_data=WrittenItem(_StorageInfo(rel, offset, length), record),
+                )
+            )
+        pending.clear()
+        uploads.append(pool.submit(upload, current.path, rel, record.size))
+        state["file"] = None
+
+    with ThreadPoolExecutor(max_workers=files_in_flight, thread_name_prefix="dcpv-upload") as pool:
+        try:
+            for item in items:
+                if any(f.done() and f.exception() is not None for f in uploads):
+                    break  # an upload failed: stop serialising, report it below
+                if state["file"] is None:
+                    name = _layout.data_file_name(prefix, state["index"])
+                    state["index"] += 1
+                    state["rel"] = _layout.relative_path(name, prefix_spread)
+                    local = os.path.join(save_dir, *state["rel"].split("/"))
+                    os.makedirs(os.path.dirname(local), exist_ok=True)
+                    state["file"] = HashingFile(local)
+                current: HashingFile = state["file"]
+                offset = current.tell()
+                data = planner.resolve_data(item)
+                if isinstance(data, io.BytesIO):
+                    current.write(data.getbuffer())
+                else:
+                    # torch.save streams each storage as a memoryview: no copy in RAM.
+                    torch.save(plain_cpu_tensor(data), cast(IO[bytes], current))
+                pending.append((item, offset, current.tell() - offset))
+                del data
+                if current.tell() >= file_size:
+                    close_and_upload(pool)
+            close_and_upload(pool)
+        except BaseException:
+            if state["file"] is not None:
+                state["file"].abort()
+            for f in uploads:
+                f.cancel()
+            raise
+        _, not_done = wait(uploads, return_when=FIRST_EXCEPTION)
+        for f in uploads:
+            if f.done() and not f.cancelled() and f.exception() is not None:
+                for other in not_done:
+                    other.cancel()
+                raise cast(BaseException, f.exception())
+    return results, state["total"], state["index"]
+
+
+class MemoryReader(io.RawIOBase):
+    """A seekable read-only stream over a memoryview: torch.load reads it without a copy."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+def narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The part of a saved tensor a read item asks for (resharding)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if offset != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor

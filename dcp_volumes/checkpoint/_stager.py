@@ -1,0 +1,101 @@
+"""CPU staging for ``dcp.async_save``: copy the state dict into buffers training cannot touch.
+
+Uses the helpers behind DCP's own ``BlockingAsyncStager`` (pinned CPU copies
+when CUDA is present, in-place refresh of cached buffers). The buffers are
+allocated on the first save and reused while the state dict keeps its
+structure, shapes and dtypes, so steady-state staging is one copy into
+preallocated memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+# Private helpers of torch.distributed, so guarded: without them the public
+# BlockingAsyncStager does the work (it cannot notice a change of shapes).
+try:
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+except ImportError:  # pragma: no cover - depends on the torch version
+    _copy_state_dict = None  # type: ignore[assignment]
+    _create_cpu_state_dict = None  # type: ignore[assignment]
+
+
+def signature(obj: Any) -> Any:
+    """Structure, shapes and dtypes of a state dict: equal signatures can share buffers."""
+    if isinstance(obj, torch.Tensor):
+        local = getattr(obj, "_local_tensor", None)  # DTensor: the shard this rank holds
+        shards = getattr(obj, "local_shards", None)  # ShardedTensor
+        extra: Any = None
+        if local is not None:
+            extra = tuple(local.shape)
+        elif callable(shards):
+            extra = tuple(tuple(s.tensor.shape) for s in shards())
+        return (type(obj), tuple(obj.shape), obj.dtype, extra)
+    if isinstance(obj, Mapping):
+        return (type(obj), tuple((k, signature(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), tuple(signature(v) for v in obj))
+    return type(obj)
+
+
+class CpuStager:
+    """Blocking copy of a state dict to CPU, into cached buffers when ``cache`` is set.
+
+    Not picklable on purpose: it holds the buffers, which must stay in the
+    training process.
+    """
+
+    def __init__(self, *, cache: bool) -> None:
+        self.cache = cache
+        self._buffers: STATE_DICT_TYPE | None = None
+        self._signature: Any = None
+        self._fallback: BlockingAsyncStager | None = None
+
+    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
+        """A copy of ``state_dict`` on CPU; returns once the copy is complete."""
+        if _copy_state_dict is None or _create_cpu_state_dict is None:  # pragma: no cover
+            if self._fallback is None:
+                self._fallback = BlockingAsyncStager(cache_staged_state_dict=self.cache)
+            return self._fallback.stage(state_dict)
+        # With CUDA: pinned buffers for fast device-to-host copies; cached ones
+        # also in shared memory so the PROCESS checkpointer can map them
+        # (DefaultStager's defaults). Without CUDA, plain buffers; a PROCESS
+        # save moves them to shared memory in place on its first pickle.
+        pin = torch.cuda.is_available()
+        if self.cache:
+            sig = signature(state_dict)
+            if self._buffers is None or sig != self._signature:
+                self._buffers = None  # free the old buffers before allocating new ones
+                self._buffers = _create_cpu_state_dict(
+                    state_dict, pin_memory=pin, share_memory=pin
+                )
+                self._signature = sig
+            target = self._buffers
+        else:
+            # One-off buffers: registering shared memory as pinned costs more than it saves.
+            target = _create_cpu_state_dict(state_dict, pin_memory=pin)
+        # type_check=False: objects other than tensors are deep-copied, whatever their type.
+        staged = _copy_state_dict(state_dict, target, non_blocking=pin, type_check=False)
+        if pin:
+            torch.cuda.synchronize()  # non-blocking device-to-host copies must land first
+        return staged
+
+    def close(self) -> None:
+        """Free the buffers."""
+        self._buffers = None
+        self._signature = None
+        if self._fallback is not None:
+            self._fallback.close()
+            self._fallback = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A pickled writer (PROCESS async checkpointer) gets an empty stager.
+        return {"cache": self.cache}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(cache=state["cache"])  # type: ignore[misc]
