@@ -264,13 +264,17 @@ class Volume:
                 )
             return
         bucket = self.root.split("/", 1)[0]
-        exists = self._call("check", "", lambda: self.fs.exists(bucket))
-        if not exists:
+        # info(), not exists(): exists() turns "access denied" into False, and wrong
+        # credentials must not read as a missing bucket.
+        try:
+            self._call("check", "", lambda: self.fs.info(bucket))
+            return
+        except VolumeNotFoundError as exc:
             raise BucketNotFoundError(
                 f"The bucket or container '{bucket}' of {self.display_url} does not exist or is "
                 "not visible with these credentials. Fix: create it, correct the URL, or check "
                 "the credentials."
-            )
+            ) from exc
 
     def _info(self, raw: Mapping[str, Any], base: str) -> FileInfo:
         name = str(raw["name"])

@@ -93,7 +93,7 @@ class Output:
             self.stream.write("\n")
 
     def bar(self, *, total: int, desc: str, unit: str = "B") -> Any:
-        from tqdm import tqdm
+        from tqdm import tqdm  # type: ignore[import-untyped]
 
         return tqdm(
             total=total,

@@ -1,7 +1,7 @@
 """The `dcp-volumes` CLI against local and moto volumes.
 
-A few calls run the console script's module in a fresh interpreter (``python -m
-dcp_volumes.cli``: exit codes, stderr, storage options from the environment);
+A few calls run the installed ``dcp-volumes`` console script in a fresh
+interpreter (exit codes, stderr, storage options from the environment);
 the rest call ``main(argv)`` in this process, the same code without the
 ~3 s interpreter and torch start-up per call.
 """
@@ -46,17 +46,19 @@ class Result:
 
 def run_cli(*args: str, options: dict[str, Any] | None = None, subprocess_: bool = False
             ) -> Result:
-    """Run the CLI: ``python -m dcp_volumes.cli ARGS`` in a fresh interpreter (the console
-    script's entry point), or ``main(ARGS)`` in this process (same code, no interpreter
-    start-up: most tests use this to stay fast)."""
+    """Run the CLI: the ``dcp-volumes`` console script (``python -m dcp_volumes.cli`` when
+    the package is not installed) in a fresh interpreter, or ``main(ARGS)`` in this
+    process (same code, no interpreter start-up: most tests use this to stay fast)."""
     if subprocess_:
         env = dict(os.environ)
         env.pop("DCP_VOLUMES_STORAGE_OPTIONS", None)
         if options:
             env["DCP_VOLUMES_STORAGE_OPTIONS"] = json.dumps(options)
         env["PYTHONPATH"] = str(repo_root()) + os.pathsep + env.get("PYTHONPATH", "")
+        script = Path(sys.executable).with_name("dcp-volumes")  # the installed console script
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "dcp_volumes.cli"]
         proc = subprocess.run(
-            [sys.executable, "-m", "dcp_volumes.cli", *args],
+            [*command, *args],
             capture_output=True, text=True, timeout=120, env=env, cwd=str(repo_root()),
         )
         return Result(proc.returncode, proc.stdout, proc.stderr)

@@ -80,7 +80,7 @@ class Tally:
 
 
 def _drain(conn: Connection) -> list[tuple[Any, ...]]:
-    events = []
+    events: list[tuple[Any, ...]] = []
     while True:
         try:
             if not conn.poll(0.5):

@@ -90,11 +90,16 @@ def test_windows_close_on_time(local_data: tuple[str, str]) -> None:
     assert sum(w["batches"] for w in loader.metrics.windows) == 6
 
 
-def test_mlflow_sink(local_data: tuple[str, str], tmp_path: Path) -> None:
+def test_mlflow_sink(local_data: tuple[str, str], tmp_path: Path,
+                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # A local file store; no telemetry (no network here).
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     mlflow = pytest.importorskip(
         "mlflow", reason="mlflow is not installed (optional extra dcp_volumes[mlflow])")
     src, cache = local_data
     mlflow.set_tracking_uri(f"file://{tmp_path / 'mlruns'}")
+    mlflow.set_experiment("dcp_volumes-test")
     loader = DataLoader(VolumeDataset(src, cache_dir=cache), batch_size=4, num_workers=0)
     with mlflow.start_run() as run:
         for _ in loader:

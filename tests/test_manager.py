@@ -128,10 +128,10 @@ def test_save_list_latest_restore(root: Location, async_save: bool) -> None:
                            async_save=async_save) as mgr:
         assert mgr.latest() is None and mgr.list() == []
         assert restored(mgr)[0] is None
-        for step in (10, 20, 30):
-            assert mgr.save(step, state_for(step)) == mgr.url_of(step)
+        for i in (10, 20, 30):
+            assert mgr.save(i, state_for(i)) == mgr.url_of(i)
             if not async_save:  # dcp.save returned: committed already
-                assert Volume(mgr.url_of(step), storage_options=options).exists(METADATA_NAME)
+                assert Volume(mgr.url_of(i), storage_options=options).exists(METADATA_NAME)
         mgr.wait()
         infos = mgr.list()
         assert [(i.step, i.complete, i.name) for i in infos] == [
@@ -154,9 +154,9 @@ def test_stock_dcp_checkpoints_are_listed_restored_and_retained(tmp_path: Path) 
     url = str(tmp_path / "run")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, step in [("checkpoint-1", 1), ("step_2", 2)]:
+        for name, n in [("checkpoint-1", 1), ("step_2", 2)]:
             plain = {k: (v.state_dict() if isinstance(v, Progress) else v)
-                     for k, v in state_for(step).items()}
+                     for k, v in state_for(n).items()}
             dcp.save(plain, storage_writer=dcp.FileSystemWriter(os.path.join(url, name)),
                      no_dist=True)
     mgr = CheckpointManager(url, keep_last=2)
@@ -368,7 +368,7 @@ def test_local_tier_restores_from_local_disk_and_falls_back_per_file(
 ) -> None:
     url, _, slow, proxy = slow_s3
     local = tmp_path / "nvme"
-    opts = {"keep_local": True, "local_dir": str(local), "storage_options": slow,
+    opts: dict[str, Any] = {"keep_local": True, "local_dir": str(local), "storage_options": slow,
             "writer_options": {"file_size": 8 * 1024}}  # several data files
     with CheckpointManager(url, **opts) as mgr:
         mgr.save(1, state_for(1))
@@ -408,8 +408,8 @@ def test_local_tier_restores_from_local_disk_and_falls_back_per_file(
 
 def _agree_on_restore(rank: int, url: str, options: dict) -> dict[str, Any]:
     mgr = CheckpointManager(url, keep_last=2, storage_options=options)
-    for step in (1, 2, 3):
-        mgr.save(step, state_for(step, rank=rank))
+    for i in (1, 2, 3):
+        mgr.save(i, state_for(i, rank=rank))
     mgr.wait()
     if rank == 0:  # a crashed newer save: every rank must still pick step 3
         Volume(url, storage_options=options).publish(f"{step_dir(9)}/__0_0.distcp", b"x")

@@ -95,6 +95,20 @@ def test_missing_file_is_file_not_found(volume: Volume, tmp_path) -> None:
         volume.get_file("no/such/file", tmp_path / "x")
 
 
+def test_check_root_names_a_missing_bucket(volume: Volume) -> None:
+    volume.check_root()  # the fixture's location exists
+    if volume.is_local:
+        missing = Volume(volume.url_of("no-such-dir"))
+        with pytest.raises(VolumeNotFoundError):
+            missing.check_root()
+        return
+    bucket = volume.root.split("/", 1)[0]
+    missing = Volume(volume.url.replace(bucket, "nobucket" + bucket[-8:], 1),
+                     storage_options=volume.storage_options)
+    with pytest.raises(BucketNotFoundError, match="nobucket"):
+        missing.check_root()
+
+
 def test_volume_pickles_without_client(volume: Volume) -> None:
     volume.publish("p.txt", b"pickled")
     _ = volume.fs  # create the client, then make sure it is not pickled
@@ -178,6 +192,8 @@ def test_wrong_credentials_never_echo_the_secret(azurite, caplog) -> None:
     vol = Volume("az://locked/run", storage_options=options,
                  retry=RetryPolicy(attempts=2, base_delay_s=0.0))
     with caplog.at_level(logging.DEBUG):
+        with pytest.raises(VolumeAccessError):
+            vol.check_root()  # wrong credentials are not reported as a missing container
         with pytest.raises(VolumeAccessError) as err:
             vol.publish("file", b"data")
         assert isinstance(err.value, PermissionError)

@@ -205,6 +205,45 @@ def newest_complete(infos: Sequence[CheckpointInfo]) -> CheckpointInfo | None:
     return max(complete, key=sort_key) if complete else None
 
 
+def choose_checkpoint(
+    volume: Volume, infos: Sequence[CheckpointInfo], *, step: int | None, verify: bool
+) -> CheckpointInfo | None:
+    """The checkpoint to restore: the newest complete one (or ``step``'s), or ``None``.
+
+    With ``verify``, candidates whose checksums fail are skipped (newest first).
+    Partial checkpoints newer than the choice are named in a warning.
+    """
+    if step is not None:
+        matches = [i for i in infos if i.step == step]
+        candidates = [i for i in reversed(matches) if i.complete]
+        if not candidates:
+            why = "; ".join(p for i in matches for p in i.problems) or "no such directory"
+            raise CheckpointNotFoundError(
+                f"There is no complete checkpoint of step {step} under {volume.display_url} "
+                f"({why}). Fix: pick a step from `dcp-volumes ls`, or pass step=None for the "
+                "newest complete one."
+            )
+    else:
+        candidates = [i for i in reversed(infos) if i.complete]
+    for info in candidates:
+        if verify:
+            problems = verify_checkpoint(volume.child(info.name))
+            if problems:
+                logger.warning("skipping checkpoint %s: it fails verification (%s)",
+                               info.url, "; ".join(problems[:5]))
+                continue
+        for partial in (i for i in infos if not i.complete and i.step > info.step):
+            logger.warning("skipping partial checkpoint %s: %s", partial.url,
+                           "; ".join(partial.problems[:3]))
+        return info
+    if step is not None:
+        raise CheckpointCorruptError(
+            f"The checkpoint of step {step} under {volume.display_url} fails verification "
+            "(see the warnings above). Fix: restore another step, or run `dcp-volumes verify`."
+        )
+    return None
+
+
 def read_metadata(volume: Volume) -> Any:
     """The DCP ``Metadata`` object of the checkpoint at ``volume``.
 

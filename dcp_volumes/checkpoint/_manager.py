@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -46,7 +46,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 from dcp_volumes._exceptions import (
     CheckpointError,
     CheckpointExistsError,
-    CheckpointNotFoundError,
     ConfigurationError,
     DcpVolumesError,
     VolumeAccessError,
@@ -57,10 +56,10 @@ from dcp_volumes.checkpoint._coordination import Coordinator, Prestaged, summary
 from dcp_volumes.checkpoint._discovery import (
     CheckpointInfo,
     ManifestCache,
+    choose_checkpoint,
     newest_complete,
     scan,
     step_dir,
-    verify_checkpoint,
 )
 from dcp_volumes.checkpoint._manifest import METADATA_NAME
 from dcp_volumes.checkpoint._reader import VolumeReader
@@ -290,7 +289,8 @@ class CheckpointManager:
                 async_stager=Prestaged(staged),  # type: ignore[arg-type]
                 no_dist=no_dist,
             )
-            upload: Future[Any] = getattr(response, "upload_completion", response)
+            # torch >= 2.9 returns an AsyncSaveResponse (staging + upload futures).
+            upload = cast("Future[Any]", getattr(response, "upload_completion", response))
             logger.info("checkpoint step %d staged; uploading to %s", step, url)
         else:
             try:
@@ -385,7 +385,9 @@ class CheckpointManager:
         choice: tuple[int, str] | None = None
         if error is None and self.is_coordinator:
             try:
-                choice = self._choose(step)
+                info = choose_checkpoint(self._volume, self.list(), step=step,
+                                         verify=self.options.verify)
+                choice = (info.step, info.name) if info is not None else None
             except Exception as exc:
                 error = exc
         self._coord.agree("choose a checkpoint to restore", error)
@@ -408,36 +410,6 @@ class CheckpointManager:
         dcp.load(state, checkpoint_id=url, storage_reader=reader,
                  process_group=self._coord.group, no_dist=not self._coord.distributed)
         return chosen_step
-
-    def _choose(self, step: int | None) -> tuple[int, str] | None:
-        """Coordinator: the (step, directory) to restore."""
-        infos = self.list()
-        if step is not None:
-            matches = [i for i in infos if i.step == step]
-            complete = [i for i in matches if i.complete]
-            if not complete:
-                why = "; ".join(p for i in matches for p in i.problems) or "no such directory"
-                raise CheckpointNotFoundError(
-                    f"There is no complete checkpoint of step {step} under "
-                    f"{self._volume.display_url} ({why}). Fix: pick a step from "
-                    "`dcp-volumes ls`, or pass step=None for the newest complete one."
-                )
-            candidates = [i for i in reversed(complete)]
-        else:
-            candidates = [i for i in reversed(infos) if i.complete]
-        for info in candidates:
-            if self.options.verify:
-                problems = verify_checkpoint(self._volume.child(info.name))
-                if problems:
-                    logger.warning("skipping checkpoint %s: it fails verification (%s)",
-                                   info.url, "; ".join(problems[:5]))
-                    continue
-            skipped = [i for i in infos if not i.complete and i.step > info.step]
-            for partial in skipped:
-                logger.warning("skipping partial checkpoint %s: %s", partial.url,
-                               "; ".join(partial.problems[:3]))
-            return info.step, info.name
-        return None
 
     # -- waiting, errors, agreement ------------------------------------------------------
 
