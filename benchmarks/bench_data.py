@@ -202,11 +202,7 @@ def make_loader(
     cache_dir = tempfile.mkdtemp(prefix=f"{row}-cache-", dir=tmp)
     loader: Any
     if row == "ours":
-        try:
-            from dcp_volumes import DataLoader, VolumeDataset
-        except ImportError:  # TODO(dev): until the exports land
-            from dcp_volumes.data._dataset import VolumeDataset
-            from dcp_volumes.data._loader import DataLoader
+        from dcp_volumes import DataLoader, VolumeDataset
 
         source: Any = f"s3://{BUCKET}/{files.name}/" if full_set else files.urls()
         ds = VolumeDataset(

@@ -1,5 +1,8 @@
 """dcp_volumes: fast, fault-tolerant PyTorch checkpoints and training inputs on remote volumes."""
 
+import importlib as _importlib
+import typing as _typing
+
 from dcp_volumes._exceptions import (
     BackendNotInstalledError,
     BucketNotFoundError,
@@ -17,13 +20,40 @@ from dcp_volumes._exceptions import (
     VolumeExistsError,
     VolumeNotFoundError,
 )
-from dcp_volumes.checkpoint._discovery import CheckpointInfo
-from dcp_volumes.checkpoint._manager import CheckpointManager
-from dcp_volumes.checkpoint._reader import VolumeReader
-from dcp_volumes.checkpoint._writer import VolumeWriter
-from dcp_volumes.data._cache import FileCache
-from dcp_volumes.data._dataset import VolumeDataset
-from dcp_volumes.data._loader import DataLoader
+
+if _typing.TYPE_CHECKING:
+    from dcp_volumes.checkpoint._discovery import CheckpointInfo
+    from dcp_volumes.checkpoint._manager import CheckpointManager
+    from dcp_volumes.checkpoint._reader import VolumeReader
+    from dcp_volumes.checkpoint._writer import VolumeWriter
+    from dcp_volumes.data._cache import FileCache
+    from dcp_volumes.data._dataset import VolumeDataset
+    from dcp_volumes.data._loader import DataLoader
+
+# The classes import torch (seconds to start); load them on first use so that
+# `import dcp_volumes` and CLI commands that need no torch stay fast.
+_LAZY = {
+    "CheckpointInfo": "dcp_volumes.checkpoint._discovery",
+    "CheckpointManager": "dcp_volumes.checkpoint._manager",
+    "VolumeReader": "dcp_volumes.checkpoint._reader",
+    "VolumeWriter": "dcp_volumes.checkpoint._writer",
+    "FileCache": "dcp_volumes.data._cache",
+    "VolumeDataset": "dcp_volumes.data._dataset",
+    "DataLoader": "dcp_volumes.data._loader",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dcp_volumes' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("_")})
 
 __version__ = "0.1.0"
 
@@ -31,11 +61,11 @@ __all__ = [
     "BackendNotInstalledError",
     "BucketNotFoundError",
     "CacheError",
-    "CheckpointInfo",
-    "CheckpointManager",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "ConfigurationError",
     "DataLoader",

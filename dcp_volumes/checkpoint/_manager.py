@@ -11,11 +11,14 @@ Checkpoints that other tools wrote into the root (``step_100``, ``100``,
 
 Call order with a process group (every call below is made on all ranks)::
 
-    save(step, state)   all ranks: wait for the previous save; Stateful.state_dict();
-                        stage (copy to host memory)
-                        coordinator: refuse a committed step / clear a partial leftover
+    save(step, state)   all ranks: wait for the previous save (its error, if any, is
+                        this rank's status); Stateful.state_dict(); stage (host copy)
+                        coordinator: refuse a committed step (unless overwrite), note
+                        a partial leftover of the step
                         all ranks: all_gather of every rank's status; if any rank
                         failed, every rank raises and nothing is written
+                        coordinator: delete the leftover (or the overwritten one),
+                        then all_gather again
                         all ranks: dcp.async_save (or dcp.save) through VolumeWriter
                         background, after the commit: coordinator applies retention;
                         local rank 0 drops older local copies
@@ -276,7 +279,7 @@ class CheckpointManager:
             except Exception as exc:
                 error = exc
         self._coord.agree(what, error)
-        if writer is None:  # unreachable: _agree raised; keeps the type checker honest
+        if writer is None:  # unreachable (agree raised); keeps the type checker honest
             raise CheckpointError("internal: no writer")
         no_dist = not self._coord.distributed
         pg = self._coord.group
