@@ -61,6 +61,14 @@ def parse_size(value: int | str | None, *, what: str = "size") -> int | None:
     return int(amount * _UNITS[unit])
 
 
+def probe_writable(directory: str) -> None:
+    """Create and remove a file in ``directory``; raises ``OSError`` when it cannot."""
+    probe = os.path.join(directory, f".probe-{uuid.uuid4().hex[:8]}")
+    with open(probe, "wb"):
+        pass
+    os.remove(probe)
+
+
 def free_bytes(path: str) -> int:
     """Free bytes on the filesystem holding ``path``."""
     return shutil.disk_usage(path).free
@@ -94,11 +102,8 @@ class StagingArea:
                 "local NVMe), pass another staging_dir=, or unset DCP_VOLUMES_STAGING to use a "
                 "temporary directory."
             )
-        probe = os.path.join(self.path, f".probe-{uuid.uuid4().hex[:8]}")
         try:
-            with open(probe, "wb"):
-                pass
-            os.remove(probe)
+            probe_writable(self.path)
         except OSError as exc:
             raise StagingError(
                 f"The staging directory {self.path} is not writable ({exc.strerror}). Fix: make "

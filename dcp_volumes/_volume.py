@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import logging
 import os
 import shutil
@@ -365,6 +366,13 @@ class Volume:
         """The bytes of a file, or of ``[start, end)``."""
         full = self.full_path(relpath)
         return self._call("read", relpath, lambda: self.fs.cat_file(full, start=start, end=end))
+
+    def open_local(self, relpath: str) -> io.FileIO:
+        """Open a file of a local volume for unbuffered reading (positioned reads, no copies)."""
+        if not self.is_local:
+            raise ValueError(f"{self.display_url} is not a local volume")
+        full = self.full_path(relpath)
+        return self._call("read", relpath, lambda: io.FileIO(full, "rb"))
 
     def read_ranges(
         self, ranges: Sequence[tuple[str, int, int]], *, concurrency: int = 16

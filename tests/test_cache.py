@@ -3,6 +3,7 @@ atomic fills, limits and eviction, integrity checks, recovery from killed filler
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
 import os
@@ -189,10 +190,13 @@ def _slow_fetch(cache_dir: str, url: str, opts: dict[str, Any]) -> None:
     FileCache(cache_dir).fetch(url, storage_options=opts, size=256 * 1024)
 
 
-def test_killed_filler_is_recovered(moto_server: MotoServer, s3_bucket: tuple[str, Any],
-                                    tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _slow_filler(moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: Path,
+                 seed: int) -> Iterator[tuple[str, bytes, dict[str, Any], Any, FileCache, Any]]:
+    """Start a forked filler of ``url``/big.bin (256 KiB) over a slow link and wait (up to
+    20 s) for its reservation; yields url, data, opts, filler, cache and the entry's ref."""
     url, direct = s3_bucket
-    data = payload(7, 256 * 1024)
+    data = payload(seed, 256 * 1024)
     Volume(url, storage_options=direct).publish("big.bin", data)
     cache_dir = str(tmp_path / "cache")
     # ~2 s for 256 KiB: the filler is surely mid-download when it is killed.
@@ -205,6 +209,14 @@ def test_killed_filler_is_recovered(moto_server: MotoServer, s3_bucket: tuple[st
         deadline = time.monotonic() + 20
         while not os.path.exists(ref.resv) and time.monotonic() < deadline:
             time.sleep(0.02)
+        yield url, data, opts, filler, cache, ref
+
+
+def test_killed_filler_is_recovered(moto_server: MotoServer, s3_bucket: tuple[str, Any],
+                                    tmp_path: Path) -> None:
+    with _slow_filler(moto_server, s3_bucket, tmp_path, seed=7) as (
+        url, data, opts, filler, cache, ref
+    ):
         assert os.path.exists(ref.resv), "the filler never started"
         time.sleep(0.3)
         assert filler.is_alive()
@@ -221,19 +233,9 @@ def test_killed_filler_is_recovered(moto_server: MotoServer, s3_bucket: tuple[st
 def test_waiting_reader_gets_the_file_after_the_filler_dies(
     moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: Path
 ) -> None:
-    url, direct = s3_bucket
-    data = payload(9, 256 * 1024)
-    Volume(url, storage_options=direct).publish("big.bin", data)
-    cache_dir = str(tmp_path / "cache")
-    with LatencyProxy.in_front_of(moto_server, bandwidth_bps=1e6) as slow:
-        opts = moto_server.storage_options(slow.endpoint)
-        filler = _FORK.Process(target=_slow_fetch, args=(cache_dir, f"{url}/big.bin", opts))
-        filler.start()
-        cache = FileCache(cache_dir, reconcile=False)
-        ref = cache._ref(Volume(url, storage_options=opts), "big.bin")
-        deadline = time.monotonic() + 20
-        while not os.path.exists(ref.resv) and time.monotonic() < deadline:
-            time.sleep(0.02)
+    with _slow_filler(moto_server, s3_bucket, tmp_path, seed=9) as (
+        url, data, opts, filler, cache, ref
+    ):
         got: list[str] = []
         waiter = threading.Thread(target=lambda: got.append(
             cache.fetch(f"{url}/big.bin", storage_options=opts, size=len(data))))

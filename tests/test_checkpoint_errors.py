@@ -263,59 +263,52 @@ def test_rank_local_saves_are_refused(tmp_path: Path) -> None:
 # -- missing or damaged checkpoints -----------------------------------------------------------
 
 
-def test_no_checkpoint_at_all(tmp_path: Path) -> None:
-    where = tmp_path / "nothing"
-    with pytest.raises(CheckpointNotFoundError, match="No checkpoint") as excinfo:
+def _assert_not_found(where: Path, match: str) -> None:
+    with pytest.raises(CheckpointNotFoundError, match=match) as excinfo:
         VolumeReader(where).read_metadata()
     assert str(where) in str(excinfo.value)
     # Through dcp.load the message survives DCP's wrapping.
-    with pytest.raises(BaseException, match="No checkpoint"):
+    with pytest.raises(BaseException, match=match):
         dcp.load(blank_like(SMALL), storage_reader=VolumeReader(where))
+
+
+def test_no_checkpoint_at_all(tmp_path: Path) -> None:
+    _assert_not_found(tmp_path / "nothing", "No checkpoint")
 
 
 def test_incomplete_checkpoint_without_metadata(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     dcp.save(SMALL, storage_writer=VolumeWriter(ck))
     (ck / METADATA_NAME).unlink()  # as after a crash before the commit
-    with pytest.raises(CheckpointNotFoundError, match="incomplete") as excinfo:
-        VolumeReader(ck).read_metadata()
-    assert str(ck) in str(excinfo.value)
-    with pytest.raises(BaseException, match="incomplete"):
-        dcp.load(blank_like(SMALL), storage_reader=VolumeReader(ck))
+    _assert_not_found(ck, "incomplete")
 
 
-def test_missing_shard(tmp_path: Path) -> None:
-    ck = tmp_path / "ck"
-    state = sample_state(big_mib=1)
-    dcp.save(state, storage_writer=VolumeWriter(ck, file_size="512KiB"))
-    (ck / "__0_1.distcp").unlink()
-    err = _load_error(VolumeReader(ck), state)
-    assert isinstance(err, CheckpointCorruptError) and "__0_1.distcp" in str(err)
-    assert "missing" in str(err)
-
-
-def test_shard_shorter_than_manifest(tmp_path: Path) -> None:
-    ck = tmp_path / "ck"
-    state = sample_state(big_mib=1)
-    dcp.save(state, storage_writer=VolumeWriter(ck, file_size="512KiB"))
-    shard = ck / "__0_0.distcp"
+def _truncate(shard: Path) -> None:
     shard.write_bytes(shard.read_bytes()[:-10])
-    err = _load_error(VolumeReader(ck), state)
-    assert isinstance(err, CheckpointCorruptError) and "__0_0.distcp" in str(err)
-    assert "manifest says" in str(err)
 
 
-def test_flipped_byte_fails_checksum(tmp_path: Path) -> None:
-    ck = tmp_path / "ck"
-    state = sample_state(big_mib=1)
-    dcp.save(state, storage_writer=VolumeWriter(ck, file_size="512KiB"))
-    shard = ck / "__0_1.distcp"
+def _flip_a_byte(shard: Path) -> None:
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0x01  # inside tensor data: torch.load alone would not notice
     shard.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "expected"),
+    [
+        pytest.param("__0_1.distcp", Path.unlink, "missing", id="missing_shard"),
+        pytest.param("__0_0.distcp", _truncate, "manifest says", id="shorter_than_manifest"),
+        pytest.param("__0_1.distcp", _flip_a_byte, "checksum", id="flipped_byte_fails_checksum"),
+    ],
+)
+def test_damaged_shard(tmp_path: Path, name: str, damage: Any, expected: str) -> None:
+    ck = tmp_path / "ck"
+    state = sample_state(big_mib=1)
+    dcp.save(state, storage_writer=VolumeWriter(ck, file_size="512KiB"))
+    damage(ck / name)
     err = _load_error(VolumeReader(ck), state)
-    assert isinstance(err, CheckpointCorruptError) and "__0_1.distcp" in str(err)
-    assert "checksum" in str(err)
+    assert isinstance(err, CheckpointCorruptError) and name in str(err)
+    assert expected in str(err)
 
 
 def test_verify_checks_files_a_partial_load_only_ranges(tmp_path: Path) -> None:

@@ -238,37 +238,28 @@ def bucket(moto_process: MotoServer, request: pytest.FixtureRequest) -> Iterator
         moto_process.reset()
 
 
+@pytest.mark.parametrize(
+    ("trials", "seed"),
+    [pytest.param(25, 1, id="quick"), pytest.param(200, 3, marks=pytest.mark.slow, id="many")],
+)
 def test_sigkill_at_random_instants_local(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], trials: int, seed: int
 ) -> None:
-    tally = run_trials(str(tmp_path / "run"), {}, {}, trials=25, keep_last=2,
-                       max_delay_s=0.5, seed=1)
-    _report(tally, "local, 25 trials", capsys)
+    tally = run_trials(str(tmp_path / "run"), {}, {}, trials=trials, keep_last=2,
+                       max_delay_s=0.5, seed=seed)
+    _report(tally, f"local, {trials} trials", capsys)
 
 
 @pytest.mark.emulator
+@pytest.mark.parametrize(
+    ("trials", "seed"),
+    [pytest.param(25, 2, id="quick"), pytest.param(150, 4, marks=pytest.mark.slow, id="many")],
+)
 def test_sigkill_at_random_instants_s3(
-    bucket: tuple[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]
+    bucket: tuple[str, dict[str, Any]], capsys: pytest.CaptureFixture[str], trials: int,
+    seed: int
 ) -> None:
     root, options = bucket
-    tally = run_trials(root, options, options, trials=25, keep_last=1,
-                       max_delay_s=1.2, seed=2)
-    _report(tally, "s3 (moto), 25 trials", capsys)
-
-
-@pytest.mark.slow
-def test_sigkill_many_trials_local(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    tally = run_trials(str(tmp_path / "run"), {}, {}, trials=200, keep_last=2,
-                       max_delay_s=0.5, seed=3)
-    _report(tally, "local, 200 trials", capsys)
-
-
-@pytest.mark.slow
-@pytest.mark.emulator
-def test_sigkill_many_trials_s3(
-    bucket: tuple[str, dict[str, Any]], capsys: pytest.CaptureFixture[str]
-) -> None:
-    root, options = bucket
-    tally = run_trials(root, options, options, trials=150, keep_last=1,
-                       max_delay_s=1.2, seed=4)
-    _report(tally, "s3 (moto), 150 trials", capsys)
+    tally = run_trials(root, options, options, trials=trials, keep_last=1,
+                       max_delay_s=1.2, seed=seed)
+    _report(tally, f"s3 (moto), {trials} trials", capsys)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +35,24 @@ def _loader(url: str, opts: dict[str, Any], cache: str, workers: int) -> DataLoa
                       multiprocessing_context="fork")
 
 
-def _doomed_rank(rank: int, world_size: int, url: str, opts: dict[str, Any], cache: str,
-                 ck: str, out: str, steps: int) -> None:
-    loader = _loader(url, opts, cache, workers=2)
+def _deliver_and_save(loader: DataLoader, rank: int, ck: str, out: str,
+                      steps: int) -> Iterator[Any]:
+    """Take ``steps`` batches, save the loader to ``ck``, then publish the batches as
+    ``out/rank{rank}.json`` (atomically: the parent waits for that file). Returns the
+    iterator, mid-epoch."""
     it = iter(loader)
     batches = [to_list(next(it)) for _ in range(steps)]
     dcp.save({"data": loader}, storage_writer=dcp.FileSystemWriter(ck))
     tmp = Path(out) / f".rank{rank}.json"
     tmp.write_text(json.dumps(batches))
     tmp.rename(Path(out) / f"rank{rank}.json")
+    return it
+
+
+def _doomed_rank(rank: int, world_size: int, url: str, opts: dict[str, Any], cache: str,
+                 ck: str, out: str, steps: int) -> None:
+    loader = _loader(url, opts, cache, workers=2)
+    it = _deliver_and_save(loader, rank, ck, out, steps)
     next(it)  # training goes on, workers prefetch further ... until the kill
     time.sleep(600)
 
@@ -164,12 +174,7 @@ def _resumed_doomed_rank(rank: int, world_size: int, url: str, opts: dict[str, A
                          cache: str, prev: str, ck: str, out: str, steps: int) -> None:
     loader = _loader(url, opts, cache, workers=2)
     dcp.load({"data": loader}, storage_reader=dcp.FileSystemReader(prev))
-    it = iter(loader)
-    batches = [to_list(next(it)) for _ in range(steps)]
-    dcp.save({"data": loader}, storage_writer=dcp.FileSystemWriter(ck))
-    tmp = Path(out) / f".rank{rank}.json"
-    tmp.write_text(json.dumps(batches))
-    tmp.rename(Path(out) / f"rank{rank}.json")
+    _deliver_and_save(loader, rank, ck, out, steps)
     time.sleep(600)
 
 

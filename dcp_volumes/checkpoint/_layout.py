@@ -8,7 +8,8 @@ Shared by the writer and the reader so that both agree on the layout:
   the ``relative_path`` in ``.metadata``, so stock readers find the files;
 * the local copy of a checkpoint (the "local tier") lives in
   ``local_copy_dir/<checkpoint name>``;
-* neighbouring byte ranges of one file are merged before fetching.
+* neighbouring byte ranges of one file are merged before fetching;
+* ``CheckpointLocation``: the location-related API of the writer and the reader.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import xxhash
+
+from dcp_volumes._retry import RetryPolicy
+from dcp_volumes._volume import Volume
 
 DATA_SUFFIX = ".distcp"
 
@@ -104,3 +109,52 @@ def find_span(
     if i < 0 or end > spans[i][1]:
         raise KeyError(f"no span contains [{start}, {end})")
     return i
+
+
+class CheckpointLocation:
+    """Where a ``VolumeWriter`` or ``VolumeReader`` points: its checkpoint and local copy.
+
+    The class using it sets ``_volume``, ``_storage_options``, ``_retry`` and
+    ``options`` (with ``local_copy_dir``) in its ``__init__``.
+    """
+
+    _volume: Volume
+    _storage_options: dict[str, Any]
+    _retry: RetryPolicy | None
+    options: Any
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint's URL (credentials removed); DCP logs it."""
+        return self._volume.display_url
+
+    @property
+    def volume(self) -> Volume:
+        """The volume of the current checkpoint."""
+        return self._volume
+
+    @property
+    def local_copy_path(self) -> str | None:
+        """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
+        if self.options.local_copy_dir is None:
+            return None
+        return local_copy_path(self.options.local_copy_dir, self._volume.root)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._volume.display_url!r})"
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a URL or path this class can address."""
+        try:
+            Volume(checkpoint_id)
+        except Exception:
+            return False
+        return True
+
+    def _relocate(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        """Point at ``checkpoint_id`` (a URL or path), same options; no-op when empty."""
+        if checkpoint_id:
+            self._volume = Volume(
+                checkpoint_id, storage_options=self._storage_options, retry=self._retry
+            )

@@ -2,7 +2,9 @@
 
 Reads any standard DCP checkpoint (ours or a stock writer's). For each data
 file a rank needs, neighbouring byte ranges are merged, fetched as parallel
-ranged GETs, and the items are deserialised from memory. Where a manifest
+ranged GETs, and the items are deserialised from memory; files on a local
+volume or in the local tier are read in place instead, like stock DCP's
+reader does, with no extra copy. Where a manifest
 exists, file sizes are checked against it and every file read whole is
 verified against its checksum (``verify=True`` reads every file whole). With
 ``local_copy_dir`` the files are read from the local tier when they match the
@@ -44,9 +46,17 @@ from dcp_volumes.checkpoint._manifest import (
     FileRecord,
     Manifest,
     checksum_bytes,
+    checksum_file,
     read_manifest,
 )
-from dcp_volumes.checkpoint._shards import MemoryReader, narrow
+from dcp_volumes.checkpoint._shards import (
+    FileSliceReader,
+    MemoryReader,
+    advise_willneed,
+    missing_file_error,
+    narrow,
+    truncated_file_error,
+)
 
 try:
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -94,7 +104,12 @@ class ReaderOptions:
 
 @dataclass
 class _FileJob:
-    """The reads of one data file: its items, merged spans and where the bytes come from."""
+    """The reads of one data file: its items, merged spans and where the bytes come from.
+
+    Files on a local volume (or the local tier) are not fetched into buffers:
+    ``file`` is opened when the job is finished and items are deserialised
+    straight from it, as stock DCP does.
+    """
 
     rel: str
     reqs: list[tuple[ReadItem, Any]]
@@ -105,13 +120,14 @@ class _FileJob:
     from_local: bool = False
     buffers: list[bytearray] = field(default_factory=list)
     futures: list[ThreadFuture[None]] = field(default_factory=list)
+    file: io.FileIO | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(e - s for s, e in self.spans)
 
 
-class VolumeReader(StorageReader):
+class VolumeReader(_layout.CheckpointLocation, StorageReader):
     """DCP storage reader for any volume: object store, fsspec URL or mount path.
 
     Pass it to ``dcp.load``. Loads checkpoints written by ``VolumeWriter`` and
@@ -149,6 +165,8 @@ class VolumeReader(StorageReader):
         prefetch_bytes: how far fetching may run ahead of deserialisation.
     """
 
+    options: ReaderOptions
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -182,47 +200,15 @@ class VolumeReader(StorageReader):
     # -- identity ---------------------------------------------------------------------------
 
     @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint's URL (credentials removed); DCP logs it."""
-        return self._volume.display_url
-
-    @property
-    def volume(self) -> Volume:
-        """The volume of the current checkpoint."""
-        return self._volume
-
-    @property
     def manifest(self) -> Manifest | None:
         """The checkpoint's manifest once loaded (``None`` for stock checkpoints)."""
         return self._manifest
-
-    @property
-    def local_copy_path(self) -> str | None:
-        """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
-        if self.options.local_copy_dir is None:
-            return None
-        return _layout.local_copy_path(self.options.local_copy_dir, self._volume.root)
-
-    def __repr__(self) -> str:
-        return f"VolumeReader({self._volume.display_url!r})"
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a URL or path this reader can address."""
-        try:
-            Volume(checkpoint_id)
-        except Exception:
-            return False
-        return True
 
     # -- StorageReader ----------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load; ``checkpoint_id`` (a URL or path) replaces the location."""
-        if checkpoint_id:
-            self._volume = Volume(
-                checkpoint_id, storage_options=self._storage_options, retry=self._retry
-            )
+        self._relocate(checkpoint_id)
         self._storage_data = {}
         self._manifest = None
         self._manifest_loaded = False
@@ -300,10 +286,12 @@ class VolumeReader(StorageReader):
                     in_flight -= job.nbytes
                     self._deliver(job, planner)
                     job.buffers.clear()
+                    _close(job)
             except BaseException:
                 for job in jobs:
                     for f in job.futures:
                         f.cancel()
+                    _close(job)
                 raise
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -416,6 +404,9 @@ class VolumeReader(StorageReader):
         job.spans, job.whole = [(0, size)], True
 
     def _submit(self, pool: ThreadPoolExecutor, job: _FileJob) -> None:
+        if job.source.is_local:
+            advise_willneed(job.source.full_path(job.rel), job.spans)
+            return
         job.buffers = [bytearray(e - s) for s, e in job.spans]
         job.futures = []
         for buf, (start, end) in zip(job.buffers, job.spans, strict=True):
@@ -433,31 +424,42 @@ class VolumeReader(StorageReader):
         except BucketNotFoundError:
             raise
         except VolumeNotFoundError:
-            raise CheckpointCorruptError(
-                f"The checkpoint file {redact_url(source.url_of(rel))} is missing. The "
-                "checkpoint is damaged; load an older one."
-            ) from None
+            raise missing_file_error(source, rel) from None
         if len(data) != end - start:
-            raise CheckpointCorruptError(
-                f"The checkpoint file {redact_url(source.url_of(rel))} ends before byte {end} "
-                f"that .metadata points to (got {len(data)} of {end - start} bytes from "
-                f"{start}). The file was truncated; load an older checkpoint."
-            )
+            raise truncated_file_error(source, rel, start, end, len(data))
         buf[at : at + len(data)] = data
+
+    def _open_local(self, job: _FileJob) -> None:
+        """Open a file of a local source and check that it holds every span."""
+        source = job.source
+        try:
+            job.file = source.open_local(job.rel)
+        except BucketNotFoundError:
+            raise
+        except VolumeNotFoundError:
+            raise missing_file_error(source, job.rel) from None
+        size = os.fstat(job.file.fileno()).st_size
+        for start, end in job.spans:
+            if end > size:
+                raise truncated_file_error(source, job.rel, start, end, max(0, size - start))
 
     def _finish_job(self, pool: ThreadPoolExecutor, job: _FileJob) -> None:
         """Wait for a file's bytes and verify them; a bad local copy falls back to the volume."""
+        if job.source.is_local:
+            self._open_local(job)
         for f in job.futures:
             f.result()
         if not job.whole or job.record is None:
             return
-        actual = checksum_bytes(job.buffers[0])
+        file = job.file
+        actual = checksum_file(file) if file is not None else checksum_bytes(job.buffers[0])
         if actual == job.record.checksum:
             return
         if job.from_local:
             logger.warning(
                 "local copy of %s fails its checksum: reading it from the volume", job.rel
             )
+            _close(job)
             job.source, job.from_local = self._volume, False
             self._submit(pool, job)
             self._finish_job(pool, job)
@@ -472,9 +474,13 @@ class VolumeReader(StorageReader):
         starts = [s for s, _ in job.spans]
         for req, info in job.reqs:
             i = _layout.find_span(starts, job.spans, info.offset, info.offset + info.length)
-            lo = info.offset - job.spans[i][0]
-            view = memoryview(job.buffers[i])[lo : lo + info.length]
-            stream: IO[bytes] = cast(IO[bytes], MemoryReader(view))
+            stream: IO[bytes]
+            if job.file is not None:
+                stream = cast(IO[bytes], FileSliceReader(job.file, info.offset, info.length))
+            else:
+                lo = info.offset - job.spans[i][0]
+                view = memoryview(job.buffers[i])[lo : lo + info.length]
+                stream = cast(IO[bytes], MemoryReader(view))
             descriptors = getattr(info, "transform_descriptors", None)
             if descriptors:
                 stream = self._untransform(req, descriptors, stream)
@@ -513,3 +519,10 @@ class VolumeReader(StorageReader):
             IO[bytes],
             _StorageReaderTransforms().transform_load_stream(req, descriptors, stream),
         )
+
+
+def _close(job: _FileJob) -> None:
+    if job.file is not None:
+        job.file.close()
+        job.file = None
+

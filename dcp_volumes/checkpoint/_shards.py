@@ -24,6 +24,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
+from dcp_volumes._exceptions import CheckpointCorruptError
+from dcp_volumes._retry import redact_url
+from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
 
@@ -186,12 +189,12 @@ def write_and_upload(
     return results, state["total"], state["index"]
 
 
-class MemoryReader(io.RawIOBase):
-    """A seekable read-only stream over a memoryview: torch.load reads it without a copy."""
+class _RangeReader(io.RawIOBase):
+    """A seekable read-only stream over ``length`` bytes; subclasses fill ``readinto``."""
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, length: int) -> None:
         super().__init__()
-        self._view = view
+        self._len = length
         self._pos = 0
 
     def readable(self) -> bool:
@@ -204,16 +207,85 @@ class MemoryReader(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
         self._pos = max(0, base + offset)
         return self._pos
 
+
+class MemoryReader(_RangeReader):
+    """A seekable read-only stream over a memoryview: torch.load reads it without a copy."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__(len(view))
+        self._view = view
+
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), len(self._view) - self._pos))
+        n = max(0, min(len(out), self._len - self._pos))
         out[:n] = self._view[self._pos : self._pos + n]
         self._pos += n
         return n
+
+
+class FileSliceReader(_RangeReader):
+    """A seekable read-only stream over ``[start, start + length)`` of an open file.
+
+    Reads go straight from the file into the caller's buffer (torch.load reads
+    tensor data into the new storage with one copy from the page cache).
+    """
+
+    def __init__(self, file: Any, start: int, length: int) -> None:
+        super().__init__(length)
+        self._file = file
+        self._start = start
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        want = max(0, min(len(out), self._len - self._pos))
+        got = 0
+        self._file.seek(self._start + self._pos)
+        while got < want:
+            n = self._file.readinto(out[got:want])
+            if not n:
+                break  # end of file: a short read, as from a truncated file
+            got += n
+        self._pos += got
+        return got
+
+
+def advise_willneed(path: str, spans: Sequence[tuple[int, int]]) -> None:
+    """Ask the kernel to read a local file's spans ahead (best effort; a no-op off Linux)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # reported when the file is opened for reading
+    try:
+        with contextlib.suppress(OSError):
+            for start, end in spans:
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
+def missing_file_error(source: Volume, rel: str) -> CheckpointCorruptError:
+    """The error for a data file that is not there."""
+    return CheckpointCorruptError(
+        f"The checkpoint file {redact_url(source.url_of(rel))} is missing. The "
+        "checkpoint is damaged; load an older one."
+    )
+
+
+def truncated_file_error(
+    source: Volume, rel: str, start: int, end: int, got: int
+) -> CheckpointCorruptError:
+    """The error for a data file that ends before ``end`` (``got`` bytes from ``start``)."""
+    return CheckpointCorruptError(
+        f"The checkpoint file {redact_url(source.url_of(rel))} ends before byte {end} "
+        f"that .metadata points to (got {got} of {end - start} bytes from "
+        f"{start}). The file was truncated; load an older checkpoint."
+    )
 
 
 def narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:

@@ -143,7 +143,7 @@ class _RankFiles:
     prefix: str
 
 
-class VolumeWriter(StorageWriter, AsyncStager):
+class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
     """DCP storage writer for any volume: object store, fsspec URL or mount path.
 
     Pass it to ``dcp.save`` or ``dcp.async_save``. With ``async_save`` it also
@@ -202,6 +202,8 @@ class VolumeWriter(StorageWriter, AsyncStager):
         retry: retry policy for transient volume errors.
     """
 
+    options: WriterOptions
+
     # Staging is a blocking copy: nothing to synchronise after async_save returns.
     _synchronize_after_execute: bool = False
 
@@ -254,29 +256,9 @@ class VolumeWriter(StorageWriter, AsyncStager):
     # -- identity ---------------------------------------------------------------------------
 
     @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint's URL (credentials removed); DCP logs it."""
-        return self._volume.display_url
-
-    @property
-    def volume(self) -> Volume:
-        """The volume of the current checkpoint."""
-        return self._volume
-
-    @property
     def staging_dir(self) -> str:
         """The local staging directory (the local tier root when ``local_copy_dir`` is set)."""
         return self._staging.path
-
-    @property
-    def local_copy_path(self) -> str | None:
-        """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
-        if self.options.local_copy_dir is None:
-            return None
-        return _layout.local_copy_path(self.options.local_copy_dir, self._volume.root)
-
-    def __repr__(self) -> str:
-        return f"VolumeWriter({self._volume.display_url!r})"
 
     def __getstate__(self) -> dict[str, Any]:
         # The PROCESS async checkpointer pickles the writer on every save: the
@@ -284,15 +266,6 @@ class VolumeWriter(StorageWriter, AsyncStager):
         state = self.__dict__.copy()
         state["_finalizer"] = None
         return state
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a URL or path this writer can address."""
-        try:
-            Volume(checkpoint_id)
-        except Exception:
-            return False
-        return True
 
     def storage_meta(self) -> Any:
         """``StorageMeta`` stored in ``.metadata``: the checkpoint URL and this save's id."""
@@ -324,10 +297,7 @@ class VolumeWriter(StorageWriter, AsyncStager):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save; ``checkpoint_id`` (a URL or path) replaces the location."""
-        if checkpoint_id:
-            self._volume = Volume(
-                checkpoint_id, storage_options=self._storage_options, retry=self._retry
-            )
+        self._relocate(checkpoint_id)
         self._save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

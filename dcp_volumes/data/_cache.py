@@ -35,7 +35,7 @@ from fsspec.core import split_protocol
 from dcp_volumes import _env
 from dcp_volumes._exceptions import CacheError, ConfigurationError, DatasetChangedError, VolumeError
 from dcp_volumes._retry import redact_url
-from dcp_volumes._staging import parse_size
+from dcp_volumes._staging import parse_size, probe_writable
 from dcp_volumes._volume import LOCAL_PROTOCOLS, FileInfo, Volume
 from dcp_volumes.data._locks import EntryLock
 from dcp_volumes.data._store import (
@@ -218,10 +218,7 @@ class FileCache:
     def _check_dir(self) -> None:
         try:
             os.makedirs(os.path.join(self.cache_dir, "objects"), exist_ok=True)
-            probe = os.path.join(self.cache_dir, f".probe-{uuid.uuid4().hex[:8]}")
-            with open(probe, "wb"):
-                pass
-            os.remove(probe)
+            probe_writable(self.cache_dir)
         except OSError as exc:
             raise CacheError(
                 f"The cache directory {self.cache_dir} cannot be used ({exc.strerror or exc}). "
