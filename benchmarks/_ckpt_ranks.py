@@ -63,11 +63,22 @@ SAVE_METHODS = (
     "s3tc",
     "vw_sync",
     "vw_async",
+    "vw_async_f32",
 )
-LOAD_METHODS = ("raw_get", "raw_ranged", "fsspec_reader", "s3tc_reader", "vw_reader")
+LOAD_METHODS = (
+    "raw_get",
+    "raw_ranged",
+    "fsspec_reader",
+    "s3tc_reader",
+    "vw_reader",
+    "vw_reader_f32",
+)
 RAW_SAVES = ("raw_put", "raw_multipart")
 RAW_LOADS = ("raw_get", "raw_ranged")
-ASYNC_METHODS = frozenset({"fsspec_async", "vw_async"})
+ASYNC_METHODS = frozenset({"fsspec_async", "vw_async", "vw_async_f32"})
+# A non-default VolumeWriter setting shown beside the defaults: files of 32 MiB
+# (default 256 MiB) go up as single PUTs and read back as whole-object GETs.
+SMALL_FILES = {"file_size": "32MiB"}
 
 UPLOAD_STREAMS = 8  # VolumeWriter's default upload_concurrency
 DOWNLOAD_STREAMS = 16  # VolumeReader's default read_concurrency
@@ -90,6 +101,7 @@ class Job:
     storage_options: dict[str, Any]
     isolated: bool  # one fresh pair of processes per method (ru_maxrss is then exact)
     vw_options: dict[str, Any] = field(default_factory=dict)  # extra VolumeWriter options
+    load_repeats: int = 2
     load_source: str | None = None  # checkpoint URL the DCP readers load
     keep: tuple[str, ...] = field(default=())  # methods whose last save the loads need
 
@@ -232,14 +244,15 @@ class Saver:
             self.pool = ThreadPoolExecutor(UPLOAD_STREAMS)
             self.src = byte_source(state)
             self.chunk = chunk_size(self.src.total, UPLOAD_STREAMS)
-        elif method in ("vw_sync", "vw_async"):
+        elif method in ("vw_sync", "vw_async", "vw_async_f32"):
             from dcp_volumes import VolumeWriter
 
+            options = {**job.vw_options, **(SMALL_FILES if method == "vw_async_f32" else {})}
             self.writer = VolumeWriter(
                 url(job, method),
                 storage_options=job.storage_options,
                 staging_dir=self.tmp,
-                **job.vw_options,
+                **options,
             )
 
     def close(self) -> None:
@@ -296,7 +309,7 @@ class Saver:
             _dcp_sync(self.state, w)
         elif m == "vw_sync":
             _dcp_sync(self.state, self.writer, save_url(job, m, i))
-        elif m == "vw_async":
+        elif m in ("vw_async", "vw_async_f32"):
             blocking, fut = _dcp_async(self.state, self.writer, save_url(job, m, i))
             fut.result()
             return blocking, time.perf_counter() - t0
@@ -365,10 +378,13 @@ def _make_reader(job: Job, name: str) -> Any:
         return S3StorageReader(
             region="us-east-1", path=job.load_source, s3client_config=s3tc_config()
         )
-    if name == "vw_reader":
+    if name in ("vw_reader", "vw_reader_f32"):
         from dcp_volumes import VolumeReader
 
-        return VolumeReader(job.load_source, storage_options=job.storage_options)
+        source = job.load_source
+        if name == "vw_reader_f32":
+            source = save_url(job, "vw_async_f32", job.repeats - 1)
+        return VolumeReader(source, storage_options=job.storage_options)
     raise ValueError(f"unknown reader {name!r}")
 
 
@@ -381,7 +397,7 @@ def _raw_loads(
     buf = bytearray(src.total)
     runs = []
     with ThreadPoolExecutor(DOWNLOAD_STREAMS) as pool:
-        for _ in range(job.repeats):
+        for _ in range(job.load_repeats):
             np.frombuffer(buf, dtype=np.uint8)[:] = 0  # a load that reads nothing must not pass
             barrier()
             t0 = time.perf_counter()
@@ -411,7 +427,7 @@ def run_loads(
             if name in RAW_LOADS:
                 runs = _raw_loads(job, rank, name, state, barrier)
             else:
-                for _ in range(job.repeats):
+                for _ in range(job.load_repeats):
                     for t in state_tensors(state):
                         t.zero_()  # a load that reads nothing must not pass
                     reader = _make_reader(job, name)

@@ -75,6 +75,28 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "platform": platform.platform(),
         "load_average_start": load_average(),
+        "code": code_version(),
+    }
+
+
+def code_version() -> dict[str, Any]:
+    """Which code a result belongs to: the commit and whether dcp_volumes/ had local edits."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        try:
+            out = subprocess.run(
+                ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "dcp_volumes_modified_files": git(
+            "status", "--porcelain", "--", "dcp_volumes"
+        ).splitlines(),
     }
 
 

@@ -1,8 +1,10 @@
 """The datasets bench_data.py compares, as picklable module-level classes.
 
-Every one yields the file's bytes as a uint8 tensor (tensors travel from the
-DataLoader workers through shared memory, so the pipe is never the limit),
-made the same way (``to_tensor``) so only *how the bytes are fetched* differs.
+Every one yields the file's bytes as a uint8 tensor made the same way
+(``to_tensor``), so only *how the bytes are fetched* differs. The loaders
+collate them with torch's default collate: the files of a set have one size,
+so a batch is one ``[batch, size]`` tensor built in shared memory by the
+worker, as batches of decoded samples are in training.
 """
 
 from __future__ import annotations
@@ -31,11 +33,6 @@ def read_local(path: str) -> torch.Tensor:
 def read_s3_reader(reader: Any) -> torch.Tensor:
     """Transform of s3torchconnector's datasets (they hand over an ``S3Reader``)."""
     return to_tensor(reader.read())
-
-
-def collate_list(samples: list[Any]) -> list[Any]:
-    """Batches are lists: files differ in size, and stacking would add a copy."""
-    return list(samples)
 
 
 class LocalFiles(Dataset[torch.Tensor]):

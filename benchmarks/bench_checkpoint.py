@@ -73,11 +73,13 @@ LABELS = {
     "s3tc": "dcp.save s3torchconnector t=8",
     "vw_sync": "dcp.save VolumeWriter",
     "vw_async": "dcp.async_save VolumeWriter",
+    "vw_async_f32": "dcp.async_save VolumeWriter file_size=32MiB (not default)",
     "raw_get": "raw parallel GETs of the chunks",
     "raw_ranged": "raw parallel ranged GETs",
     "fsspec_reader": "dcp.load FsspecReader",
     "s3tc_reader": "dcp.load s3torchconnector",
     "vw_reader": "dcp.load VolumeReader",
+    "vw_reader_f32": "dcp.load VolumeReader, 32 MiB files (not default)",
 }
 PEERS = ("fsspec_t1", "fsspec_t8", "fsspec_async", "s3tc")
 
@@ -108,6 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size-mib", type=int, default=None, help="state per rank (default 256)")
     p.add_argument("--tensor-mib", type=int, default=None, help="size of each tensor (default 8)")
     p.add_argument("--repeats", type=int, default=None, help="saves per method (default 3)")
+    p.add_argument("--load-repeats", type=int, default=None, help="loads per reader (default 2)")
     p.add_argument(
         "--methods",
         default=",".join(SAVE_METHODS) + ",load",
@@ -128,6 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.size_mib = args.size_mib or (16 if args.quick else 256)
     args.tensor_mib = args.tensor_mib or (2 if args.quick else 8)
     args.repeats = args.repeats or (1 if args.quick else 3)
+    args.load_repeats = args.load_repeats or (1 if args.quick else 2)
     args.shared_processes = args.shared_processes or args.quick
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = set(methods) - set(SAVE_METHODS) - {"load"}
@@ -159,7 +163,8 @@ def make_job(args: argparse.Namespace, server: Any, link: str, endpoint: str) ->
         storage_options=server.storage_options(endpoint),
         isolated=not args.shared_processes,
         vw_options={"file_size": args.vw_file_size} if args.vw_file_size else {},
-        keep=(*RAW_SAVES, source_method) if "load" in args.methods else (),
+        load_repeats=args.load_repeats,
+        keep=(*RAW_SAVES, "vw_async_f32", source_method) if "load" in args.methods else (),
     )
     return dataclasses.replace(job, load_source=save_url(job, source_method, args.repeats - 1))
 
@@ -296,7 +301,7 @@ def check_targets(res: dict[str, Any]) -> dict[str, Any]:
     }
     for s in saves.values():
         s["x_floor"] = s["steady_e2e_s"] / floor if _ok(s) else math.nan
-    for m in ("vw_sync", "vw_async"):
+    for m in ("vw_sync", "vw_async", "vw_async_f32"):
         s = saves.get(m)
         if s is None:
             continue
@@ -335,10 +340,12 @@ def check_targets(res: dict[str, Any]) -> dict[str, Any]:
     targets["raw_download_s"] = raw_s
     for s in loads.values():
         s["x_raw"] = raw_s / s["steady_s"] if s["seconds"] and not s["error"] else math.nan
-    vr = loads.get("vw_reader")
-    if vr is not None:
+    for name in ("vw_reader", "vw_reader_f32"):
+        vr = loads.get(name)
+        if vr is None:
+            continue
         ok = not vr["error"] and bool(vr["seconds"]) and vr["verified"]
-        targets["checks"]["vw_reader"] = {
+        targets["checks"][name] = {
             "load_vs_raw": {
                 "value": vr["x_raw"],
                 "target": f">= {LOAD_VS_RAW}",
@@ -486,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             "size_mib_per_rank": args.size_mib,
             "tensor_mib": args.tensor_mib,
             "repeats": args.repeats,
+            "load_repeats": args.load_repeats,
             "methods": list(args.methods),
             "isolated_processes_per_method": not args.shared_processes,
             "volume_writer_options": {"file_size": args.vw_file_size} if args.vw_file_size else {},

@@ -193,7 +193,6 @@ def make_loader(
         FsspecFileCache,
         LocalFiles,
         NaiveFsspec,
-        collate_list,
         read_local,
         read_s3_reader,
     )
@@ -213,9 +212,7 @@ def make_loader(
             shuffle=True,
             seed=0,
         )
-        loader = DataLoader(
-            ds, batch_size=args.batch_size, num_workers=args.workers, collate_fn=collate_list
-        )
+        loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
     else:
         if row == "local":
             dataset: Any = LocalFiles(files.local_paths())
@@ -241,7 +238,6 @@ def make_loader(
             num_workers=args.workers,
             shuffle=True,
             generator=torch.Generator().manual_seed(0),
-            collate_fn=collate_list,
             persistent_workers=True,
             prefetch_factor=4,
         )
@@ -271,8 +267,8 @@ def run_epochs(loader: Any, epochs: int, compute_s: float) -> list[dict[str, Any
             except StopIteration:
                 break
             fetch.append(time.perf_counter() - tf)
-            samples += len(batch)
-            nbytes += sum(int(t.numel()) for t in batch)
+            samples += int(batch.shape[0])
+            nbytes += int(batch.numel())
             if compute_s:
                 time.sleep(compute_s)  # the training step (the GIL is free, as on a GPU)
         seconds = time.perf_counter() - t0

@@ -57,13 +57,17 @@ def make_state(size_mib: int, seed: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     n = max(1, size_mib // _TENSOR_MIB)
     numel = _TENSOR_MIB * MiB // 4
-    return {"model": {f"layer{i}": torch.randn(numel, generator=g) for i in range(n)},
-            "step": torch.tensor([seed])}
+    return {
+        "model": {f"layer{i}": torch.randn(numel, generator=g) for i in range(n)},
+        "step": torch.tensor([seed]),
+    }
 
 
 def empty_like(state: dict[str, Any]) -> dict[str, Any]:
-    return {"model": {k: torch.empty_like(v) for k, v in state["model"].items()},
-            "step": torch.zeros(1, dtype=torch.int64)}
+    return {
+        "model": {k: torch.empty_like(v) for k, v in state["model"].items()},
+        "step": torch.zeros(1, dtype=torch.int64),
+    }
 
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -72,8 +76,9 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
-def timed_restore(root: str, options: dict[str, Any], want: dict[str, Any],
-                  **manager_kw: Any) -> float:
+def timed_restore(
+    root: str, options: dict[str, Any], want: dict[str, Any], **manager_kw: Any
+) -> float:
     """Seconds for a fresh manager's ``restore`` (a restarted job), checked bit for bit."""
     target = empty_like(want)
     with CheckpointManager(root, storage_options=options, **manager_kw) as mgr:
@@ -100,8 +105,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--file-size", default="64MiB",
-                        help="VolumeWriter file_size: the checkpoint is split into files this big")
+    parser.add_argument(
+        "--file-size",
+        default="64MiB",
+        help="VolumeWriter file_size: the checkpoint is split into files this big",
+    )
     parser.add_argument("--quick", action="store_true", help="32 MiB, 1 repeat (smoke test)")
     args = parser.parse_args()
     if args.quick:
@@ -110,16 +118,24 @@ def main() -> None:
     info = machine_info()
     work = Path(tempfile.mkdtemp(prefix="dcpv-bench-local-"))
     state = make_state(args.size_mib, seed=1)
-    results: dict[str, list[float]] = {"remote only": [], "local tier": [],
-                                       "local tier, 1 file damaged": []}
+    results: dict[str, list[float]] = {
+        "remote only": [],
+        "local tier": [],
+        "local tier, 1 file damaged": [],
+    }
     try:
         with MotoServer(mode="process") as s3, ProxyProcess(s3.host, s3.port) as proxy:
             root = f"{s3.create_bucket('bench-local-tier')}/run"
             options = s3.storage_options(proxy.endpoint)
             local = work / "nvme"
             writer_options = {"file_size": args.file_size}
-            with CheckpointManager(root, storage_options=options, keep_local=True,
-                                   local_dir=str(local), writer_options=writer_options) as mgr:
+            with CheckpointManager(
+                root,
+                storage_options=options,
+                keep_local=True,
+                local_dir=str(local),
+                writer_options=writer_options,
+            ) as mgr:
                 started = time.perf_counter()
                 mgr.save(1, state)
                 blocked = time.perf_counter() - started
@@ -131,11 +147,13 @@ def main() -> None:
             damaged = ""
             for _ in range(args.repeats):
                 results["remote only"].append(timed_restore(root, options, state))
-                results["local tier"].append(timed_restore(root, options, state,
-                                                           keep_local=True, local_dir=str(local)))
+                results["local tier"].append(
+                    timed_restore(root, options, state, keep_local=True, local_dir=str(local))
+                )
                 damaged = damage_one_local_file(local)
                 results["local tier, 1 file damaged"].append(
-                    timed_restore(root, options, state, keep_local=True, local_dir=str(local)))
+                    timed_restore(root, options, state, keep_local=True, local_dir=str(local))
+                )
                 shutil.rmtree(local)
                 shutil.copytree(pristine, local)
     finally:
@@ -147,9 +165,11 @@ def main() -> None:
         med = statistics.median(seconds)
         rows.append([name, med, min(seconds), args.size_mib / med, remote / med])
     table = format_table(["restore", "median s", "best s", "MiB/s", "speed-up"], rows)
-    print(f"\nLocal tier: restore of {args.size_mib} MiB ({n_files} data files) by a restarted "
-          f"job; link {REMOTE_LATENCY_S * 1000:.0f} ms/request, "
-          f"{REMOTE_BANDWIDTH_BPS / 1e6:.0f} Mbit/s per connection; {args.repeats} repeats")
+    print(
+        f"\nLocal tier: restore of {args.size_mib} MiB ({n_files} data files) by a restarted "
+        f"job; link {REMOTE_LATENCY_S * 1000:.0f} ms/request, "
+        f"{REMOTE_BANDWIDTH_BPS / 1e6:.0f} Mbit/s per connection; {args.repeats} repeats"
+    )
     print(f"save: blocked {blocked:.2f} s, committed after {save_seconds:.2f} s\n")
     print(table)
     doc = {
