@@ -40,6 +40,7 @@ from dcp_volumes.checkpoint._discovery import newest_complete, scan, step_dir
 from dcp_volumes.checkpoint._manager import CheckpointManager
 from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME
 from dcp_volumes.checkpoint._reader import VolumeReader
+from tests.conftest import unique_bucket_name
 from tests.emulators import MotoServer
 from tests.scripts import crash_child
 from tests.scripts.states import differences, empty_state, state_for
@@ -230,7 +231,7 @@ def moto_process() -> Iterator[MotoServer]:
 def bucket(moto_process: MotoServer, request: pytest.FixtureRequest) -> Iterator[
     tuple[str, dict[str, Any]]
 ]:
-    name = f"crash-{request.node.name[-12:].strip('_[]').lower().replace('_', '-')}"
+    name = unique_bucket_name(request)
     url = moto_process.create_bucket(name)
     try:
         yield f"{url}/run", moto_process.storage_options()
