@@ -186,6 +186,24 @@ def test_corrupted_copy_detected_and_refetched(volume_url: tuple[str, dict[str, 
     assert Path(cache.fetch(full, storage_options=opts, size=10)).read_bytes() == b"x" * 10
 
 
+def test_fast_hits_notice_another_process_replacing_the_copy(tmp_path: Path) -> None:
+    # Hits of verified copies skip the sidecar (one stat): a copy evicted and
+    # refilled by another process in between must still be noticed.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"one")
+    url = str(src / "a.bin")
+    ours, other = FileCache(tmp_path / "cache"), FileCache(tmp_path / "cache")
+    assert Path(ours.fetch(url)).read_bytes() == b"one"
+    assert Path(ours.fetch(url)).read_bytes() == b"one"
+    assert (ours.counters.misses, ours.counters.hits) == (1, 1)
+    assert other.evict(url)
+    (src / "a.bin").write_bytes(b"three")
+    assert Path(other.fetch(url, size=5)).read_bytes() == b"three"
+    assert Path(ours.fetch(url, size=5)).read_bytes() == b"three"
+    assert ours.counters.hits == 2  # served the other process's fill, found by the sidecar
+
+
 def _slow_fetch(cache_dir: str, url: str, opts: dict[str, Any]) -> None:
     FileCache(cache_dir).fetch(url, storage_options=opts, size=256 * 1024)
 

@@ -183,6 +183,27 @@ def test_mount_path_cached_or_read_in_place(tmp_path: Path) -> None:
     assert sorted(os.listdir(src)) == ["part-0"]  # the source is never written to
 
 
+def test_copy_evicted_by_another_job_between_hit_and_use_is_fetched_again(
+        tmp_path: Path) -> None:
+    src = tmp_path / "nfs"
+    files = write_samples(str(src), None, 4)
+    evicted: list[str] = []
+    armed: list[bool] = []
+
+    def transform(path: str) -> bytes:
+        if armed and not evicted:  # warm epoch: the verified copy vanishes before use
+            evicted.append(path)
+            os.remove(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+    ds = VolumeDataset(src, cache_dir=tmp_path / "cache", shuffle=False, transform=transform)
+    assert sorted(list(ds)) == sorted(files.values())  # cold: fills the cache
+    armed.append(True)
+    assert sorted(list(ds)) == sorted(files.values())  # warm: hits, one fetched again
+    assert evicted and os.path.exists(evicted[0])
+
+
 def test_a_list_of_file_urls(s3_data: tuple[str, Any], tmp_path: Path) -> None:
     url, opts = s3_data
     files = [f"{url}/{name_of(i)}" for i in (5, 3, 31)]

@@ -57,6 +57,9 @@ _KEY_CHARS = 32
 _SINGLE_GET_BYTES = 16 * 2**20
 # Hits refresh the file's mtime (the LRU clock) at most this often.
 _TOUCH_INTERVAL_S = 60.0
+# Entries of the in-process index of verified copies (per FileCache object); past
+# this the index starts over (it only saves work, it is never the source of truth).
+_HOT_MAX = 1 << 20
 
 __all__ = ["CacheCounters", "CacheSchedule", "CachedFile", "Expected", "FileCache",
            "ReconcileReport", "default_cache_dir"]
@@ -140,7 +143,31 @@ def _source_identity(volume: Volume) -> str:
     return f"{volume.protocol}|{endpoint}"
 
 
-def _matches(meta: Mapping[str, Any], expected: Expected | None) -> bool:
+class _Hot:
+    """A copy this process verified (sidecar and listing), and the data file's identity then.
+
+    The copy is still that copy while its data file has the same inode, size and
+    ctime: every fill publishes a new inode by rename, and eviction or repair
+    unlinks it, so a hit needs one ``stat`` instead of re-reading the sidecar.
+    """
+
+    __slots__ = ("ctime_ns", "data", "dev", "ino", "key", "lock", "meta", "size", "url")
+
+    def __init__(self, ref: Ref, meta: Mapping[str, Any], st: os.stat_result) -> None:
+        self.key = ref.key
+        self.url = redact_url(ref.url)
+        self.data = ref.data
+        self.lock = ref.lock
+        self.size = st.st_size
+        self.meta = {"size": meta["size"], "etag": meta.get("etag"), "mtime": meta.get("mtime")}
+        self.ino, self.dev, self.ctime_ns = st.st_ino, st.st_dev, st.st_ctime_ns
+
+    def same_file(self, st: os.stat_result) -> bool:
+        return (st.st_ino == self.ino and st.st_ctime_ns == self.ctime_ns
+                and st.st_size == self.size and st.st_dev == self.dev)
+
+
+def _matches(meta: Mapping[str, Any], expected: Expected | FileInfo | None) -> bool:
     if expected is None:
         return True
     if expected.size is not None and expected.size != meta["size"]:
@@ -198,6 +225,8 @@ class FileCache:
     def _init_process_state(self) -> None:
         self._store = Store(self.cache_dir, limit=self.limit, headroom=self.headroom)
         self._volumes: dict[tuple[str, str], Volume] = {}
+        # id(volume) -> (volume, relpath -> _Hot); holding the volume keeps its id unique.
+        self._hot: dict[int, tuple[Volume, dict[str, _Hot]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # Locks, clients and the in-memory view are per process.
@@ -336,13 +365,68 @@ class FileCache:
 
     # -- the read path --------------------------------------------------------------------
 
-    def fetch_from(self, volume: Volume, relpath: str, *, expected: Expected | None = None,
+    def fetch_hot(self, volume: Volume, relpath: str, *,
+                  expected: Expected | FileInfo | None = None,
+                  pin: bool = False) -> CachedFile | None:
+        """The fast path of ``fetch_from``: a copy this process already verified, or None.
+
+        Costs one ``stat`` (plus the pin's shared lock): no sidecar read, no
+        hashing, no thread. None means "take the full path" (never seen here,
+        listed differently now, or the file was replaced, evicted or repaired).
+        """
+        slot = self._hot.get(id(volume))
+        hot = slot[1].get(relpath) if slot is not None else None
+        if hot is None or not _matches(hot.meta, expected):
+            return None
+        lock = None
+        if pin:
+            lock = EntryLock(hot.lock)
+            lock.acquire(exclusive=False)
+        try:
+            st = os.stat(hot.data)
+        except OSError:
+            st = None
+        if st is None or not hot.same_file(st):
+            if lock is not None:
+                lock.release()
+            slot[1].pop(relpath, None)  # type: ignore[index]
+            return None
+        if time.time() - st.st_mtime > _TOUCH_INTERVAL_S:
+            with contextlib.suppress(OSError):
+                os.utime(hot.data)  # the LRU clock of other processes
+                hot.ctime_ns = os.stat(hot.data).st_ctime_ns  # utime moved it
+        store = self._store
+        store.note_used(hot.key)
+        with store.mu:
+            store.counters.hits += 1
+        return CachedFile(path=hot.data, url=hot.url, key=hot.key, size=hot.size, hit=True,
+                          download_seconds=0.0, pin=lock)
+
+    def _remember(self, volume: Volume, relpath: str, ref: Ref, meta: Mapping[str, Any]) -> None:
+        """Index a copy just verified under its lock (see ``fetch_hot``)."""
+        try:
+            st = os.stat(ref.data)
+        except OSError:
+            return
+        slot = self._hot.get(id(volume))
+        if slot is None or slot[0] is not volume:
+            slot = self._hot[id(volume)] = (volume, {})
+        if len(slot[1]) >= _HOT_MAX:
+            slot[1].clear()
+        slot[1][relpath] = _Hot(ref, meta, st)
+
+    def fetch_from(self, volume: Volume, relpath: str, *,
+                   expected: Expected | FileInfo | None = None,
                    pin: bool = False) -> CachedFile:
         """Serve ``relpath`` of ``volume`` from the cache, filling it first if needed.
 
         With ``pin`` the returned file holds a shared lock that keeps it from
-        being evicted (by any process) until ``release()``.
+        being evicted (by any process) until ``release()``. ``expected`` may be
+        an ``Expected`` or the listing's ``FileInfo`` itself.
         """
+        found = self.fetch_hot(volume, relpath, expected=expected, pin=pin)
+        if found is not None:
+            return found
         ref = self._ref(volume, relpath)
         lock = EntryLock(ref.lock)
         filled_size = -1
@@ -367,6 +451,7 @@ class FileCache:
             filled = filled_size >= 0
             if not filled:
                 self._touch(ref, meta)
+            self._remember(volume, relpath, ref, meta)
             result = self._done(ref, int(meta["size"]), filled, seconds, lock if pin else None)
             if not pin:
                 lock.release()
@@ -393,7 +478,7 @@ class FileCache:
         self._store.note_used(ref.key)
 
     def _fill(self, volume: Volume, relpath: str, ref: Ref,
-              expected: Expected | None) -> tuple[int, float]:
+              expected: Expected | FileInfo | None) -> tuple[int, float]:
         """Download into the entry; the caller holds its exclusive lock."""
         self._store.clear_entry(ref)
         if expected is not None and expected.size is not None:

@@ -29,10 +29,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 from dcp_volumes import _env
 from dcp_volumes._exceptions import CacheError, ConfigurationError
 from dcp_volumes._volume import Volume
-from dcp_volumes.data._cache import Expected, FileCache
+from dcp_volumes.data._cache import FileCache
 from dcp_volumes.data._listing import DataManifest, build_manifest
 from dcp_volumes.data._metrics import worker_stats
-from dcp_volumes.data._order import NextUse, Plan, epoch_permutation, sample_seed
+from dcp_volumes.data._order import NextUse, Plan, epoch_permutation, sample_seeds
 from dcp_volumes.data._prefetch import Prefetcher
 from dcp_volumes.data._rng import SampleTransform
 
@@ -332,11 +332,18 @@ class VolumeDataset(IterableDataset[Any]):
                        file_ids: np.ndarray) -> Iterator[Any]:
         stats = worker_stats(self._id)
         files = self.manifest.files
-        for pos, fid in zip(positions.tolist(), file_ids.tolist(), strict=True):
+        seeds = self._seeds(plan, positions)
+        for k, fid in enumerate(file_ids.tolist()):
             path = self.volume.full_path(files[fid].path)
-            sample = self._transform(path, sample_seed(plan.seed, plan.epoch, pos))
+            sample = self._transform(path, seeds[k] if seeds else 0)
             stats.samples += 1
             yield sample
+
+    def _seeds(self, plan: Plan, positions: np.ndarray) -> list[int] | None:
+        """The samples' augmentation seeds, or None when the transform takes none."""
+        if not self._transform.uses_seed:
+            return None
+        return sample_seeds(plan.seed, plan.epoch, positions)
 
     def _key_index_map(self) -> dict[str, int]:
         # Built on first eviction only: one hash per file.
@@ -369,23 +376,40 @@ class VolumeDataset(IterableDataset[Any]):
             next_use = NextUse(plan, ranks=ranks, ahead=ahead, behind=behind)
             cache.set_schedule(_Schedule(next_use, self._key_index_map))
 
+        # The listing's FileInfo is the expected size/etag: no per-sample allocation.
         def fetch(fid: int) -> Any:
             info = files[fid]
-            return cache.fetch_from(volume, info.path, expected=Expected.of(info), pin=True)
+            return cache.fetch_from(volume, info.path, expected=info, pin=True)
+
+        # Hits skip the pin (a shared flock costs as much as reading a small file):
+        # this job's own workers never evict inside their prefetch window (the
+        # schedule above), and a copy that another job evicts meanwhile is fetched
+        # again, pinned, when the transform finds it gone (see below).
+        def fast(fid: int) -> Any:
+            info = files[fid]
+            return cache.fetch_hot(volume, info.path, expected=info, pin=False)
 
         ids = file_ids.tolist()
         prefetcher: Prefetcher[int, int, Any] = Prefetcher(
             ((fid, fid) for fid in ids), fetch, lambda cached: cached.release(),
-            depth=opts.prefetch, threads=opts.prefetch_threads,
+            depth=opts.prefetch, threads=opts.prefetch_threads, fast=fast,
         )
         pos_list = positions.tolist()
+        seeds = self._seeds(plan, positions)
         try:
             for k, taken in enumerate(prefetcher):
-                pos = pos_list[k]
                 if next_use is not None:
-                    next_use.current = pos
+                    next_use.current = pos_list[k]
                 cached = taken.value
-                sample = self._transform(cached.path, sample_seed(plan.seed, plan.epoch, pos))
+                seed = seeds[k] if seeds else 0
+                try:
+                    sample = self._transform(cached.path, seed)
+                except FileNotFoundError:
+                    if cached.pinned or os.path.exists(cached.path):
+                        raise
+                    info = files[taken.key]
+                    with cache.fetch_from(volume, info.path, expected=info, pin=True) as again:
+                        sample = self._transform(again.path, seed)
                 stats.samples += 1
                 stats.wait_seconds += taken.wait_seconds
                 stats.ready_ahead += taken.ready_ahead

@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -22,22 +21,36 @@ A = TypeVar("A")
 R = TypeVar("R")
 
 
-@dataclass
 class _Slot(Generic[R]):
-    future: Future[R]
-    uses: int
-    taken: int = 0
+    """One fetch in the window: a pool future, or a value the fast path produced at once."""
+
+    __slots__ = ("future", "taken", "uses", "value")
+
+    def __init__(self, future: Future[R] | None, value: R | None) -> None:
+        self.future = future
+        self.value = value
+        self.uses = 1
+        self.taken = 0
+
+    def done(self) -> bool:
+        return self.future is None or self.future.done()
 
 
-@dataclass(frozen=True)
 class Taken(Generic[K, R]):
-    """One item handed to the consumer, with how long it waited and how far ahead we were."""
+    """One item handed to the consumer, with how long it waited and how far ahead we were.
 
-    key: K
-    value: R
-    wait_seconds: float
-    ready_ahead: int
-    first: bool  # False for a repeat use of a result already handed out
+    ``first`` is False for a repeat use of a result already handed out.
+    """
+
+    __slots__ = ("first", "key", "ready_ahead", "value", "wait_seconds")
+
+    def __init__(self, key: K, value: R, wait_seconds: float, ready_ahead: int,
+                 first: bool) -> None:
+        self.key = key
+        self.value = value
+        self.wait_seconds = wait_seconds
+        self.ready_ahead = ready_ahead
+        self.first = first
 
 
 class Prefetcher(Generic[K, A, R]):
@@ -49,12 +62,19 @@ class Prefetcher(Generic[K, A, R]):
         release: called once per fetched result after its last use (or on close).
         depth: how many items ahead to fetch.
         threads: pool size.
+        fast: optional; called in the consumer's thread when an item enters the
+            window, returns its result when that is cheap to get now (a cache
+            hit) or None to hand the item to the pool. Cheap items then cost no
+            thread handoff, and the pool threads (with the GIL) stay free for
+            the slow ones.
     """
 
     def __init__(self, items: Iterable[tuple[K, A]], fetch: Callable[[A], R],
-                 release: Callable[[R], None], *, depth: int, threads: int) -> None:
+                 release: Callable[[R], None], *, depth: int, threads: int,
+                 fast: Callable[[A], R | None] | None = None) -> None:
         self._items = iter(items)
         self._fetch = fetch
+        self._fast = fast
         self._release = release
         self._depth = max(1, depth)
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads),
@@ -72,7 +92,11 @@ class Prefetcher(Generic[K, A, R]):
                 return
             slot = self._slots.get(key)
             if slot is None:
-                self._slots[key] = _Slot(self._pool.submit(self._fetch, arg), 1)
+                value = self._fast(arg) if self._fast is not None else None
+                if value is not None:
+                    self._slots[key] = _Slot(None, value)
+                else:
+                    self._slots[key] = _Slot(self._pool.submit(self._fetch, arg), None)
             else:
                 slot.uses += 1
             self._window.append(key)
@@ -80,13 +104,20 @@ class Prefetcher(Generic[K, A, R]):
     def __iter__(self) -> Iterator[Taken[K, R]]:
         try:
             self._top_up()
+            slots = self._slots
             while self._window:
                 key = self._window.popleft()
-                slot = self._slots[key]
-                ready = sum(1 for k in self._window if self._slots[k].future.done())
-                started = time.perf_counter()
-                value = slot.future.result()  # re-raises the fetch error here, in order
-                waited = time.perf_counter() - started
+                slot = slots[key]
+                ready = 0
+                for k in self._window:
+                    ready += slots[k].done()
+                future = slot.future
+                if future is None:
+                    value, waited = slot.value, 0.0
+                else:
+                    started = time.perf_counter()
+                    value = future.result()  # re-raises the fetch error here, in order
+                    waited = time.perf_counter() - started
                 self._top_up()  # keep the pool busy while the consumer works
                 slot.taken += 1
                 yield Taken(key, value, waited, ready, slot.taken == 1)
@@ -106,7 +137,9 @@ class Prefetcher(Generic[K, A, R]):
         slots, self._slots = list(self._slots.values()), {}
         self._window.clear()
         for slot in slots:
-            if not slot.future.cancel():
+            if slot.future is None:
+                self._release(slot.value)  # type: ignore[arg-type]
+            elif not slot.future.cancel():
                 slot.future.add_done_callback(self._release_when_done)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
