@@ -75,11 +75,9 @@ logger = logging.getLogger(__name__)
 _MIN_PART_SIZE = 5 * 2**20
 # Files uploaded at once per rank (they share the transfers in flight).
 _MAX_FILES_IN_FLIGHT = 4
-# Upload buffers may take this share of a rank's checkpoint bytes in RAM (each
-# transfer holds about two copies of a part), so an async save needs at most
-# ~1.25x the state: the staged copy, this, and some slack. Large states get
-# the full upload_concurrency; small ones upload with fewer streams.
-_UPLOAD_RAM_SHARE = 0.2
+# Upload buffers may take this share of a rank's checkpoint bytes in RAM, so an
+# async save needs about 1.25x the state: the staged copy plus this.
+_UPLOAD_RAM_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -186,13 +184,13 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             into ``local_copy_dir/<checkpoint name>`` and kept there, with a
             copy of the manifest; ``VolumeReader(local_copy_dir=...)`` reads
             from it when the files match the manifest.
-        upload_concurrency: most transfers (multipart parts, or whole small
-            files) in flight for this rank; up to 4 files upload at once and
-            share them. Each takes about ``2 * part_size`` of RAM, so fewer
-            are used when the rank's checkpoint is small: upload buffers stay
-            within a fifth of its size (at least one transfer).
+        upload_concurrency: streams in flight for this rank (whole files, or
+            multipart parts of large ones). Upload buffers stay within a
+            quarter of the rank's checkpoint bytes: for states too small to
+            give every stream a ``file_size`` file, files are made smaller
+            (down to 5 MiB), so each is one PUT and all streams stay busy.
         part_size: multipart part size (bytes or e.g. ``"32MiB"``, >= 5 MiB).
-        file_size: target size of one data file (bytes or e.g. ``"256MiB"``).
+        file_size: largest size of one data file (bytes or e.g. ``"256MiB"``).
         prefix_spread: ``N >= 2`` spreads the files over ``N`` hashed
             sub-prefixes (``3f/__0_1.distcp``) for stores that throttle per
             prefix; stock readers still find them via ``.metadata``.
@@ -357,7 +355,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         else:
             name = _layout.checkpoint_name(self._volume.root)
             save_dir = self._staging.new_dir(f"{name}-r{self._rank}")
-        transfers = self._transfers(estimate_bytes(plan.items))
+        files_in_flight, per_file, file_size = self._upload_shape(estimate_bytes(plan.items))
         items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
         items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         started = time.monotonic()
@@ -368,11 +366,11 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                 prefix=prefix,
                 save_dir=save_dir,
                 prefix_spread=self.options.prefix_spread,
-                file_size=self.options.file_size,
+                file_size=file_size,
                 # Mount-path volumes get the file by rename: it must be on disk first.
                 fsync=self._volume.is_local or local_copy is not None,
-                files_in_flight=min(_MAX_FILES_IN_FLIGHT, transfers),
-                upload=lambda local, rel, size: self._upload(local, rel, size, keep, transfers),
+                files_in_flight=files_in_flight,
+                upload=lambda local, rel, size: self._upload(local, rel, size, keep, per_file),
             )
         finally:
             if not keep:
@@ -465,15 +463,24 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         self._volume.delete(MANIFEST_NAME)
         self._volume.delete_many(old_files)
 
-    def _transfers(self, rank_bytes: int) -> int:
-        """Transfers (parts or small files) in flight: RAM for upload buffers stays bounded."""
-        if self._volume.is_local:
-            return self.options.upload_concurrency  # copies and renames buffer nothing
-        budget = max(2 * self.options.part_size, int(rank_bytes * _UPLOAD_RAM_SHARE))
-        fit = budget // (2 * self.options.part_size)
-        return max(1, min(self.options.upload_concurrency, fit))
+    def _upload_shape(self, rank_bytes: int) -> tuple[int, int, int]:
+        """(files in flight, transfers per file, file size) for this rank's upload.
 
-    def _upload(self, local: str, rel: str, size: int, keep: bool, transfers: int) -> None:
+        Throughput comes from many streams in flight (real stores cap each
+        stream), RAM from the bytes those streams buffer. Within a budget of
+        ``_UPLOAD_RAM_SHARE`` of the rank's bytes, keep ``upload_concurrency``
+        streams busy by making files small enough that each is one PUT (no
+        multipart round trips); large states keep ``file_size`` files.
+        """
+        conc = self.options.upload_concurrency
+        if self._volume.is_local:
+            return min(_MAX_FILES_IN_FLIGHT, conc), 1, self.options.file_size
+        budget = max(conc * _MIN_PART_SIZE, int(rank_bytes * _UPLOAD_RAM_SHARE))
+        file_size = min(self.options.file_size, max(_MIN_PART_SIZE, budget // conc))
+        files_in_flight = max(1, min(conc, budget // file_size))
+        return files_in_flight, max(1, conc // files_in_flight), file_size
+
+    def _upload(self, local: str, rel: str, size: int, keep: bool, per_file: int) -> None:
         """Upload one closed file and verify its size on the volume (upload threads)."""
         volume = self._volume
         move = volume.is_local and not keep
@@ -481,8 +488,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             local,
             rel,
             part_size=self.options.part_size,
-            # Files in flight share the transfers: each uploads parts this wide.
-            concurrency=max(1, transfers // min(_MAX_FILES_IN_FLIGHT, transfers)),
+            concurrency=per_file,
             move=move,
             verify_size=True,
         )
