@@ -463,7 +463,7 @@ def plot(report: dict[str, Any], path: Any) -> None:
             range(len(rnames)),
             [res["loads"][r]["steady_s"] for r in rnames],
             color=[
-                "tab:green" if r == "vw_reader" else "tab:gray" if r in RAW_LOADS else "tab:blue"
+                "tab:green" if r.startswith("vw_") else "tab:gray" if r in RAW_LOADS else "tab:blue"
                 for r in rnames
             ],
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -216,13 +217,10 @@ class LoaderMetrics:
         if not self._mlflow_pending or (not force and now - self._mlflow_sent
                                         < self._mlflow_interval_s):
             return  # batched: at most one burst every mlflow_interval_s
-        try:
-            import mlflow  # type: ignore[import-not-found,unused-ignore]  # optional extra
-        except ImportError:
-            self._mlflow = False
-            self._mlflow_pending.clear()
-            return
-        if mlflow.active_run() is None:
+        # Only an mlflow the program already imported: an active run implies it, and
+        # importing it here would stall next() for seconds inside the training loop.
+        mlflow = sys.modules.get("mlflow")
+        if mlflow is None or mlflow.active_run() is None:
             self._mlflow_pending.clear()
             return
         pending, self._mlflow_pending = self._mlflow_pending, []
