@@ -66,7 +66,7 @@ def parse_step(name: str) -> int | None:
 
 
 def is_canonical(name: str) -> bool:
-    """Whether ``name`` is in the manager's own ``step-XXXXXXXX`` form."""
+    """Whether ``name`` is in the manager's own ``step-00000100`` form (8+ digits)."""
     return _CANONICAL.match(name) is not None
 
 

@@ -111,7 +111,7 @@ class ManagerOptions:
 class CheckpointManager:
     """Save, list, restore and prune the checkpoints of one training run.
 
-    One checkpoint per step, in ``<root>/step-XXXXXXXX`` (8+ digits), written
+    One checkpoint per step, in ``<root>/step-00000100`` (step zero-padded to 8+ digits), written
     with ``VolumeWriter``: standard DCP format plus a manifest, ``.metadata``
     last. A crash at any instant leaves at worst a partial directory, which is
     never restored and is deleted by retention once a newer checkpoint commits.
