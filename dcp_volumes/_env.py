@@ -6,6 +6,7 @@
 | ``DCP_VOLUMES_CACHE``       | default local cache dir for training inputs      |
 | ``DCP_VOLUMES_MAX_RETRIES`` | attempts per volume call on transient errors     |
 | ``DCP_VOLUMES_STORAGE_OPTIONS`` | JSON object of fsspec options for the CLI    |
+| ``DCP_VOLUMES_S3_TRANSPORT`` | ``0``: move S3 bytes through s3fs, not botocore |
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ STAGING = "DCP_VOLUMES_STAGING"
 CACHE = "DCP_VOLUMES_CACHE"
 MAX_RETRIES = "DCP_VOLUMES_MAX_RETRIES"
 STORAGE_OPTIONS = "DCP_VOLUMES_STORAGE_OPTIONS"
+S3_TRANSPORT = "DCP_VOLUMES_S3_TRANSPORT"
 
 
 def staging_dir() -> str | None:
@@ -56,3 +58,8 @@ def world_info() -> tuple[int, int, int, int]:
 def storage_options() -> str | None:
     """The JSON text of ``DCP_VOLUMES_STORAGE_OPTIONS`` (used by the CLI), if set."""
     return os.environ.get(STORAGE_OPTIONS) or None
+
+
+def s3_transport_enabled() -> bool:
+    """Whether S3 bulk bytes may use the botocore transport (``_s3_transport.py``)."""
+    return os.environ.get(S3_TRANSPORT, "1").strip().lower() not in ("0", "false", "no", "off")

@@ -82,6 +82,7 @@ _CREDENTIAL_ERRORS = frozenset(
     {"NoCredentialsError", "PartialCredentialsError", "ClientAuthenticationError"}
 )
 _MISSING_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound", "BucketNotFound"})
+_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "BlobNotFound"})
 _EXISTS_CODES = frozenset({"412", "PreconditionFailed", "BlobAlreadyExists", "ConditionNotMet"})
 _TRANSIENT_ERRNOS = frozenset(
     {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT}
@@ -186,8 +187,6 @@ def _is_transient(exc: BaseException) -> bool:
     )
 
 
-
-
 def translate_error(
     exc: BaseException, op: str, where: str, scrub: Callable[[str], str]
 ) -> DcpVolumesError:
@@ -205,7 +204,7 @@ def translate_error(
         return VolumeExistsError(
             f"Cannot {op} {where}: it already exists and this write must not replace it."
         )
-    if isinstance(exc, FileNotFoundError):
+    if isinstance(exc, FileNotFoundError) or codes & _NOT_FOUND_CODES:
         return VolumeNotFoundError(f"Cannot {op} {where}: not found ({detail}).")
     names = {cls.__name__ for cls in type(exc).__mro__}
     if isinstance(exc, PermissionError) or codes & _ACCESS_CODES or names & _CREDENTIAL_ERRORS:

@@ -43,11 +43,13 @@ from dcp_volumes._retry import (
     secret_values,
     translate_error,
 )
+from dcp_volumes._s3_transport import S3Transport
 
 logger = logging.getLogger(__name__)
 
-# One client per (process, protocol, options): see Volume.fs.
+# One client per (process, protocol, options): see Volume.fs and Volume.s3.
 _CLIENTS: dict[tuple[int, str, str], fsspec.AbstractFileSystem] = {}
+_TRANSPORTS: dict[tuple[int, str], S3Transport | None] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 T = TypeVar("T")
@@ -63,6 +65,8 @@ _EXTRA_FOR_PROTOCOL = {
     "abfss": "azure",
     "adl": "azure",
 }
+
+
 @dataclass(frozen=True)
 class FileInfo:
     """One file on a volume; ``path`` is relative to the volume's root, ``/``-separated."""
@@ -125,6 +129,8 @@ class Volume:
                 )
         self._fs: fsspec.AbstractFileSystem | None = None
         self._fs_pid = -1
+        self._s3: S3Transport | None = None
+        self._s3_pid = -1
         self._secrets = secret_values(self.storage_options)
 
     # -- identity -------------------------------------------------------------------------
@@ -147,6 +153,8 @@ class Volume:
         state = self.__dict__.copy()
         state["_fs"] = None
         state["_fs_pid"] = -1
+        state["_s3"] = None
+        state["_s3_pid"] = -1
         return state
 
     def child(self, relpath: str) -> Volume:
@@ -222,6 +230,27 @@ class Volume:
                 raise self._translate(exc, "connect to", "") from exc
             self._fs_pid = os.getpid()
         return self._fs
+
+    @property
+    def s3(self) -> S3Transport | None:
+        """The botocore data path for S3 volumes (``None``: use ``fs`` for everything)."""
+        if self._s3_pid != os.getpid():
+            transport = None
+            if self.protocol in ("s3", "s3a") and _env.s3_transport_enabled():
+                key = (os.getpid(), fsspec.utils.tokenize(self.storage_options))
+                with _CLIENTS_LOCK:
+                    if key not in _TRANSPORTS:
+                        try:
+                            _TRANSPORTS[key] = S3Transport.for_options(self.storage_options)
+                        except Exception as exc:
+                            raise self._translate(exc, "connect to", "") from exc
+                    transport = _TRANSPORTS[key]
+            self._s3, self._s3_pid = transport, os.getpid()
+        return self._s3
+
+    def _bucket_key(self, relpath: str) -> tuple[str, str]:
+        bucket, _, key = self.full_path(relpath).partition("/")
+        return bucket, key
 
     # -- retries and error translation -----------------------------------------------------
 
@@ -364,8 +393,22 @@ class Volume:
 
     def read_bytes(self, relpath: str, start: int | None = None, end: int | None = None) -> bytes:
         """The bytes of a file, or of ``[start, end)``."""
+        s3 = self.s3
+        if s3 is not None:
+            bucket, key = self._bucket_key(relpath)
+            return self._call("read", relpath, lambda: s3.get(bucket, key, start, end))
         full = self.full_path(relpath)
         return self._call("read", relpath, lambda: self.fs.cat_file(full, start=start, end=end))
+
+    def read_into(self, relpath: str, start: int, out: memoryview) -> int:
+        """Read ``len(out)`` bytes from ``start`` into ``out``; returns how many arrived."""
+        s3 = self.s3
+        if s3 is not None:
+            bucket, key = self._bucket_key(relpath)
+            return self._call("read", relpath, lambda: s3.get_into(bucket, key, start, out))
+        data = self.read_bytes(relpath, start, start + len(out))
+        out[: len(data)] = data
+        return len(data)
 
     def open_local(self, relpath: str) -> io.FileIO:
         """Open a file of a local volume for unbuffered reading (positioned reads, no copies)."""
@@ -467,6 +510,21 @@ class Volume:
         if self.is_local:
             dst = self.full_path(relpath)
             self._local_place(local_path, dst, move=move)
+        elif self.s3 is not None:
+            bucket, key = self._bucket_key(relpath)
+            self.s3.put(
+                local_path,
+                bucket,
+                key,
+                size=size,
+                part_size=part_size or 32 * 2**20,
+                concurrency=concurrency or 1,
+                retry=lambda op, fn: self._call(op, relpath, fn),
+            )
+            if verify_size:
+                self._verify_size(relpath, size)
+            if move:
+                os.remove(local_path)
         else:
             full = self.full_path(relpath)
             kwargs: dict[str, Any] = {}
@@ -481,15 +539,23 @@ class Volume:
                 kwargs["max_concurrency"] = concurrency
             self._call("upload", relpath, lambda: self.fs.put_file(local_path, full, **kwargs))
             if verify_size:
-                remote = self.info(relpath).size
-                if remote != size:
-                    raise VolumeError(
-                        f"Uploaded {size} bytes to {redact_url(self.url_of(relpath))} but the "
-                        f"volume reports {remote}. The upload was cut short; retry the save."
-                    )
+                self._verify_size(relpath, size)
             if move:
                 os.remove(local_path)
         return size
+
+    def _verify_size(self, relpath: str, size: int) -> None:
+        s3 = self.s3
+        if s3 is not None:
+            bucket, key = self._bucket_key(relpath)
+            remote = self._call("stat", relpath, lambda: s3.size(bucket, key))
+        else:
+            remote = self.info(relpath).size
+        if remote != size:
+            raise VolumeError(
+                f"Uploaded {size} bytes to {redact_url(self.url_of(relpath))} but the "
+                f"volume reports {remote}. The upload was cut short; retry the save."
+            )
 
     def _local_place(self, src: str, dst: str, *, move: bool) -> None:
         def run() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import xxhash
 
-from dcp_volumes._exceptions import CheckpointCorruptError
+from dcp_volumes._exceptions import BucketNotFoundError, CheckpointCorruptError, VolumeNotFoundError
 from dcp_volumes._volume import FileInfo, Volume
 
 logger = logging.getLogger(__name__)
@@ -137,12 +137,14 @@ class Manifest:
 
 def read_manifest(volume: Volume) -> Manifest | None:
     """The manifest of the checkpoint at ``volume``, or ``None`` for a stock checkpoint."""
-    if not volume.exists(MANIFEST_NAME):
+    try:  # one request, not exists() + read: a load pays every round trip
+        data = volume.read_bytes(MANIFEST_NAME)
+    except BucketNotFoundError:
+        raise
+    except VolumeNotFoundError:
         logger.debug("%s has no %s: checksum verification skipped", volume, MANIFEST_NAME)
         return None
-    return Manifest.from_json(
-        volume.read_bytes(MANIFEST_NAME), where=volume.url_of(MANIFEST_NAME)
-    )
+    return Manifest.from_json(data, where=volume.url_of(MANIFEST_NAME))
 
 
 def check_listing(manifest: Manifest, listing: Iterable[FileInfo]) -> list[str]:

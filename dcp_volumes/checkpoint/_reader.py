@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -39,7 +40,7 @@ from dcp_volumes._exceptions import (
 )
 from dcp_volumes._retry import RetryPolicy, redact_url
 from dcp_volumes._staging import parse_size
-from dcp_volumes._volume import Volume
+from dcp_volumes._volume import FileInfo, Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
     METADATA_NAME,
@@ -53,6 +54,7 @@ from dcp_volumes.checkpoint._shards import (
     FileSliceReader,
     MemoryReader,
     advise_willneed,
+    load_tensor,
     missing_file_error,
     narrow,
     truncated_file_error,
@@ -118,8 +120,9 @@ class _FileJob:
     whole: bool
     source: Volume
     from_local: bool = False
-    buffers: list[bytearray] = field(default_factory=list)
+    buffers: list[memoryview] = field(default_factory=list)
     futures: list[ThreadFuture[None]] = field(default_factory=list)
+    digest: str | None = None  # checksum taken by the fetch thread (one-GET whole files)
     file: io.FileIO | None = None
 
     @property
@@ -271,17 +274,23 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             max_workers=self.options.read_concurrency, thread_name_prefix="dcpv-read"
         ) as pool:
             try:
+                # The listing that checks sizes runs alongside the first fetches: a
+                # load pays no extra round trip for it.
+                listing = pool.submit(self._volume.list) if self._manifest and jobs else None
                 submitted = 0
                 in_flight = 0
                 for i, job in enumerate(jobs):
                     # Fetch ahead within the byte budget (always at least the current file).
                     while submitted < len(jobs) and (
-                        submitted <= i or in_flight + jobs[submitted].nbytes
-                        <= self.options.prefetch_bytes
+                        submitted <= i
+                        or in_flight + jobs[submitted].nbytes <= self.options.prefetch_bytes
                     ):
                         self._submit(pool, jobs[submitted])
                         in_flight += jobs[submitted].nbytes
                         submitted += 1
+                    if listing is not None:
+                        self._check_sizes(jobs, listing.result())
+                        listing = None
                     self._finish_job(pool, job)
                     in_flight -= job.nbytes
                     self._deliver(job, planner)
@@ -342,15 +351,17 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                 ) from None
             per_file.setdefault(info.relative_path, []).append((req, info))
         manifest = self._manifest
-        sizes: dict[str, int] = {}
-        if manifest is not None and per_file:
-            sizes = {f.path: f.size for f in self._volume.list()}
         jobs = []
         for rel, reqs in sorted(per_file.items()):
             record = None
             if manifest is not None:
                 record = manifest.files.get(rel)
-                self._check_file(rel, record, sizes)
+                if record is None:
+                    raise CheckpointCorruptError(
+                        f"{redact_url(self._volume.url_of(rel))} is used by .metadata but not "
+                        "listed in the manifest; the checkpoint is damaged or was modified "
+                        "after it was committed."
+                    )
             ranges = [(info.offset, info.offset + info.length) for _, info in reqs]
             spans = _layout.coalesce(ranges, gap=self.options.coalesce_gap)
             whole = record is not None and spans == [(0, record.size)]
@@ -362,13 +373,15 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             jobs.append(job)
         return jobs
 
-    def _check_file(self, rel: str, record: FileRecord | None, sizes: Mapping[str, int]) -> None:
+    def _check_sizes(self, jobs: Sequence[_FileJob], listing: Sequence[FileInfo]) -> None:
+        """Every file the plan reads exists with the manifest's size (before any is used)."""
+        sizes = {f.path: f.size for f in listing}
+        for job in jobs:
+            if job.record is not None:
+                self._check_file(job.rel, job.record, sizes)
+
+    def _check_file(self, rel: str, record: FileRecord, sizes: Mapping[str, int]) -> None:
         url = redact_url(self._volume.url_of(rel))
-        if record is None:
-            raise CheckpointCorruptError(
-                f"{url} is used by .metadata but not listed in the manifest; the checkpoint "
-                "is damaged or was modified after it was committed."
-            )
         if rel not in sizes:
             raise CheckpointCorruptError(
                 f"The checkpoint file {url} is missing ({record.size} bytes in the manifest). "
@@ -407,27 +420,36 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         if job.source.is_local:
             advise_willneed(job.source.full_path(job.rel), job.spans)
             return
-        job.buffers = [bytearray(e - s) for s, e in job.spans]
-        job.futures = []
-        for buf, (start, end) in zip(job.buffers, job.spans, strict=True):
-            for s, e in _layout.split_range(start, end, self.options.part_size):
-                if e > s:
-                    job.futures.append(
-                        pool.submit(self._fetch, job.source, job.rel, s, e, buf, s - start)
-                    )
+        # Uninitialised: zero-filling (bytearray) costs as much as the copy it precedes.
+        job.buffers = [memoryview(np.empty(e - s, dtype=np.uint8)) for s, e in job.spans]
+        job.futures, job.digest = [], None
+        parts = [
+            (buf, s, e, s - start)
+            for buf, (start, end) in zip(job.buffers, job.spans, strict=True)
+            for s, e in _layout.split_range(start, end, self.options.part_size)
+            if e > s
+        ]
+        # A whole file in one GET is hashed by its fetch thread, off the thread
+        # that deserialises.
+        hash_here = job.whole and len(parts) == 1
+        for buf, s, e, at in parts:
+            job.futures.append(pool.submit(self._fetch, job, s, e, buf, at, hash_here))
 
+    @staticmethod
     def _fetch(
-        self, source: Volume, rel: str, start: int, end: int, buf: bytearray, at: int
+        job: _FileJob, start: int, end: int, buf: memoryview, at: int, hash_it: bool
     ) -> None:
+        source, rel = job.source, job.rel
         try:
-            data = source.read_bytes(rel, start, end)
+            got = source.read_into(rel, start, buf[at : at + end - start])
         except BucketNotFoundError:
             raise
         except VolumeNotFoundError:
             raise missing_file_error(source, rel) from None
-        if len(data) != end - start:
-            raise truncated_file_error(source, rel, start, end, len(data))
-        buf[at : at + len(data)] = data
+        if got != end - start:
+            raise truncated_file_error(source, rel, start, end, got)
+        if hash_it:
+            job.digest = checksum_bytes(buf)
 
     def _open_local(self, job: _FileJob) -> None:
         """Open a file of a local source and check that it holds every span."""
@@ -452,7 +474,10 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         if not job.whole or job.record is None:
             return
         file = job.file
-        actual = checksum_file(file) if file is not None else checksum_bytes(job.buffers[0])
+        if file is not None:
+            actual = checksum_file(file)
+        else:
+            actual = job.digest or checksum_bytes(job.buffers[0])
         if actual == job.record.checksum:
             return
         if job.from_local:
@@ -475,22 +500,26 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         for req, info in job.reqs:
             i = _layout.find_span(starts, job.spans, info.offset, info.offset + info.length)
             stream: IO[bytes]
+            view = None
             if job.file is not None:
                 stream = cast(IO[bytes], FileSliceReader(job.file, info.offset, info.length))
             else:
                 lo = info.offset - job.spans[i][0]
-                view = memoryview(job.buffers[i])[lo : lo + info.length]
+                view = job.buffers[i][lo : lo + info.length]
                 stream = cast(IO[bytes], MemoryReader(view))
             descriptors = getattr(info, "transform_descriptors", None)
             if descriptors:
-                stream = self._untransform(req, descriptors, stream)
+                stream, view = self._untransform(req, descriptors, stream), None
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(stream.read()))
                 continue
             if not stream.seekable():
                 stream = io.BytesIO(stream.read())
             try:
-                tensor = torch.load(stream, map_location="cpu", weights_only=True)
+                if view is not None:  # fetched bytes: deserialise in place
+                    tensor = load_tensor(view)
+                else:
+                    tensor = torch.load(stream, map_location="cpu", weights_only=True)
             except Exception as exc:
                 raise CheckpointCorruptError(
                     f"{req.storage_index.fqn} in {redact_url(job.source.url_of(job.rel))} "
@@ -525,4 +554,3 @@ def _close(job: _FileJob) -> None:
     if job.file is not None:
         job.file.close()
         job.file = None
-

@@ -227,6 +227,33 @@ class MemoryReader(_RangeReader):
         return n
 
 
+def load_tensor(view: memoryview) -> torch.Tensor:
+    """Deserialise a ``torch.save``'d tensor whose storage aliases ``view`` (no copy).
+
+    ``torch.load`` copies every storage out of its stream; handing torch's own
+    loader the buffer as the "mmapped" storage (what ``torch.load(mmap=True)``
+    does for files) leaves one copy per load, into the target tensor. Torch
+    versions whose private loader differs fall back to ``torch.load``.
+    """
+    if len(view):
+        try:
+            storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+            reader = torch._C.PyTorchFileReader(MemoryReader(view))
+            return cast(
+                torch.Tensor,
+                torch.serialization._load(
+                    reader,
+                    "cpu",
+                    torch._weights_only_unpickler,
+                    overall_storage=storage,
+                    encoding="utf-8",
+                ),
+            )
+        except Exception:  # the stock path below reports real damage
+            pass
+    return cast(torch.Tensor, torch.load(MemoryReader(view), map_location="cpu", weights_only=True))
+
+
 class FileSliceReader(_RangeReader):
     """A seekable read-only stream over ``[start, start + length)`` of an open file.
 

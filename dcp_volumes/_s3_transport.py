@@ -1,0 +1,302 @@
+"""The S3 data path: GETs, PUTs and multipart uploads on one botocore client.
+
+s3fs funnels every call of a process through one asyncio loop and costs
+5-7 ms of client CPU per small GET (2-3 ms for a plain botocore client), and
+its ``put_file`` reads each whole file into memory before sending it. Bulk
+bytes (checkpoint shards, training files) therefore go through a thread-safe
+botocore client here, with upload bodies streamed from the staged file in
+small chunks; listing, deletes and conditional publishes stay on s3fs.
+
+``S3Transport.for_options`` returns ``None`` for storage options it does not
+map faithfully, and the volume then keeps using s3fs for everything.
+Retries are the volume's (``_retry.py``): botocore's own are turned off so
+an attempt is never retried twice over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+# s3fs options with no effect on the data path (caching, async plumbing).
+_IGNORED_OPTIONS = frozenset(
+    {
+        "use_listings_cache",
+        "listings_expiry_time",
+        "max_paths",
+        "skip_instance_cache",
+        "default_block_size",
+        "default_fill_cache",
+        "default_cache_type",
+        "asynchronous",
+        "loop",
+        "max_concurrency",
+        "fixed_upload_size",
+        "cache_regions",
+    }
+)
+# Options mapped onto the botocore client; any other option keeps s3fs.
+_MAPPED_OPTIONS = frozenset(
+    {
+        "key",
+        "secret",
+        "token",
+        "anon",
+        "endpoint_url",
+        "client_kwargs",
+        "config_kwargs",
+        "profile",
+        "use_ssl",
+    }
+)
+_CLIENT_KWARGS = frozenset(
+    {
+        "endpoint_url",
+        "region_name",
+        "verify",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "use_ssl",
+    }
+)
+# Body bytes per send/read call: small, so a stream never holds much memory.
+_CHUNK = 1 << 20
+
+
+class FileSlice(io.RawIOBase):
+    """``length`` bytes of a file from ``offset``, as a seekable stream.
+
+    The request body of a PUT or part upload: botocore reads it to sign and
+    the HTTP connection reads it again to send, in small chunks, so memory
+    stays flat however large the part (the page cache holds the bytes).
+    """
+
+    def __init__(self, path: str, offset: int, length: int) -> None:
+        super().__init__()
+        self._fd = os.open(path, os.O_RDONLY)
+        self._offset = offset
+        self._length = length
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, min(self._length, base + pos))
+        return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        left = self._length - self._pos
+        n = left if size is None or size < 0 else min(size, left)
+        if n <= 0:
+            return b""
+        data = os.pread(self._fd, n, self._offset + self._pos)
+        self._pos += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+class S3Transport:
+    """Bulk GET/PUT for one set of storage options (create one per process)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    @classmethod
+    def for_options(
+        cls, options: Mapping[str, Any], *, max_connections: int = 64
+    ) -> S3Transport | None:
+        """A transport for these s3fs-style options, or ``None`` to keep s3fs."""
+        try:
+            import botocore.session
+            from botocore import UNSIGNED
+            from botocore.config import Config
+        except ImportError:
+            return None
+        unknown = set(options) - _IGNORED_OPTIONS - _MAPPED_OPTIONS
+        client_kwargs = dict(options.get("client_kwargs") or {})
+        if unknown or set(client_kwargs) - _CLIENT_KWARGS:
+            return None
+        config_kwargs: dict[str, Any] = {
+            "max_pool_connections": max_connections,
+            "retries": {"total_max_attempts": 1},  # the volume retries (_retry.py)
+            # Our manifest checksums every file; skip botocore's per-request CRCs.
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+            **dict(options.get("config_kwargs") or {}),
+        }
+        if options.get("anon"):
+            config_kwargs["signature_version"] = UNSIGNED
+        session = botocore.session.Session(profile=options.get("profile"))
+        kwargs: dict[str, Any] = {
+            "aws_access_key_id": options.get("key"),
+            "aws_secret_access_key": options.get("secret"),
+            "aws_session_token": options.get("token"),
+            "endpoint_url": options.get("endpoint_url"),
+        }
+        if "use_ssl" in options:
+            kwargs["use_ssl"] = bool(options["use_ssl"])
+        kwargs.update(client_kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        if not kwargs.get("region_name") and not session.get_config_variable("region"):
+            kwargs["region_name"] = "us-east-1"  # botocore must sign for some region
+        client = session.create_client("s3", config=Config(**config_kwargs), **kwargs)
+        return cls(client)
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def get(self, bucket: str, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The object's bytes, or ``[start, end)`` of them (clipped at its end)."""
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if start is not None or end is not None:
+            first = start or 0
+            if end is not None and end <= first:
+                return b""
+            kwargs["Range"] = f"bytes={first}-" + ("" if end is None else str(end - 1))
+        try:
+            response = self._client.get_object(**kwargs)
+        except Exception as exc:
+            if _code(exc) in ("InvalidRange", "416"):
+                return b""  # the range starts at or past the end: no bytes, as s3fs says
+            raise
+        body = response["Body"]
+        try:
+            return body.read()
+        finally:
+            body.close()
+
+    def get_into(self, bucket: str, key: str, start: int, out: memoryview) -> int:
+        """Read ``len(out)`` bytes from ``start`` straight into ``out``; returns bytes read.
+
+        No intermediate ``bytes``: the socket fills the caller's buffer (a
+        checkpoint load's buffers are hundreds of MiB per rank).
+        """
+        if not len(out):
+            return 0
+        try:
+            response = self._client.get_object(
+                Bucket=bucket, Key=key, Range=f"bytes={start}-{start + len(out) - 1}"
+            )
+        except Exception as exc:
+            if _code(exc) in ("InvalidRange", "416"):
+                return 0
+            raise
+        body = response["Body"]
+        got = 0
+        try:
+            while got < len(out):
+                n = body.readinto(out[got:])  # errors as botocore's own types (transient)
+                if not n:
+                    break
+                got += n
+        finally:
+            body.close()
+        return got
+
+    def size(self, bucket: str, key: str) -> int:
+        return int(self._client.head_object(Bucket=bucket, Key=key)["ContentLength"])
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def put(
+        self,
+        local_path: str,
+        bucket: str,
+        key: str,
+        *,
+        size: int,
+        part_size: int,
+        concurrency: int,
+        retry: Callable[[str, Callable[[], Any]], Any],
+    ) -> None:
+        """Upload a local file: one streamed PUT, or a multipart upload of streamed parts.
+
+        ``retry(op, fn)`` runs one request with the volume's retry policy, so a
+        failed part is retried alone, not the whole file.
+        """
+        if size <= part_size:
+            retry(
+                "upload",
+                lambda: self._send(
+                    self._client.put_object, local_path, 0, size, Bucket=bucket, Key=key
+                ),
+            )
+            return
+        upload_id = retry(
+            "upload", lambda: self._client.create_multipart_upload(Bucket=bucket, Key=key)
+        )["UploadId"]
+        try:
+            offsets = list(range(0, size, part_size))
+
+            def send(number: int) -> dict[str, Any]:
+                offset = offsets[number - 1]
+                length = min(part_size, size - offset)
+                etag = retry(
+                    "upload",
+                    lambda: self._send(
+                        self._client.upload_part,
+                        local_path,
+                        offset,
+                        length,
+                        Bucket=bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                    ),
+                )["ETag"]
+                return {"PartNumber": number, "ETag": etag}
+
+            numbers = range(1, len(offsets) + 1)
+            if concurrency <= 1:
+                parts = [send(n) for n in numbers]
+            else:
+                with ThreadPoolExecutor(max_workers=min(concurrency, len(offsets))) as pool:
+                    parts = list(pool.map(send, numbers))
+            retry(
+                "upload",
+                lambda: self._client.complete_multipart_upload(
+                    Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                ),
+            )
+        except BaseException:
+            # Never leave billed, invisible parts behind; the error that matters is the first.
+            with contextlib.suppress(Exception):
+                self._client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
+            raise
+
+    @staticmethod
+    def _send(call: Callable[..., Any], path: str, offset: int, length: int, **kwargs: Any) -> Any:
+        # A fresh body per attempt: a retry must send from the slice's start.
+        with FileSlice(path, offset, length) as body:
+            return call(Body=body, ContentLength=length, **kwargs)
+
+
+def _code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, Mapping):
+        return str(response.get("Error", {}).get("Code") or "") or None
+    return None
