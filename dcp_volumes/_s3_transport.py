@@ -217,8 +217,16 @@ class S3Transport:
             body.close()
         return got
 
-    def size(self, bucket: str, key: str) -> int:
-        return int(self._client.head_object(Bucket=bucket, Key=key)["ContentLength"])
+    def head(self, bucket: str, key: str) -> tuple[int, str | None, float | None]:
+        """``(size, etag, mtime)`` of an object, in one HEAD request."""
+        response = self._client.head_object(Bucket=bucket, Key=key)
+        modified = response.get("LastModified")
+        etag = response.get("ETag")
+        return (
+            int(response["ContentLength"]),
+            str(etag).strip('"') if etag else None,
+            modified.timestamp() if modified is not None else None,
+        )
 
     # -- writes ---------------------------------------------------------------------------
 

@@ -328,6 +328,11 @@ class Volume:
 
     def info(self, relpath: str) -> FileInfo:
         """Size, etag and mtime of one file."""
+        s3 = self.s3
+        if s3 is not None:  # one HEAD; s3fs adds a LIST for a missing key
+            bucket, key = self._bucket_key(relpath)
+            size, etag, mtime = self._call("stat", relpath, lambda: s3.head(bucket, key))
+            return FileInfo(path=relpath.strip("/"), size=size, etag=etag, mtime=mtime)
         full = self.full_path(relpath)
         raw = self._call("stat", relpath, lambda: self.fs.info(full))
         if raw.get("type") == "directory":
@@ -545,12 +550,7 @@ class Volume:
         return size
 
     def _verify_size(self, relpath: str, size: int) -> None:
-        s3 = self.s3
-        if s3 is not None:
-            bucket, key = self._bucket_key(relpath)
-            remote = self._call("stat", relpath, lambda: s3.size(bucket, key))
-        else:
-            remote = self.info(relpath).size
+        remote = self.info(relpath).size
         if remote != size:
             raise VolumeError(
                 f"Uploaded {size} bytes to {redact_url(self.url_of(relpath))} but the "
