@@ -16,11 +16,11 @@ an attempt is never retried twice over.
 from __future__ import annotations
 
 import contextlib
-import io
-import os
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from dcp_volumes._streams import FileSlice
 
 # s3fs options with no effect on the data path (caching, async plumbing).
 _IGNORED_OPTIONS = frozenset(
@@ -64,60 +64,6 @@ _CLIENT_KWARGS = frozenset(
         "use_ssl",
     }
 )
-# Body bytes per send/read call: small, so a stream never holds much memory.
-_CHUNK = 1 << 20
-
-
-class FileSlice(io.RawIOBase):
-    """``length`` bytes of a file from ``offset``, as a seekable stream.
-
-    The request body of a PUT or part upload: botocore reads it to sign and
-    the HTTP connection reads it again to send, in small chunks, so memory
-    stays flat however large the part (the page cache holds the bytes).
-    """
-
-    def __init__(self, path: str, offset: int, length: int) -> None:
-        super().__init__()
-        self._fd = os.open(path, os.O_RDONLY)
-        self._offset = offset
-        self._length = length
-        self._pos = 0
-
-    def __len__(self) -> int:
-        return self._length
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, min(self._length, base + pos))
-        return self._pos
-
-    def read(self, size: int = -1) -> bytes:
-        left = self._length - self._pos
-        n = left if size is None or size < 0 else min(size, left)
-        if n <= 0:
-            return b""
-        data = os.pread(self._fd, n, self._offset + self._pos)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            os.close(self._fd)
-        super().close()
 
 
 class S3Transport:

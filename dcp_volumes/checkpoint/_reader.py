@@ -40,6 +40,7 @@ from dcp_volumes._exceptions import (
 )
 from dcp_volumes._retry import RetryPolicy, redact_url
 from dcp_volumes._staging import parse_size
+from dcp_volumes._streams import FileSlice, MemoryReader
 from dcp_volumes._volume import FileInfo, Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
@@ -51,8 +52,6 @@ from dcp_volumes.checkpoint._manifest import (
     read_manifest,
 )
 from dcp_volumes.checkpoint._shards import (
-    FileSliceReader,
-    MemoryReader,
     advise_willneed,
     load_tensor,
     missing_file_error,
@@ -502,7 +501,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             stream: IO[bytes]
             view = None
             if job.file is not None:
-                stream = cast(IO[bytes], FileSliceReader(job.file, info.offset, info.length))
+                stream = cast(IO[bytes], FileSlice(job.file, info.offset, info.length))
             else:
                 lo = info.offset - job.spans[i][0]
                 view = job.buffers[i][lo : lo + info.length]

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes._exceptions import CheckpointCorruptError
 from dcp_volumes._retry import redact_url
+from dcp_volumes._streams import MemoryReader
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
@@ -189,44 +190,6 @@ def write_and_upload(
     return results, state["total"], state["index"]
 
 
-class _RangeReader(io.RawIOBase):
-    """A seekable read-only stream over ``length`` bytes; subclasses fill ``readinto``."""
-
-    def __init__(self, length: int) -> None:
-        super().__init__()
-        self._len = length
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-
-class MemoryReader(_RangeReader):
-    """A seekable read-only stream over a memoryview: torch.load reads it without a copy."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__(len(view))
-        self._view = view
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        n = max(0, min(len(out), self._len - self._pos))
-        out[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-
 def load_tensor(view: memoryview) -> torch.Tensor:
     """Deserialise a ``torch.save``'d tensor whose storage aliases ``view`` (no copy).
 
@@ -252,32 +215,6 @@ def load_tensor(view: memoryview) -> torch.Tensor:
         except Exception:  # the stock path below reports real damage
             pass
     return cast(torch.Tensor, torch.load(MemoryReader(view), map_location="cpu", weights_only=True))
-
-
-class FileSliceReader(_RangeReader):
-    """A seekable read-only stream over ``[start, start + length)`` of an open file.
-
-    Reads go straight from the file into the caller's buffer (torch.load reads
-    tensor data into the new storage with one copy from the page cache).
-    """
-
-    def __init__(self, file: Any, start: int, length: int) -> None:
-        super().__init__(length)
-        self._file = file
-        self._start = start
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        want = max(0, min(len(out), self._len - self._pos))
-        got = 0
-        self._file.seek(self._start + self._pos)
-        while got < want:
-            n = self._file.readinto(out[got:want])
-            if not n:
-                break  # end of file: a short read, as from a truncated file
-            got += n
-        self._pos += got
-        return got
 
 
 def advise_willneed(path: str, spans: Sequence[tuple[int, int]]) -> None:
