@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import threading
 import time
@@ -17,8 +18,9 @@ from typing import Any
 import pytest
 
 from dcp_volumes import CacheError, ConfigurationError
-from dcp_volumes._volume import Volume
+from dcp_volumes._volume import FileInfo, Volume
 from dcp_volumes.data._cache import FileCache
+from dcp_volumes.data._hot import SharedHot
 from tests.emulators import LatencyProxy, MotoServer
 from tests.test_data_support import disk_bytes, payload, write_samples
 
@@ -202,6 +204,35 @@ def test_fast_hits_notice_another_process_replacing_the_copy(tmp_path: Path) -> 
     assert Path(other.fetch(url, size=5)).read_bytes() == b"three"
     assert Path(ours.fetch(url, size=5)).read_bytes() == b"three"
     assert ours.counters.hits == 2  # served the other process's fill, found by the sidecar
+
+
+def test_shared_hot_table_makes_copies_verified_elsewhere_hits(tmp_path: Path) -> None:
+    # A dataset's workers share what they verified (SharedHot): a copy one of them
+    # verified is a hit in another at once; a copy replaced since is never adopted.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"one")
+    volume, info = Volume(str(src)), FileInfo("a.bin", 3)
+    shared = pickle.loads(pickle.dumps(SharedHot(1)))
+    first, second = FileCache(tmp_path / "cache"), FileCache(tmp_path / "cache")
+    assert second.fetch_hot(volume, "a.bin", expected=info, shared=shared, slot=0) is None
+    with first.fetch_from(volume, "a.bin", expected=info, pin=True, shared=shared, slot=0):
+        pass
+    hit = second.fetch_hot(volume, "a.bin", expected=info, shared=shared, slot=0)
+    assert hit is not None and hit.hit and Path(hit.path).read_bytes() == b"one"
+    assert second.fetch_hot(volume, "a.bin", expected=FileInfo("a.bin", 4), shared=shared,
+                            slot=0) is None  # listed differently now
+    # Evicted and refilled by a process outside the table: neither adopts it.
+    assert FileCache(tmp_path / "cache").evict(str(src / "a.bin"))
+    (src / "a.bin").write_bytes(b"two")
+    FileCache(tmp_path / "cache").fetch(str(src / "a.bin"))
+    assert second.fetch_hot(volume, "a.bin", expected=info, shared=shared, slot=0) is None
+    third = FileCache(tmp_path / "cache")
+    assert third.fetch_hot(volume, "a.bin", expected=info, shared=shared, slot=0) is None
+    again = third.fetch_from(volume, "a.bin", expected=info, shared=shared, slot=0)
+    assert Path(again.path).read_bytes() == b"two"
+    hit = second.fetch_hot(volume, "a.bin", expected=info, shared=shared, slot=0)
+    assert hit is not None and Path(hit.path).read_bytes() == b"two"
 
 
 def _slow_fetch(cache_dir: str, url: str, opts: dict[str, Any]) -> None:

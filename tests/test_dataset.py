@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from dcp_volumes import (
     VolumeNotFoundError,
 )
 from dcp_volumes._volume import Volume
+from dcp_volumes.data._prefetch import Prefetcher
 from tests.test_data_support import (
     augment,
     disk_bytes,
@@ -275,3 +277,32 @@ def test_every_backend(volume_url: tuple[str, dict[str, Any]], tmp_path: Path) -
     again, _ = run_job(url, opts, cache, world=1, workers=0, global_batch_size=4)
     assert again == stream
     assert state["num_files"] == 10 and len(state["manifest"]) == 64
+
+
+def test_prefetcher_counts_ready_items_and_shares_repeats() -> None:
+    # Hits come from `fast` inline; one slow fetch in the pool; a repeated key is
+    # fetched once, handed out twice and released after its last use.
+    gate = threading.Event()
+    released: list[str] = []
+    fetched: list[str] = []
+
+    def fetch(key: str) -> str:
+        fetched.append(key)
+        gate.wait(10)
+        return key
+
+    prefetcher: Prefetcher[str, str, str] = Prefetcher(
+        [(k, k) for k in "abac"], fetch, released.append, depth=4, threads=2,
+        fast=lambda k: None if k == "b" else k,
+    )
+    it = iter(prefetcher)
+    first = next(it)
+    assert (first.key, first.ready_ahead, first.first) == ("a", 2, True)  # b still pending
+    gate.set()
+    second = next(it)
+    assert (second.key, second.ready_ahead, second.value) == ("b", 2, "b")
+    third = next(it)
+    assert (third.key, third.ready_ahead, third.first) == ("a", 1, False)
+    assert released == ["b"]
+    assert [t.key for t in it] == ["c"]
+    assert sorted(released) == ["a", "b", "c"] and fetched == ["b"]

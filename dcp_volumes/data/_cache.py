@@ -37,6 +37,7 @@ from dcp_volumes._exceptions import CacheError, ConfigurationError, DatasetChang
 from dcp_volumes._retry import redact_url
 from dcp_volumes._staging import parse_size, probe_writable
 from dcp_volumes._volume import LOCAL_PROTOCOLS, FileInfo, Volume
+from dcp_volumes.data._hot import Hot, SharedHot, identity, listed_meta, matches
 from dcp_volumes.data._locks import EntryLock
 from dcp_volumes.data._store import (
     CacheCounters,
@@ -61,8 +62,15 @@ _TOUCH_INTERVAL_S = 60.0
 # this the index starts over (it only saves work, it is never the source of truth).
 _HOT_MAX = 1 << 20
 
-__all__ = ["CacheCounters", "CacheSchedule", "CachedFile", "Expected", "FileCache",
-           "ReconcileReport", "default_cache_dir"]
+__all__ = [
+    "CacheCounters",
+    "CacheSchedule",
+    "CachedFile",
+    "Expected",
+    "FileCache",
+    "ReconcileReport",
+    "default_cache_dir",
+]
 
 
 def default_cache_dir() -> str:
@@ -92,8 +100,17 @@ class CachedFile:
 
     __slots__ = ("_pin", "download_seconds", "hit", "key", "path", "size", "url")
 
-    def __init__(self, *, path: str, url: str, key: str, size: int, hit: bool,
-                 download_seconds: float, pin: EntryLock | None) -> None:
+    def __init__(
+        self,
+        *,
+        path: str,
+        url: str,
+        key: str,
+        size: int,
+        hit: bool,
+        download_seconds: float,
+        pin: EntryLock | None,
+    ) -> None:
         self.path = path
         self.url = url
         self.key = key
@@ -143,42 +160,6 @@ def _source_identity(volume: Volume) -> str:
     return f"{volume.protocol}|{endpoint}"
 
 
-class _Hot:
-    """A copy this process verified (sidecar and listing), and the data file's identity then.
-
-    The copy is still that copy while its data file has the same inode, size and
-    ctime: every fill publishes a new inode by rename, and eviction or repair
-    unlinks it, so a hit needs one ``stat`` instead of re-reading the sidecar.
-    """
-
-    __slots__ = ("ctime_ns", "data", "dev", "ino", "key", "lock", "meta", "size", "url")
-
-    def __init__(self, ref: Ref, meta: Mapping[str, Any], st: os.stat_result) -> None:
-        self.key = ref.key
-        self.url = redact_url(ref.url)
-        self.data = ref.data
-        self.lock = ref.lock
-        self.size = st.st_size
-        self.meta = {"size": meta["size"], "etag": meta.get("etag"), "mtime": meta.get("mtime")}
-        self.ino, self.dev, self.ctime_ns = st.st_ino, st.st_dev, st.st_ctime_ns
-
-    def same_file(self, st: os.stat_result) -> bool:
-        return (st.st_ino == self.ino and st.st_ctime_ns == self.ctime_ns
-                and st.st_size == self.size and st.st_dev == self.dev)
-
-
-def _matches(meta: Mapping[str, Any], expected: Expected | FileInfo | None) -> bool:
-    if expected is None:
-        return True
-    if expected.size is not None and expected.size != meta["size"]:
-        return False
-    if expected.etag:
-        return bool(expected.etag == meta.get("etag"))
-    if expected.mtime is not None and meta.get("mtime") is not None:
-        return abs(float(meta["mtime"]) - expected.mtime) < 1e-6
-    return True
-
-
 class FileCache:
     """A local (NVMe) cache of remote files, shared safely by all processes on a node.
 
@@ -225,8 +206,8 @@ class FileCache:
     def _init_process_state(self) -> None:
         self._store = Store(self.cache_dir, limit=self.limit, headroom=self.headroom)
         self._volumes: dict[tuple[str, str], Volume] = {}
-        # id(volume) -> (volume, relpath -> _Hot); holding the volume keeps its id unique.
-        self._hot: dict[int, tuple[Volume, dict[str, _Hot]]] = {}
+        # id(volume) -> (volume, relpath -> Hot); holding the volume keeps its id unique.
+        self._hot: dict[int, tuple[Volume, dict[str, Hot]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # Locks, clients and the in-memory view are per process.
@@ -260,7 +241,9 @@ class FileCache:
                 logger.warning(
                     "cache limit %.1f GiB exceeds the size of the disk holding %s (%.1f GiB); the "
                     "disk's free space will be the real limit",
-                    self.limit / 2**30, self.cache_dir, total / 2**30,
+                    self.limit / 2**30,
+                    self.cache_dir,
+                    total / 2**30,
                 )
 
     # -- naming ---------------------------------------------------------------------------
@@ -304,8 +287,14 @@ class FileCache:
 
     # -- public API -----------------------------------------------------------------------
 
-    def fetch(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
-              size: int | None = None, etag: str | None = None) -> str:
+    def fetch(
+        self,
+        url: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        size: int | None = None,
+        etag: str | None = None,
+    ) -> str:
         """The local path of ``url``: downloaded on first use, then served locally.
 
         ``size``/``etag`` (from a listing) are checked against the cached copy
@@ -314,8 +303,14 @@ class FileCache:
         volume, rel = self._volume_for(url, storage_options)
         return self.fetch_from(volume, rel, expected=self._expect(size, etag)).path
 
-    def pin(self, url: str, *, storage_options: Mapping[str, Any] | None = None,
-            size: int | None = None, etag: str | None = None) -> CachedFile:
+    def pin(
+        self,
+        url: str,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        size: int | None = None,
+        etag: str | None = None,
+    ) -> CachedFile:
         """Like ``fetch``, but the returned ``CachedFile`` is pinned until released."""
         volume, rel = self._volume_for(url, storage_options)
         return self.fetch_from(volume, rel, expected=self._expect(size, etag), pin=True)
@@ -365,18 +360,32 @@ class FileCache:
 
     # -- the read path --------------------------------------------------------------------
 
-    def fetch_hot(self, volume: Volume, relpath: str, *,
-                  expected: Expected | FileInfo | None = None,
-                  pin: bool = False) -> CachedFile | None:
-        """The fast path of ``fetch_from``: a copy this process already verified, or None.
+    def fetch_hot(
+        self,
+        volume: Volume,
+        relpath: str,
+        *,
+        expected: Expected | FileInfo | None = None,
+        pin: bool = False,
+        shared: SharedHot | None = None,
+        slot: int = -1,
+    ) -> CachedFile | None:
+        """The fast path of ``fetch_from``: a copy already verified, or None.
 
         Costs one ``stat`` (plus the pin's shared lock): no sidecar read, no
         hashing, no thread. None means "take the full path" (never seen here,
         listed differently now, or the file was replaced, evicted or repaired).
+        With ``shared`` (a dataset's ``SharedHot``) and ``slot`` (the file's
+        index in it), a copy that another process verified against the same
+        listing entry counts too.
         """
-        slot = self._hot.get(id(volume))
-        hot = slot[1].get(relpath) if slot is not None else None
-        if hot is None or not _matches(hot.meta, expected):
+        entry = self._hot.get(id(volume))
+        hot = entry[1].get(relpath) if entry is not None else None
+        if hot is None:
+            hot = self._adopt(volume, relpath, expected, shared, slot)
+            if hot is None:
+                return None
+        elif not hot.listed_as(expected):
             return None
         lock = None
         if pin:
@@ -387,44 +396,133 @@ class FileCache:
         except OSError:
             st = None
         if st is None or not hot.same_file(st):
-            if lock is not None:
-                lock.release()
-            slot[1].pop(relpath, None)  # type: ignore[index]
-            return None
+            # Replaced, evicted, repaired or touched: still good if a process sharing
+            # the table verified exactly this copy (another worker's touch or refill).
+            if (
+                st is None
+                or shared is None
+                or expected is None
+                or st.st_size != hot.size
+                or shared.get(slot) != identity(st)
+            ):
+                if lock is not None:
+                    lock.release()
+                self._index(volume).pop(relpath, None)
+                return None
+            hot.ino, hot.dev, hot.ctime_ns = st.st_ino, st.st_dev, st.st_ctime_ns
         if time.time() - st.st_mtime > _TOUCH_INTERVAL_S:
-            with contextlib.suppress(OSError):
-                os.utime(hot.data)  # the LRU clock of other processes
-                hot.ctime_ns = os.stat(hot.data).st_ctime_ns  # utime moved it
-        store = self._store
-        store.note_used(hot.key)
-        with store.mu:
-            store.counters.hits += 1
-        return CachedFile(path=hot.data, url=hot.url, key=hot.key, size=hot.size, hit=True,
-                          download_seconds=0.0, pin=lock)
+            self._touch_hot(hot, shared, slot)
+        self._store.note_hit(hot.key)
+        if lock is not None:
+            return CachedFile(
+                path=hot.data,
+                url=hot.url,
+                key=hot.key,
+                size=hot.size,
+                hit=True,
+                download_seconds=0.0,
+                pin=lock,
+            )
+        found = hot.file  # unpinned hits hand out one immutable object per copy
+        if found is None:
+            found = hot.file = CachedFile(
+                path=hot.data,
+                url=hot.url,
+                key=hot.key,
+                size=hot.size,
+                hit=True,
+                download_seconds=0.0,
+                pin=None,
+            )
+        return found  # type: ignore[no-any-return]
 
-    def _remember(self, volume: Volume, relpath: str, ref: Ref, meta: Mapping[str, Any]) -> None:
+    def _touch_hot(self, hot: Hot, shared: SharedHot | None, slot: int) -> None:
+        with contextlib.suppress(OSError):
+            os.utime(hot.data)  # the LRU clock of other processes
+            st = os.stat(hot.data)
+            # utime moved the ctime; adopt it only if it is still the same file.
+            if st.st_ino == hot.ino and st.st_dev == hot.dev and st.st_size == hot.size:
+                hot.ctime_ns = st.st_ctime_ns
+                if shared is not None:
+                    shared.put(slot, st)
+
+    def _index(self, volume: Volume) -> dict[str, Hot]:
+        entry = self._hot.get(id(volume))
+        if entry is None or entry[0] is not volume:
+            entry = self._hot[id(volume)] = (volume, {})
+        return entry[1]
+
+    def _adopt(
+        self,
+        volume: Volume,
+        relpath: str,
+        expected: Expected | FileInfo | None,
+        shared: SharedHot | None,
+        slot: int,
+    ) -> Hot | None:
+        """A copy another process verified against ``expected`` (see ``SharedHot``)."""
+        if shared is None or expected is None:
+            return None
+        digest = shared.get(slot)
+        if not digest:
+            return None
+        ref = self._ref(volume, relpath)
+        try:
+            st = os.stat(ref.data)
+        except OSError:
+            return None
+        if identity(st) != digest:
+            return None
+        hot = Hot(ref, listed_meta(expected), st)
+        hot.expected = expected
+        index = self._index(volume)
+        if len(index) >= _HOT_MAX:
+            index.clear()
+        index[relpath] = hot
+        return hot
+
+    def _remember(
+        self,
+        volume: Volume,
+        relpath: str,
+        ref: Ref,
+        meta: Mapping[str, Any],
+        expected: Expected | FileInfo | None,
+        shared: SharedHot | None,
+        slot: int,
+    ) -> None:
         """Index a copy just verified under its lock (see ``fetch_hot``)."""
         try:
             st = os.stat(ref.data)
         except OSError:
             return
-        slot = self._hot.get(id(volume))
-        if slot is None or slot[0] is not volume:
-            slot = self._hot[id(volume)] = (volume, {})
-        if len(slot[1]) >= _HOT_MAX:
-            slot[1].clear()
-        slot[1][relpath] = _Hot(ref, meta, st)
+        index = self._index(volume)
+        if len(index) >= _HOT_MAX:
+            index.clear()
+        index[relpath] = Hot(ref, meta, st)
+        if shared is not None and expected is not None:
+            shared.put(slot, st)
 
-    def fetch_from(self, volume: Volume, relpath: str, *,
-                   expected: Expected | FileInfo | None = None,
-                   pin: bool = False) -> CachedFile:
+    def fetch_from(
+        self,
+        volume: Volume,
+        relpath: str,
+        *,
+        expected: Expected | FileInfo | None = None,
+        pin: bool = False,
+        shared: SharedHot | None = None,
+        slot: int = -1,
+    ) -> CachedFile:
         """Serve ``relpath`` of ``volume`` from the cache, filling it first if needed.
 
         With ``pin`` the returned file holds a shared lock that keeps it from
         being evicted (by any process) until ``release()``. ``expected`` may be
-        an ``Expected`` or the listing's ``FileInfo`` itself.
+        an ``Expected`` or the listing's ``FileInfo`` itself. ``shared``/``slot``:
+        see ``fetch_hot``.
         """
-        found = self.fetch_hot(volume, relpath, expected=expected, pin=pin)
+        found = self.fetch_hot(
+            volume, relpath, expected=expected, pin=pin, shared=shared, slot=slot
+        )
         if found is not None:
             return found
         ref = self._ref(volume, relpath)
@@ -434,14 +532,14 @@ class FileCache:
         while True:
             lock.acquire(exclusive=False)
             meta = read_meta(ref)
-            if meta is None or not _matches(meta, expected):
+            if meta is None or not matches(meta, expected):
                 # Upgrade by release + exclusive acquire: the first to get it fills,
                 # the others then find a valid entry.
                 lock.release()
                 lock.acquire(exclusive=True)
                 try:
                     meta = read_meta(ref)
-                    if meta is None or not _matches(meta, expected):
+                    if meta is None or not matches(meta, expected):
                         filled_size, seconds = self._fill(volume, relpath, ref, expected)
                 finally:
                     lock.release()
@@ -451,14 +549,15 @@ class FileCache:
             filled = filled_size >= 0
             if not filled:
                 self._touch(ref, meta)
-            self._remember(volume, relpath, ref, meta)
+            self._remember(volume, relpath, ref, meta, expected, shared, slot)
             result = self._done(ref, int(meta["size"]), filled, seconds, lock if pin else None)
             if not pin:
                 lock.release()
             return result
 
-    def _done(self, ref: Ref, size: int, filled: bool, seconds: float,
-              pin: EntryLock | None) -> CachedFile:
+    def _done(
+        self, ref: Ref, size: int, filled: bool, seconds: float, pin: EntryLock | None
+    ) -> CachedFile:
         counters = self._store.counters
         with self._store.mu:
             if filled:
@@ -467,8 +566,15 @@ class FileCache:
                 counters.download_seconds += seconds
             else:
                 counters.hits += 1
-        return CachedFile(path=ref.data, url=redact_url(ref.url), key=ref.key, size=size,
-                          hit=not filled, download_seconds=seconds, pin=pin)
+        return CachedFile(
+            path=ref.data,
+            url=redact_url(ref.url),
+            key=ref.key,
+            size=size,
+            hit=not filled,
+            download_seconds=seconds,
+            pin=pin,
+        )
 
     def _touch(self, ref: Ref, meta: Mapping[str, Any]) -> None:
         if time.time() - float(meta.get("_mtime", 0.0)) > _TOUCH_INTERVAL_S:
@@ -477,8 +583,9 @@ class FileCache:
                 os.utime(ref.data)
         self._store.note_used(ref.key)
 
-    def _fill(self, volume: Volume, relpath: str, ref: Ref,
-              expected: Expected | FileInfo | None) -> tuple[int, float]:
+    def _fill(
+        self, volume: Volume, relpath: str, ref: Ref, expected: Expected | FileInfo | None
+    ) -> tuple[int, float]:
         """Download into the entry; the caller holds its exclusive lock."""
         self._store.clear_entry(ref)
         if expected is not None and expected.size is not None:
@@ -501,8 +608,14 @@ class FileCache:
             self._store.unreserve(ref, size)
             raise
         seconds = time.perf_counter() - started
-        meta = {"v": 1, "url": redact_url(ref.url), "size": size, "etag": etag, "mtime": mtime,
-                "fetched": time.time()}
+        meta = {
+            "v": 1,
+            "url": redact_url(ref.url),
+            "size": size,
+            "etag": etag,
+            "mtime": mtime,
+            "fetched": time.time(),
+        }
         tmp = f"{ref.meta}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             with open(tmp, "w") as f:

@@ -30,6 +30,7 @@ from dcp_volumes import _env
 from dcp_volumes._exceptions import CacheError, ConfigurationError
 from dcp_volumes._volume import Volume
 from dcp_volumes.data._cache import FileCache
+from dcp_volumes.data._hot import SharedHot
 from dcp_volumes.data._listing import DataManifest, build_manifest
 from dcp_volumes.data._metrics import worker_stats
 from dcp_volumes.data._order import NextUse, Plan, epoch_permutation, sample_seeds
@@ -41,9 +42,24 @@ logger = logging.getLogger(__name__)
 # The published plan is written only before an iteration starts (workers may read
 # it late: a slow worker starts after the first batches were delivered); the
 # cur_* cursor moves with every delivered batch and serves stock DataLoaders.
-_PLAN_FIELDS = ("valid", "epoch", "seed", "shuffle", "start", "batch_size", "world_size", "rank",
-                "drop", "num_workers", "prefetch_factor", "local_world_size",
-                "cur_epoch", "cur_start", "cur_seed", "cur_shuffle")
+_PLAN_FIELDS = (
+    "valid",
+    "epoch",
+    "seed",
+    "shuffle",
+    "start",
+    "batch_size",
+    "world_size",
+    "rank",
+    "drop",
+    "num_workers",
+    "prefetch_factor",
+    "local_world_size",
+    "cur_epoch",
+    "cur_start",
+    "cur_seed",
+    "cur_shuffle",
+)
 _P = {name: i for i, name in enumerate(_PLAN_FIELDS)}
 
 
@@ -63,8 +79,10 @@ class DatasetOptions:
     list_concurrency: int = 16
 
     def __post_init__(self) -> None:
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
-            0 <= self.seed < 2**63
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not (0 <= self.seed < 2**63)
         ):
             raise ConfigurationError(f"seed={self.seed!r} must be an int in [0, 2**63).")
         if self.last_batch not in ("pad", "drop"):
@@ -165,9 +183,15 @@ class VolumeDataset(IterableDataset[Any]):
     ) -> None:
         super().__init__()
         self.options = DatasetOptions(
-            shuffle=bool(shuffle), seed=seed, last_batch=last_batch, batch_size=batch_size,
-            prefetch=prefetch, prefetch_threads=prefetch_threads, seed_rngs=seed_rngs,
-            on_data_change=on_data_change, cache_local=cache_local,
+            shuffle=bool(shuffle),
+            seed=seed,
+            last_batch=last_batch,
+            batch_size=batch_size,
+            prefetch=prefetch,
+            prefetch_threads=prefetch_threads,
+            seed_rngs=seed_rngs,
+            on_data_change=on_data_change,
+            cache_local=cache_local,
             list_concurrency=list_concurrency,
         )
         if isinstance(url_or_file_list, str) and not url_or_file_list.strip():
@@ -186,8 +210,9 @@ class VolumeDataset(IterableDataset[Any]):
                     f"directory {probe.root}, so the dataset would read its own cache. Fix: "
                     "pass a cache_dir= outside it."
                 )
-        self.volume, self.manifest = self._list(url_or_file_list, storage_options, suffixes,
-                                                share=share_listing)
+        self.volume, self.manifest = self._list(
+            url_or_file_list, storage_options, suffixes, share=share_listing
+        )
         if self.cache is not None and self.volume.is_local and not cache_local:
             self.cache = None  # a list of local files, read in place
         if self.cache is not None and self.cache.limit is not None:
@@ -208,25 +233,47 @@ class VolumeDataset(IterableDataset[Any]):
         self._plan = torch.zeros(len(_PLAN_FIELDS), dtype=torch.int64).share_memory_()
         self._set_cursor(epoch=0, start=0)
         self._key_index: dict[str, int] | None = None
-        logger.info("dataset %s: %d files, %.1f MiB, manifest %s", self.volume.display_url,
-                    len(self.manifest), sum(f.size for f in self.manifest.files) / 2**20,
-                    self.manifest.digest[:12])
+        # Copies verified by any worker of this dataset are hits in all of them.
+        self._shared_hot = SharedHot(len(self.manifest)) if self.cache is not None else None
+        logger.info(
+            "dataset %s: %d files, %.1f MiB, manifest %s",
+            self.volume.display_url,
+            len(self.manifest),
+            sum(f.size for f in self.manifest.files) / 2**20,
+            self.manifest.digest[:12],
+        )
 
-    def _list(self, source: Any, storage_options: Mapping[str, Any] | None,
-              suffixes: Sequence[str] | None, *, share: bool) -> tuple[Volume, DataManifest]:
+    def _list(
+        self,
+        source: Any,
+        storage_options: Mapping[str, Any] | None,
+        suffixes: Sequence[str] | None,
+        *,
+        share: bool,
+    ) -> tuple[Volume, DataManifest]:
         dist = torch.distributed
         shared = share and self.world_size > 1 and dist.is_available() and dist.is_initialized()
         if not shared:
-            return build_manifest(source, storage_options=storage_options, suffixes=suffixes,
-                                  concurrency=self.options.list_concurrency)
+            return build_manifest(
+                source,
+                storage_options=storage_options,
+                suffixes=suffixes,
+                concurrency=self.options.list_concurrency,
+            )
         # One listing for the whole job: every rank gets the identical manifest (ranks
         # listing separately could see different files while an upload is running).
         box: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                box[0] = ("ok", build_manifest(source, storage_options=storage_options,
-                                               suffixes=suffixes,
-                                               concurrency=self.options.list_concurrency))
+                box[0] = (
+                    "ok",
+                    build_manifest(
+                        source,
+                        storage_options=storage_options,
+                        suffixes=suffixes,
+                        concurrency=self.options.list_concurrency,
+                    ),
+                )
             except Exception as exc:  # every rank must raise it, not hang in the broadcast
                 box[0] = ("error", exc)
         dist.broadcast_object_list(box, src=0)
@@ -263,55 +310,98 @@ class VolumeDataset(IterableDataset[Any]):
 
     def plan(self, *, batch_size: int, world_size: int, rank: int, drop: bool) -> Plan:
         """The plan of the next iteration from the current cursor."""
-        return Plan(num_files=self.num_files, epoch=self._epoch, seed=self._seed,
-                    shuffle=self._shuffle, start=self._start, batch_size=batch_size,
-                    world_size=world_size, rank=rank, drop=drop)
+        return Plan(
+            num_files=self.num_files,
+            epoch=self._epoch,
+            seed=self._seed,
+            shuffle=self._shuffle,
+            start=self._start,
+            batch_size=batch_size,
+            world_size=world_size,
+            rank=rank,
+            drop=drop,
+        )
 
     def publish_plan(self, plan: Plan, *, num_workers: int, prefetch_factor: int) -> None:
         """Make ``plan`` what every worker reads when it starts its next epoch."""
-        values = {"valid": 1, "epoch": plan.epoch, "seed": plan.seed, "shuffle": int(plan.shuffle),
-                  "start": plan.start, "batch_size": plan.batch_size,
-                  "world_size": plan.world_size, "rank": plan.rank, "drop": int(plan.drop),
-                  "num_workers": num_workers, "prefetch_factor": prefetch_factor,
-                  "local_world_size": self.local_world_size}
+        values = {
+            "valid": 1,
+            "epoch": plan.epoch,
+            "seed": plan.seed,
+            "shuffle": int(plan.shuffle),
+            "start": plan.start,
+            "batch_size": plan.batch_size,
+            "world_size": plan.world_size,
+            "rank": plan.rank,
+            "drop": int(plan.drop),
+            "num_workers": num_workers,
+            "prefetch_factor": prefetch_factor,
+            "local_world_size": self.local_world_size,
+        }
         for name, value in values.items():
             self._plan[_P[name]] = value
 
-    def _set_cursor(self, *, epoch: int, start: int, seed: int | None = None,
-                    shuffle: bool | None = None) -> None:
+    def _set_cursor(
+        self, *, epoch: int, start: int, seed: int | None = None, shuffle: bool | None = None
+    ) -> None:
         self._epoch, self._start = epoch, start
         if seed is not None:
             self._seed = seed
         if shuffle is not None:
             self._shuffle = shuffle
         # Workers of a stock DataLoader (no published plan) read the cursor from here.
-        self._plan[_P["cur_epoch"]] = self._epoch
-        self._plan[_P["cur_start"]] = self._start
-        self._plan[_P["cur_seed"]] = self._seed
-        self._plan[_P["cur_shuffle"]] = int(self._shuffle)
+        # Written through a numpy view: it moves with every batch, and a tensor's
+        # __setitem__ costs ~50x more.
+        plan = self._plan.numpy()
+        plan[_P["cur_epoch"]] = self._epoch
+        plan[_P["cur_start"]] = self._start
+        plan[_P["cur_seed"]] = self._seed
+        plan[_P["cur_shuffle"]] = int(self._shuffle)
 
     def _read_plan(self) -> tuple[Plan, int, int]:
         """(plan, prefetch_factor, local_world_size) as published, or from defaults."""
         raw = self._plan.tolist()
         if raw[_P["valid"]]:
             v = dict(zip(_PLAN_FIELDS, raw, strict=True))
-            plan = Plan(num_files=self.num_files, epoch=v["epoch"], seed=v["seed"],
-                        shuffle=bool(v["shuffle"]), start=v["start"], batch_size=v["batch_size"],
-                        world_size=v["world_size"], rank=v["rank"], drop=bool(v["drop"]))
+            plan = Plan(
+                num_files=self.num_files,
+                epoch=v["epoch"],
+                seed=v["seed"],
+                shuffle=bool(v["shuffle"]),
+                start=v["start"],
+                batch_size=v["batch_size"],
+                world_size=v["world_size"],
+                rank=v["rank"],
+                drop=bool(v["drop"]),
+            )
             return plan, v["prefetch_factor"], v["local_world_size"]
         # A stock DataLoader (or plain iteration): the dataset's own settings and cursor.
-        plan = Plan(num_files=self.num_files, epoch=raw[_P["cur_epoch"]],
-                    seed=raw[_P["cur_seed"]], shuffle=bool(raw[_P["cur_shuffle"]]),
-                    start=raw[_P["cur_start"]],
-                    batch_size=self.options.batch_size, world_size=self.world_size,
-                    rank=self.rank, drop=self.options.last_batch == "drop")
+        plan = Plan(
+            num_files=self.num_files,
+            epoch=raw[_P["cur_epoch"]],
+            seed=raw[_P["cur_seed"]],
+            shuffle=bool(raw[_P["cur_shuffle"]]),
+            start=raw[_P["cur_start"]],
+            batch_size=self.options.batch_size,
+            world_size=self.world_size,
+            rank=self.rank,
+            drop=self.options.last_batch == "drop",
+        )
         return plan, 2, self.local_world_size
 
     def __len__(self) -> int:
         """Samples this rank yields in a whole epoch."""
-        plan = Plan(num_files=self.num_files, epoch=0, seed=0, shuffle=False, start=0,
-                    batch_size=self.options.batch_size, world_size=self.world_size,
-                    rank=self.rank, drop=self.options.last_batch == "drop")
+        plan = Plan(
+            num_files=self.num_files,
+            epoch=0,
+            seed=0,
+            shuffle=False,
+            start=0,
+            batch_size=self.options.batch_size,
+            world_size=self.world_size,
+            rank=self.rank,
+            drop=self.options.last_batch == "drop",
+        )
         return plan.num_batches * plan.batch_size
 
     # -- iteration (in each worker) -------------------------------------------------------
@@ -321,15 +411,17 @@ class VolumeDataset(IterableDataset[Any]):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         positions = plan.worker_positions(worker, workers)
-        perm = epoch_permutation(plan.num_files, seed=plan.seed, epoch=plan.epoch,
-                                 shuffle=plan.shuffle)
+        perm = epoch_permutation(
+            plan.num_files, seed=plan.seed, epoch=plan.epoch, shuffle=plan.shuffle
+        )
         file_ids = perm[positions % plan.num_files]
         if self.cache is None:
             return self._read_in_place(plan, positions, file_ids)
         return self._read_cached(plan, positions, file_ids, workers, prefetch_factor, local_world)
 
-    def _read_in_place(self, plan: Plan, positions: np.ndarray,
-                       file_ids: np.ndarray) -> Iterator[Any]:
+    def _read_in_place(
+        self, plan: Plan, positions: np.ndarray, file_ids: np.ndarray
+    ) -> Iterator[Any]:
         stats = worker_stats(self._id)
         files = self.manifest.files
         seeds = self._seeds(plan, positions)
@@ -349,12 +441,20 @@ class VolumeDataset(IterableDataset[Any]):
         # Built on first eviction only: one hash per file.
         cache = self.cache
         if self._key_index is None and cache is not None:
-            self._key_index = {cache.key_of(self.volume, f.path): i
-                               for i, f in enumerate(self.manifest.files)}
+            self._key_index = {
+                cache.key_of(self.volume, f.path): i for i, f in enumerate(self.manifest.files)
+            }
         return self._key_index or {}
 
-    def _read_cached(self, plan: Plan, positions: np.ndarray, file_ids: np.ndarray,
-                     workers: int, prefetch_factor: int, local_world: int) -> Iterator[Any]:
+    def _read_cached(
+        self,
+        plan: Plan,
+        positions: np.ndarray,
+        file_ids: np.ndarray,
+        workers: int,
+        prefetch_factor: int,
+        local_world: int,
+    ) -> Iterator[Any]:
         cache = self.cache
         if cache is None:
             raise RuntimeError("unreachable: no cache")
@@ -377,9 +477,13 @@ class VolumeDataset(IterableDataset[Any]):
             cache.set_schedule(_Schedule(next_use, self._key_index_map))
 
         # The listing's FileInfo is the expected size/etag: no per-sample allocation.
+        shared = self._shared_hot
+
         def fetch(fid: int) -> Any:
             info = files[fid]
-            return cache.fetch_from(volume, info.path, expected=info, pin=True)
+            return cache.fetch_from(
+                volume, info.path, expected=info, pin=True, shared=shared, slot=fid
+            )
 
         # Hits skip the pin (a shared flock costs as much as reading a small file):
         # this job's own workers never evict inside their prefetch window (the
@@ -387,12 +491,18 @@ class VolumeDataset(IterableDataset[Any]):
         # again, pinned, when the transform finds it gone (see below).
         def fast(fid: int) -> Any:
             info = files[fid]
-            return cache.fetch_hot(volume, info.path, expected=info, pin=False)
+            return cache.fetch_hot(
+                volume, info.path, expected=info, pin=False, shared=shared, slot=fid
+            )
 
         ids = file_ids.tolist()
         prefetcher: Prefetcher[int, int, Any] = Prefetcher(
-            ((fid, fid) for fid in ids), fetch, lambda cached: cached.release(),
-            depth=opts.prefetch, threads=opts.prefetch_threads, fast=fast,
+            ((fid, fid) for fid in ids),
+            fetch,
+            lambda cached: cached.release(),
+            depth=opts.prefetch,
+            threads=opts.prefetch_threads,
+            fast=fast,
         )
         pos_list = positions.tolist()
         seeds = self._seeds(plan, positions)
@@ -408,7 +518,9 @@ class VolumeDataset(IterableDataset[Any]):
                     if cached.pinned or os.path.exists(cached.path):
                         raise
                     info = files[taken.key]
-                    with cache.fetch_from(volume, info.path, expected=info, pin=True) as again:
+                    with cache.fetch_from(
+                        volume, info.path, expected=info, pin=True, shared=shared, slot=taken.key
+                    ) as again:
                         sample = self._transform(again.path, seed)
                 stats.samples += 1
                 stats.wait_seconds += taken.wait_seconds

@@ -39,8 +39,19 @@ from dcp_volumes.data._order import ORDER_ALGORITHM, Plan
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-STATE_KEYS = ("version", "epoch", "position", "seed", "shuffle", "global_batch_size",
-              "last_batch", "num_files", "manifest", "order", "step")
+STATE_KEYS = (
+    "version",
+    "epoch",
+    "position",
+    "seed",
+    "shuffle",
+    "global_batch_size",
+    "last_batch",
+    "num_files",
+    "manifest",
+    "order",
+    "step",
+)
 
 
 def _cpus() -> int:
@@ -164,20 +175,34 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self._step = 0
         self.metrics = LoaderMetrics(rank=self._rank, window_s=metrics_window_s, mlflow=mlflow)
         super().__init__(
-            dataset, batch_size=per_rank, num_workers=workers, collate_fn=collate,
-            pin_memory=pin_memory, drop_last=torch_drop_last,
-            persistent_workers=persistent_workers, prefetch_factor=prefetch_factor, **kwargs,
+            dataset,
+            batch_size=per_rank,
+            num_workers=workers,
+            collate_fn=collate,
+            pin_memory=pin_memory,
+            drop_last=torch_drop_last,
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            **kwargs,
         )
         logger.info(
             "DataLoader rank %d/%d: batch %d per rank (%d global), %d workers, prefetch_factor "
-            "%s, persistent_workers %s, pin_memory %s", self._rank, self._world, per_rank,
-            per_rank * self._world, workers, prefetch_factor, persistent_workers, pin_memory,
+            "%s, persistent_workers %s, pin_memory %s",
+            self._rank,
+            self._world,
+            per_rank,
+            per_rank * self._world,
+            workers,
+            prefetch_factor,
+            persistent_workers,
+            pin_memory,
         )
 
     def _resolve_batch(self, batch_size: int | None, global_batch_size: int | None) -> int:
         for name, value in (("batch_size", batch_size), ("global_batch_size", global_batch_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
                 raise ConfigurationError(f"{name}={value!r} must be an int >= 1.")
         if global_batch_size is None:
             return batch_size or 1
@@ -226,16 +251,28 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         return self.dataset  # type: ignore[return-value]
 
     def _plan(self) -> Plan:
-        return self._dataset().plan(batch_size=int(self.batch_size or 1),
-                                    world_size=self._world, rank=self._rank, drop=self._drop)
+        return self._dataset().plan(
+            batch_size=int(self.batch_size or 1),
+            world_size=self._world,
+            rank=self._rank,
+            drop=self._drop,
+        )
 
     def __len__(self) -> int:
         if not self._volume:
             return super().__len__()
         ds = self._dataset()
-        full = Plan(num_files=ds.num_files, epoch=0, seed=0, shuffle=False, start=0,
-                    batch_size=int(self.batch_size or 1), world_size=self._world,
-                    rank=self._rank, drop=self._drop)
+        full = Plan(
+            num_files=ds.num_files,
+            epoch=0,
+            seed=0,
+            shuffle=False,
+            start=0,
+            batch_size=int(self.batch_size or 1),
+            world_size=self._world,
+            rank=self._rank,
+            drop=self._drop,
+        )
         return full.num_batches
 
     # -- iteration ------------------------------------------------------------------------
@@ -245,8 +282,9 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         plan = None
         if self._volume:
             plan = self._plan()
-            self._dataset().publish_plan(plan, num_workers=self.num_workers,
-                                         prefetch_factor=self.prefetch_factor or 2)
+            self._dataset().publish_plan(
+                plan, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor or 2
+            )
         return self._deliver(super().__iter__(), plan, self._token)
 
     def _deliver(self, inner: Iterator[Any], plan: Plan | None, token: int) -> Iterator[Any]:
@@ -276,8 +314,9 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                     else:
                         position = plan.start + delivered * plan.global_batch_size
                         self._dataset()._set_cursor(epoch=plan.epoch, start=position)
-                self.metrics.record(fetch_s=fetched - started, between_s=between, worker=stats,
-                                    step=self._step)
+                self.metrics.record(
+                    fetch_s=fetched - started, between_s=between, worker=stats, step=self._step
+                )
                 handed = time.perf_counter()
                 yield item
         finally:
@@ -311,8 +350,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             ConfigurationError: the state is not a loader state of this version.
         """
         ds = self._dataset()
-        state = {k: (v.item() if isinstance(v, torch.Tensor) else v)
-                 for k, v in state_dict.items()}
+        state = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in state_dict.items()}
         missing = [k for k in STATE_KEYS if k not in state]
         if missing or state.get("version") != STATE_VERSION:
             raise ConfigurationError(
@@ -340,18 +378,27 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             logger.warning(message)
         drop = state["last_batch"] == "drop"
         if drop != self._drop:
-            logger.warning("resuming with last_batch=%r as saved (this loader was set to %r)",
-                           state["last_batch"], "drop" if self._drop else "pad")
+            logger.warning(
+                "resuming with last_batch=%r as saved (this loader was set to %r)",
+                state["last_batch"],
+                "drop" if self._drop else "pad",
+            )
             self._drop = drop
         if state["global_batch_size"] != self.global_batch_size:
             logger.warning(
                 "resuming with global batch size %d (saved with %d): the sample stream "
                 "continues unchanged, regrouped into batches of the new size",
-                self.global_batch_size, state["global_batch_size"],
+                self.global_batch_size,
+                state["global_batch_size"],
             )
         if state["seed"] != ds.options.seed or bool(state["shuffle"]) != ds.options.shuffle:
-            logger.info("resuming with the saved seed=%d shuffle=%s", state["seed"],
-                        bool(state["shuffle"]))
-        ds._set_cursor(epoch=int(state["epoch"]), start=int(state["position"]),
-                       seed=int(state["seed"]), shuffle=bool(state["shuffle"]))
+            logger.info(
+                "resuming with the saved seed=%d shuffle=%s", state["seed"], bool(state["shuffle"])
+            )
+        ds._set_cursor(
+            epoch=int(state["epoch"]),
+            start=int(state["position"]),
+            seed=int(state["seed"]),
+            shuffle=bool(state["shuffle"]),
+        )
         self._step = int(state["step"])

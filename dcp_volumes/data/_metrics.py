@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 logger = logging.getLogger("dcp_volumes.data")
@@ -59,12 +59,14 @@ class WorkerStats:
 
     def take(self) -> dict[str, float]:
         """The counts so far, as a plain dict, and reset them."""
-        out = asdict(self)
-        for name in out:
-            setattr(self, name, type(out[name])())
+        # Once per batch in every worker: plain attribute access, not dataclasses.asdict.
+        out = {name: getattr(self, name) for name in _STAT_ZERO}
+        for name, zero in _STAT_ZERO.items():
+            setattr(self, name, zero)
         return out
 
 
+_STAT_ZERO = {f.name: f.default for f in fields(WorkerStats)}
 _registry: dict[str, WorkerStats] = {}
 _registry_mu = threading.Lock()
 
@@ -115,8 +117,15 @@ class LoaderMetrics:
         totals: cumulative counts since the loader was created.
     """
 
-    def __init__(self, *, rank: int = 0, window_s: float = 10.0, keep: int = 10_000,
-                 mlflow: bool = True, mlflow_interval_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int = 0,
+        window_s: float = 10.0,
+        keep: int = 10_000,
+        mlflow: bool = True,
+        mlflow_interval_s: float = 5.0,
+    ) -> None:
         self.rank = rank
         self.window_s = window_s
         self.fetch_seconds: collections.deque[float] = collections.deque(maxlen=keep)
@@ -136,8 +145,14 @@ class LoaderMetrics:
         """The most recent closed window, or None."""
         return self.windows[-1] if self.windows else None
 
-    def record(self, *, fetch_s: float, between_s: float | None,
-               worker: Mapping[str, float] | None, step: int) -> None:
+    def record(
+        self,
+        *,
+        fetch_s: float,
+        between_s: float | None,
+        worker: Mapping[str, float] | None,
+        step: int,
+    ) -> None:
         """Add one delivered batch; closes the window when it is old enough."""
         with self._mu:
             self.fetch_seconds.append(fetch_s)
@@ -200,9 +215,14 @@ class LoaderMetrics:
             "dataloader rank %d step %d: %d batches, fetch %.2f ms (sd %.2f, max %.2f), "
             "between %.2f ms, input-bound %.1f%%, cache hit rate %s, %.1f MiB/s, "
             "prefetch depth %s",
-            int(s["rank"]), int(s["step"]), int(s["batches"]), s["fetch_seconds"] * 1e3,
-            math.sqrt(s["fetch_seconds_var"]) * 1e3, s["fetch_seconds_max"] * 1e3,
-            s["between_next_seconds"] * 1e3, s["input_bound_fraction"] * 100,
+            int(s["rank"]),
+            int(s["step"]),
+            int(s["batches"]),
+            s["fetch_seconds"] * 1e3,
+            math.sqrt(s["fetch_seconds_var"]) * 1e3,
+            s["fetch_seconds_max"] * 1e3,
+            s["between_next_seconds"] * 1e3,
+            s["input_bound_fraction"] * 100,
             "n/a" if math.isnan(s["cache_hit_rate"]) else f"{s['cache_hit_rate']:.1%}",
             s["download_mib_s"],
             "n/a" if math.isnan(s["prefetch_depth"]) else f"{s['prefetch_depth']:.1f}",
@@ -214,8 +234,9 @@ class LoaderMetrics:
         if summary is not None:
             self._mlflow_pending.append(summary)
         now = time.monotonic()
-        if not self._mlflow_pending or (not force and now - self._mlflow_sent
-                                        < self._mlflow_interval_s):
+        if not self._mlflow_pending or (
+            not force and now - self._mlflow_sent < self._mlflow_interval_s
+        ):
             return  # batched: at most one burst every mlflow_interval_s
         # Only an mlflow the program already imported: an active run implies it, and
         # importing it here would stall next() for seconds inside the training loop.
@@ -227,8 +248,11 @@ class LoaderMetrics:
         self._mlflow_sent = now
         try:
             for s in pending:
-                values = {f"dataloader/{k}/rank_{self.rank}": float(s[k])
-                          for k in MLFLOW_KEYS if not math.isnan(s[k])}
+                values = {
+                    f"dataloader/{k}/rank_{self.rank}": float(s[k])
+                    for k in MLFLOW_KEYS
+                    if not math.isnan(s[k])
+                }
                 mlflow.log_metrics(values, step=int(s["step"]))
         except Exception as exc:  # a metrics sink must never stop training
             logger.warning("could not log dataloader metrics to MLflow: %s", exc)

@@ -44,8 +44,9 @@ class Taken(Generic[K, R]):
 
     __slots__ = ("first", "key", "ready_ahead", "value", "wait_seconds")
 
-    def __init__(self, key: K, value: R, wait_seconds: float, ready_ahead: int,
-                 first: bool) -> None:
+    def __init__(
+        self, key: K, value: R, wait_seconds: float, ready_ahead: int, first: bool
+    ) -> None:
         self.key = key
         self.value = value
         self.wait_seconds = wait_seconds
@@ -69,48 +70,72 @@ class Prefetcher(Generic[K, A, R]):
             the slow ones.
     """
 
-    def __init__(self, items: Iterable[tuple[K, A]], fetch: Callable[[A], R],
-                 release: Callable[[R], None], *, depth: int, threads: int,
-                 fast: Callable[[A], R | None] | None = None) -> None:
+    def __init__(
+        self,
+        items: Iterable[tuple[K, A]],
+        fetch: Callable[[A], R],
+        release: Callable[[R], None],
+        *,
+        depth: int,
+        threads: int,
+        fast: Callable[[A], R | None] | None = None,
+    ) -> None:
         self._items = iter(items)
         self._fetch = fetch
         self._fast = fast
         self._release = release
         self._depth = max(1, depth)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads),
-                                        thread_name_prefix="dcpv-prefetch")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, threads), thread_name_prefix="dcpv-prefetch"
+        )
         self._window: collections.deque[K] = collections.deque()
         self._slots: dict[K, _Slot[R]] = {}
+        # Keys whose future was not yet seen done (empty when every item was a hit).
+        self._pending: set[K] = set()
         self._closed = False
         self._mu = threading.Lock()
 
     def _top_up(self) -> None:
-        while len(self._window) < self._depth:
+        window, slots, items, fast = self._window, self._slots, self._items, self._fast
+        while len(window) < self._depth:
             try:
-                key, arg = next(self._items)
+                key, arg = next(items)
             except StopIteration:
                 return
-            slot = self._slots.get(key)
+            slot = slots.get(key)
             if slot is None:
-                value = self._fast(arg) if self._fast is not None else None
+                value = fast(arg) if fast is not None else None
                 if value is not None:
-                    self._slots[key] = _Slot(None, value)
+                    slots[key] = _Slot(None, value)
                 else:
-                    self._slots[key] = _Slot(self._pool.submit(self._fetch, arg), None)
+                    slots[key] = _Slot(self._pool.submit(self._fetch, arg), None)
+                    self._pending.add(key)
             else:
                 slot.uses += 1
-            self._window.append(key)
+            window.append(key)
+
+    def _ready_ahead(self, key: K) -> int:
+        """Items in the window whose result is ready (``key``: the one just taken out)."""
+        waiting = 0
+        if self._pending:
+            slots = self._slots
+            for k in list(self._pending):
+                slot = slots[k]
+                if slot.future.done():  # type: ignore[union-attr]
+                    self._pending.discard(k)
+                else:
+                    # Its uses are its places in the window, plus the one taken out now.
+                    waiting += slot.uses - (k == key)
+        return len(self._window) - waiting
 
     def __iter__(self) -> Iterator[Taken[K, R]]:
         try:
             self._top_up()
-            slots = self._slots
-            while self._window:
-                key = self._window.popleft()
+            slots, window = self._slots, self._window
+            while window:
+                key = window.popleft()
                 slot = slots[key]
-                ready = 0
-                for k in self._window:
-                    ready += slots[k].done()
+                ready = self._ready_ahead(key)
                 future = slot.future
                 if future is None:
                     value, waited = slot.value, 0.0
@@ -118,13 +143,14 @@ class Prefetcher(Generic[K, A, R]):
                     started = time.perf_counter()
                     value = future.result()  # re-raises the fetch error here, in order
                     waited = time.perf_counter() - started
+                    self._pending.discard(key)
                 self._top_up()  # keep the pool busy while the consumer works
                 slot.taken += 1
                 yield Taken(key, value, waited, ready, slot.taken == 1)
                 slot.uses -= 1
                 if slot.uses == 0:
-                    del self._slots[key]
-                    self._release(value)
+                    del slots[key]
+                    self._release(value)  # type: ignore[arg-type]
         finally:
             self.close()
 
@@ -136,6 +162,7 @@ class Prefetcher(Generic[K, A, R]):
             self._closed = True
         slots, self._slots = list(self._slots.values()), {}
         self._window.clear()
+        self._pending.clear()
         for slot in slots:
             if slot.future is None:
                 self._release(slot.value)  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ resume. The transform gets it two ways:
 
 from __future__ import annotations
 
+import _random
 import inspect
 import random
 from collections.abc import Callable
@@ -29,6 +30,14 @@ import torch
 from torch.utils.data import get_worker_info
 
 _MASK63 = (1 << 63) - 1
+_random_seed = _random.Random.seed
+
+
+def _seed_random(seed: int) -> None:
+    """``random.seed(seed)`` for an int, without the Python-level argument checks."""
+    inst = random._inst  # type: ignore[attr-defined]
+    _random_seed(inst, seed)
+    inst.gauss_next = None
 
 
 def _rng_mode(fn: Callable[..., Any]) -> str:
@@ -74,7 +83,7 @@ class SampleTransform:
             # A worker process: no caller's streams to protect (see the module doc).
             torch.random.default_generator.manual_seed(seed63)
             np.random.seed(seed & 0xFFFFFFFF)
-            random.seed(seed)
+            _seed_random(seed)
             if self.mode == "kw":
                 return fn(path, rng=gen)
             if self.mode == "pos":

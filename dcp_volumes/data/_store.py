@@ -158,8 +158,15 @@ class Store:
 
     def ref(self, key: str, name: str, url: str = "") -> Ref:
         base = os.path.join(self.objects, key[:2], key)
-        return Ref(key=key, url=url, data=f"{base}-{name}", meta=f"{base}.meta",
-                   lock=f"{base}.lock", resv=f"{base}.resv", fill=f"{base}.fill")
+        return Ref(
+            key=key,
+            url=url,
+            data=f"{base}-{name}",
+            meta=f"{base}.meta",
+            lock=f"{base}.lock",
+            resv=f"{base}.resv",
+            fill=f"{base}.fill",
+        )
 
     def _base(self, key: str) -> str:
         return os.path.join(self.objects, key[:2], key)
@@ -167,6 +174,14 @@ class Store:
     def note_filled(self, ref: Ref, size: int) -> None:
         with self.mu:
             self._known[ref.key] = _Known(ref.data, size, time.time(), True)
+
+    def note_hit(self, key: str) -> None:
+        """A hit on a verified copy: count it and move this process's LRU clock."""
+        with self.mu:
+            self.counters.hits += 1
+            known = self._known.get(key)
+            if known is not None:
+                known.mtime = time.time()
 
     def note_used(self, key: str) -> None:
         with self.mu:
@@ -251,7 +266,9 @@ class Store:
             "file cache %s holds %s, over its limit of %s: every other file is in use or "
             "inside the prefetch window. Fix: raise the cache limit, or lower the prefetch "
             "depth / number of workers.",
-            self.cache_dir, human(total), human(self.limit or 0),
+            self.cache_dir,
+            human(total),
+            human(self.limit or 0),
         )
 
     # -- eviction -------------------------------------------------------------------------
@@ -406,8 +423,11 @@ class Store:
             found = self._entries_on_disk()
             foreign = len(found.pop("", {}))
             if foreign:
-                logger.warning("cache %s: %d files not created by the cache are left alone",
-                               self.objects, foreign)
+                logger.warning(
+                    "cache %s: %d files not created by the cache are left alone",
+                    self.objects,
+                    foreign,
+                )
             for key, kinds in found.items():
                 base = self._base(key)
                 lock = EntryLock(f"{base}.lock")
@@ -415,8 +435,9 @@ class Store:
                     busy += 1  # being filled or pinned by a live process: count, don't touch
                     data = kinds.get("data")
                     with contextlib.suppress(FileNotFoundError):
-                        total += os.stat(data).st_size if data else (
-                            _read_resv(f"{base}.resv") or 0)
+                        total += (
+                            os.stat(data).st_size if data else (_read_resv(f"{base}.resv") or 0)
+                        )
                     continue
                 try:
                     for kind, path in kinds.items():
@@ -438,8 +459,14 @@ class Store:
                     lock.release()
             counter.write(total)
         self._rescan()
-        report = ReconcileReport(entries=entries, bytes=total, removed_temp=removed_temp,
-                                 removed_broken=removed_broken, busy=busy, foreign=foreign)
+        report = ReconcileReport(
+            entries=entries,
+            bytes=total,
+            removed_temp=removed_temp,
+            removed_broken=removed_broken,
+            busy=busy,
+            foreign=foreign,
+        )
         if removed_temp or removed_broken:
             logger.info("cache %s reconciled: %s", self.cache_dir, report)
         return report
