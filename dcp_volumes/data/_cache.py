@@ -11,7 +11,8 @@ is renamed into place, then its sidecar is published the same way (the entry
 becomes valid in that one step). A killed filler's ``flock`` is released by
 the kernel; the next filler, holding the lock, deletes the leftovers first, so
 they are never served. See ``_store.py`` for the layout, the byte accounting
-and eviction, ``_locks.py`` for the lock protocol.
+and eviction, ``_locks.py`` for the lock protocol, ``_hot.py`` for the hit
+path (copies already verified, served after one ``stat``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import shutil
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -37,7 +37,8 @@ from dcp_volumes._exceptions import CacheError, ConfigurationError, DatasetChang
 from dcp_volumes._retry import redact_url
 from dcp_volumes._staging import parse_size, probe_writable
 from dcp_volumes._volume import LOCAL_PROTOCOLS, FileInfo, Volume
-from dcp_volumes.data._hot import Hot, SharedHot, identity, listed_meta, matches
+from dcp_volumes.data._files import CachedFile, Expected
+from dcp_volumes.data._hot import TOUCH_INTERVAL_S, HotIndex, SharedHot, matches
 from dcp_volumes.data._locks import EntryLock
 from dcp_volumes.data._store import (
     CacheCounters,
@@ -56,11 +57,6 @@ _KEY_CHARS = 32
 # Files up to this size are fetched with one GET whose length checks the listing
 # (bigger ones with parallel ranged GETs).
 _SINGLE_GET_BYTES = 16 * 2**20
-# Hits refresh the file's mtime (the LRU clock) at most this often.
-_TOUCH_INTERVAL_S = 60.0
-# Entries of the in-process index of verified copies (per FileCache object); past
-# this the index starts over (it only saves work, it is never the source of truth).
-_HOT_MAX = 1 << 20
 
 __all__ = [
     "CacheCounters",
@@ -76,70 +72,6 @@ __all__ = [
 def default_cache_dir() -> str:
     """``DCP_VOLUMES_CACHE`` if set, else ``~/.cache/dcp_volumes``."""
     return _env.cache_dir() or os.path.join(os.path.expanduser("~"), ".cache", "dcp_volumes")
-
-
-@dataclass(frozen=True)
-class Expected:
-    """What a listing says about a file; ``None`` fields are not checked."""
-
-    size: int | None = None
-    etag: str | None = None
-    mtime: float | None = None
-
-    @classmethod
-    def of(cls, info: FileInfo) -> Expected:
-        return cls(size=info.size, etag=info.etag, mtime=info.mtime)
-
-
-class CachedFile:
-    """A file in the cache: ``path`` is local; a pinned one is not evicted until released.
-
-    Use as a context manager (or call ``release()``) to drop the pin. It is
-    path-like, so ``open(cached)`` works.
-    """
-
-    __slots__ = ("_pin", "download_seconds", "hit", "key", "path", "size", "url")
-
-    def __init__(
-        self,
-        *,
-        path: str,
-        url: str,
-        key: str,
-        size: int,
-        hit: bool,
-        download_seconds: float,
-        pin: EntryLock | None,
-    ) -> None:
-        self.path = path
-        self.url = url
-        self.key = key
-        self.size = size
-        self.hit = hit
-        self.download_seconds = download_seconds
-        self._pin = pin
-
-    @property
-    def pinned(self) -> bool:
-        return self._pin is not None and self._pin.held
-
-    def release(self) -> None:
-        """Drop the pin (idempotent)."""
-        pin, self._pin = self._pin, None
-        if pin is not None:
-            pin.release()
-
-    def __fspath__(self) -> str:
-        return self.path
-
-    def __enter__(self) -> CachedFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        return f"CachedFile({self.path!r}, hit={self.hit}, pinned={self.pinned})"
 
 
 def _sanitize(name: str) -> str:
@@ -207,7 +139,7 @@ class FileCache:
         self._store = Store(self.cache_dir, limit=self.limit, headroom=self.headroom)
         self._volumes: dict[tuple[str, str], Volume] = {}
         # id(volume) -> (volume, relpath -> Hot); holding the volume keeps its id unique.
-        self._hot: dict[int, tuple[Volume, dict[str, Hot]]] = {}
+        self._hot = HotIndex()
 
     def __getstate__(self) -> dict[str, Any]:
         # Locks, clients and the in-memory view are per process.
@@ -379,129 +311,10 @@ class FileCache:
         index in it), a copy that another process verified against the same
         listing entry counts too.
         """
-        entry = self._hot.get(id(volume))
-        hot = entry[1].get(relpath) if entry is not None else None
-        if hot is None:
-            hot = self._adopt(volume, relpath, expected, shared, slot)
-            if hot is None:
-                return None
-        elif not hot.listed_as(expected):
-            return None
-        lock = None
-        if pin:
-            lock = EntryLock(hot.lock)
-            lock.acquire(exclusive=False)
-        try:
-            st = os.stat(hot.data)
-        except OSError:
-            st = None
-        if st is None or not hot.same_file(st):
-            # Replaced, evicted, repaired or touched: still good if a process sharing
-            # the table verified exactly this copy (another worker's touch or refill).
-            if (
-                st is None
-                or shared is None
-                or expected is None
-                or st.st_size != hot.size
-                or shared.get(slot) != identity(st)
-            ):
-                if lock is not None:
-                    lock.release()
-                self._index(volume).pop(relpath, None)
-                return None
-            hot.ino, hot.dev, hot.ctime_ns = st.st_ino, st.st_dev, st.st_ctime_ns
-        if time.time() - st.st_mtime > _TOUCH_INTERVAL_S:
-            self._touch_hot(hot, shared, slot)
-        self._store.note_hit(hot.key)
-        if lock is not None:
-            return CachedFile(
-                path=hot.data,
-                url=hot.url,
-                key=hot.key,
-                size=hot.size,
-                hit=True,
-                download_seconds=0.0,
-                pin=lock,
-            )
-        found = hot.file  # unpinned hits hand out one immutable object per copy
-        if found is None:
-            found = hot.file = CachedFile(
-                path=hot.data,
-                url=hot.url,
-                key=hot.key,
-                size=hot.size,
-                hit=True,
-                download_seconds=0.0,
-                pin=None,
-            )
-        return found  # type: ignore[no-any-return]
-
-    def _touch_hot(self, hot: Hot, shared: SharedHot | None, slot: int) -> None:
-        with contextlib.suppress(OSError):
-            os.utime(hot.data)  # the LRU clock of other processes
-            st = os.stat(hot.data)
-            # utime moved the ctime; adopt it only if it is still the same file.
-            if st.st_ino == hot.ino and st.st_dev == hot.dev and st.st_size == hot.size:
-                hot.ctime_ns = st.st_ctime_ns
-                if shared is not None:
-                    shared.put(slot, st)
-
-    def _index(self, volume: Volume) -> dict[str, Hot]:
-        entry = self._hot.get(id(volume))
-        if entry is None or entry[0] is not volume:
-            entry = self._hot[id(volume)] = (volume, {})
-        return entry[1]
-
-    def _adopt(
-        self,
-        volume: Volume,
-        relpath: str,
-        expected: Expected | FileInfo | None,
-        shared: SharedHot | None,
-        slot: int,
-    ) -> Hot | None:
-        """A copy another process verified against ``expected`` (see ``SharedHot``)."""
-        if shared is None or expected is None:
-            return None
-        digest = shared.get(slot)
-        if not digest:
-            return None
-        ref = self._ref(volume, relpath)
-        try:
-            st = os.stat(ref.data)
-        except OSError:
-            return None
-        if identity(st) != digest:
-            return None
-        hot = Hot(ref, listed_meta(expected), st)
-        hot.expected = expected
-        index = self._index(volume)
-        if len(index) >= _HOT_MAX:
-            index.clear()
-        index[relpath] = hot
-        return hot
-
-    def _remember(
-        self,
-        volume: Volume,
-        relpath: str,
-        ref: Ref,
-        meta: Mapping[str, Any],
-        expected: Expected | FileInfo | None,
-        shared: SharedHot | None,
-        slot: int,
-    ) -> None:
-        """Index a copy just verified under its lock (see ``fetch_hot``)."""
-        try:
-            st = os.stat(ref.data)
-        except OSError:
-            return
-        index = self._index(volume)
-        if len(index) >= _HOT_MAX:
-            index.clear()
-        index[relpath] = Hot(ref, meta, st)
-        if shared is not None and expected is not None:
-            shared.put(slot, st)
+        return self._hot.lookup(
+            volume, relpath, expected=expected, pin=pin, shared=shared, slot=slot,
+            ref_of=self._ref, note_hit=self._store.note_hit,
+        )
 
     def fetch_from(
         self,
@@ -549,7 +362,7 @@ class FileCache:
             filled = filled_size >= 0
             if not filled:
                 self._touch(ref, meta)
-            self._remember(volume, relpath, ref, meta, expected, shared, slot)
+            self._hot.remember(volume, relpath, ref, meta, expected, shared, slot)
             result = self._done(ref, int(meta["size"]), filled, seconds, lock if pin else None)
             if not pin:
                 lock.release()
@@ -577,7 +390,7 @@ class FileCache:
         )
 
     def _touch(self, ref: Ref, meta: Mapping[str, Any]) -> None:
-        if time.time() - float(meta.get("_mtime", 0.0)) > _TOUCH_INTERVAL_S:
+        if time.time() - float(meta.get("_mtime", 0.0)) > TOUCH_INTERVAL_S:
             # Evicted meanwhile: the LRU clock does not matter then.
             with contextlib.suppress(OSError):
                 os.utime(ref.data)

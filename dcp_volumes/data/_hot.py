@@ -16,16 +16,20 @@ sidecar), the other worker having filled those files.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from dcp_volumes._retry import redact_url
-from dcp_volumes._volume import FileInfo
+from dcp_volumes._volume import FileInfo, Volume
+from dcp_volumes.data._files import CachedFile
+from dcp_volumes.data._locks import EntryLock
 from dcp_volumes.data._store import Ref
 
 _U64 = (1 << 64) - 1
@@ -139,3 +143,155 @@ class SharedHot:
 
     def put(self, slot: int, st: os.stat_result) -> None:
         self._words()[slot] = identity(st)
+
+
+# Hits refresh the file's mtime (the LRU clock) at most this often.
+TOUCH_INTERVAL_S = 60.0
+# Entries of one process's index; past this it starts over (it only saves
+# work, it is never the source of truth).
+_HOT_MAX = 1 << 20
+
+
+class HotIndex:
+    """One process's index of verified copies, per volume object: the cache's hit path."""
+
+    def __init__(self) -> None:
+        self._by_volume: dict[int, tuple[Volume, dict[str, Hot]]] = {}
+
+    def lookup(
+        self,
+        volume: Volume,
+        relpath: str,
+        *,
+        expected: Any,
+        pin: bool,
+        shared: SharedHot | None,
+        slot: int,
+        ref_of: Callable[[Volume, str], Ref],
+        note_hit: Callable[[str], None],
+    ) -> CachedFile | None:
+        """A verified copy of ``relpath``, or None: ``FileCache.fetch_hot`` does this."""
+        entry = self._by_volume.get(id(volume))
+        hot = entry[1].get(relpath) if entry is not None else None
+        if hot is None:
+            hot = self._adopt(volume, relpath, expected, shared, slot, ref_of)
+            if hot is None:
+                return None
+        elif not hot.listed_as(expected):
+            return None
+        lock = None
+        if pin:
+            lock = EntryLock(hot.lock)
+            lock.acquire(exclusive=False)
+        try:
+            st = os.stat(hot.data)
+        except OSError:
+            st = None
+        if st is None or not hot.same_file(st):
+            # Replaced, evicted, repaired or touched: still good if a process sharing
+            # the table verified exactly this copy (another worker's touch or refill).
+            if (
+                st is None
+                or shared is None
+                or expected is None
+                or st.st_size != hot.size
+                or shared.get(slot) != identity(st)
+            ):
+                if lock is not None:
+                    lock.release()
+                self._index(volume).pop(relpath, None)
+                return None
+            hot.ino, hot.dev, hot.ctime_ns = st.st_ino, st.st_dev, st.st_ctime_ns
+        if time.time() - st.st_mtime > TOUCH_INTERVAL_S:
+            self._touch_hot(hot, shared, slot)
+        note_hit(hot.key)
+        if lock is not None:
+            return CachedFile(
+                path=hot.data,
+                url=hot.url,
+                key=hot.key,
+                size=hot.size,
+                hit=True,
+                download_seconds=0.0,
+                pin=lock,
+            )
+        found = hot.file  # unpinned hits hand out one immutable object per copy
+        if found is None:
+            found = hot.file = CachedFile(
+                path=hot.data,
+                url=hot.url,
+                key=hot.key,
+                size=hot.size,
+                hit=True,
+                download_seconds=0.0,
+                pin=None,
+            )
+        return found  # type: ignore[no-any-return]
+
+    def _touch_hot(self, hot: Hot, shared: SharedHot | None, slot: int) -> None:
+        with contextlib.suppress(OSError):
+            os.utime(hot.data)  # the LRU clock of other processes
+            st = os.stat(hot.data)
+            # utime moved the ctime; adopt it only if it is still the same file.
+            if st.st_ino == hot.ino and st.st_dev == hot.dev and st.st_size == hot.size:
+                hot.ctime_ns = st.st_ctime_ns
+                if shared is not None:
+                    shared.put(slot, st)
+
+    def _index(self, volume: Volume) -> dict[str, Hot]:
+        entry = self._by_volume.get(id(volume))
+        if entry is None or entry[0] is not volume:
+            entry = self._by_volume[id(volume)] = (volume, {})
+        return entry[1]
+
+    def _adopt(
+        self,
+        volume: Volume,
+        relpath: str,
+        expected: Any,
+        shared: SharedHot | None,
+        slot: int,
+        ref_of: Callable[[Volume, str], Ref],
+    ) -> Hot | None:
+        """A copy another process verified against ``expected`` (see ``SharedHot``)."""
+        if shared is None or expected is None:
+            return None
+        digest = shared.get(slot)
+        if not digest:
+            return None
+        ref = ref_of(volume, relpath)
+        try:
+            st = os.stat(ref.data)
+        except OSError:
+            return None
+        if identity(st) != digest:
+            return None
+        hot = Hot(ref, listed_meta(expected), st)
+        hot.expected = expected
+        index = self._index(volume)
+        if len(index) >= _HOT_MAX:
+            index.clear()
+        index[relpath] = hot
+        return hot
+
+    def remember(
+        self,
+        volume: Volume,
+        relpath: str,
+        ref: Ref,
+        meta: Mapping[str, Any],
+        expected: Any,
+        shared: SharedHot | None,
+        slot: int,
+    ) -> None:
+        """Index a copy just verified under its lock (see ``fetch_hot``)."""
+        try:
+            st = os.stat(ref.data)
+        except OSError:
+            return
+        index = self._index(volume)
+        if len(index) >= _HOT_MAX:
+            index.clear()
+        index[relpath] = Hot(ref, meta, st)
+        if shared is not None and expected is not None:
+            shared.put(slot, st)
