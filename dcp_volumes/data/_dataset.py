@@ -9,7 +9,7 @@ and the training step run.
 
 Where the epoch starts (epoch, stream position, seed) is the *cursor*; it
 lives in the main process and reaches the workers through a small shared
-tensor (``plan``), read each time a worker starts an epoch. That works with
+tensor (``_shared_plan.py``), read each time a worker starts an epoch. That works with
 persistent workers, which keep the dataset copy they were started with.
 """
 
@@ -36,32 +36,9 @@ from dcp_volumes.data._metrics import worker_stats
 from dcp_volumes.data._order import NextUse, Plan, epoch_permutation, sample_seeds
 from dcp_volumes.data._prefetch import Prefetcher
 from dcp_volumes.data._rng import SampleTransform
+from dcp_volumes.data._shared_plan import Cursor, SharedPlan
 
 logger = logging.getLogger(__name__)
-
-# The published plan is written only before an iteration starts (workers may read
-# it late: a slow worker starts after the first batches were delivered); the
-# cur_* cursor moves with every delivered batch and serves stock DataLoaders.
-_PLAN_FIELDS = (
-    "valid",
-    "epoch",
-    "seed",
-    "shuffle",
-    "start",
-    "batch_size",
-    "world_size",
-    "rank",
-    "drop",
-    "num_workers",
-    "prefetch_factor",
-    "local_world_size",
-    "cur_epoch",
-    "cur_start",
-    "cur_seed",
-    "cur_shuffle",
-)
-_P = {name: i for i, name in enumerate(_PLAN_FIELDS)}
-
 
 @dataclass(frozen=True)
 class DatasetOptions:
@@ -229,8 +206,8 @@ class VolumeDataset(IterableDataset[Any]):
         self._start = 0
         self._seed = seed
         self._shuffle = bool(shuffle)
-        # The plan the workers read at each epoch start (shared memory: see module doc).
-        self._plan = torch.zeros(len(_PLAN_FIELDS), dtype=torch.int64).share_memory_()
+        # The plan the workers read at each epoch start (see _shared_plan.py).
+        self._plan = SharedPlan()
         self._set_cursor(epoch=0, start=0)
         self._key_index: dict[str, int] | None = None
         # Copies verified by any worker of this dataset are hits in all of them.
@@ -324,22 +301,12 @@ class VolumeDataset(IterableDataset[Any]):
 
     def publish_plan(self, plan: Plan, *, num_workers: int, prefetch_factor: int) -> None:
         """Make ``plan`` what every worker reads when it starts its next epoch."""
-        values = {
-            "valid": 1,
-            "epoch": plan.epoch,
-            "seed": plan.seed,
-            "shuffle": int(plan.shuffle),
-            "start": plan.start,
-            "batch_size": plan.batch_size,
-            "world_size": plan.world_size,
-            "rank": plan.rank,
-            "drop": int(plan.drop),
-            "num_workers": num_workers,
-            "prefetch_factor": prefetch_factor,
-            "local_world_size": self.local_world_size,
-        }
-        for name, value in values.items():
-            self._plan[_P[name]] = value
+        self._plan.publish(
+            plan,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            local_world_size=self.local_world_size,
+        )
 
     def _set_cursor(
         self, *, epoch: int, start: int, seed: int | None = None, shuffle: bool | None = None
@@ -349,39 +316,21 @@ class VolumeDataset(IterableDataset[Any]):
             self._seed = seed
         if shuffle is not None:
             self._shuffle = shuffle
-        # Workers of a stock DataLoader (no published plan) read the cursor from here.
-        # Written through a numpy view: it moves with every batch, and a tensor's
-        # __setitem__ costs ~50x more.
-        plan = self._plan.numpy()
-        plan[_P["cur_epoch"]] = self._epoch
-        plan[_P["cur_start"]] = self._start
-        plan[_P["cur_seed"]] = self._seed
-        plan[_P["cur_shuffle"]] = int(self._shuffle)
+        # Workers of a stock DataLoader (no published plan) read the cursor from there.
+        self._plan.set_cursor(Cursor(self._epoch, self._start, self._seed, self._shuffle))
 
     def _read_plan(self) -> tuple[Plan, int, int]:
         """(plan, prefetch_factor, local_world_size) as published, or from defaults."""
-        raw = self._plan.tolist()
-        if raw[_P["valid"]]:
-            v = dict(zip(_PLAN_FIELDS, raw, strict=True))
-            plan = Plan(
-                num_files=self.num_files,
-                epoch=v["epoch"],
-                seed=v["seed"],
-                shuffle=bool(v["shuffle"]),
-                start=v["start"],
-                batch_size=v["batch_size"],
-                world_size=v["world_size"],
-                rank=v["rank"],
-                drop=bool(v["drop"]),
-            )
-            return plan, v["prefetch_factor"], v["local_world_size"]
+        published, cursor = self._plan.read(self.num_files)
+        if published is not None:
+            return published.plan, published.prefetch_factor, published.local_world_size
         # A stock DataLoader (or plain iteration): the dataset's own settings and cursor.
         plan = Plan(
             num_files=self.num_files,
-            epoch=raw[_P["cur_epoch"]],
-            seed=raw[_P["cur_seed"]],
-            shuffle=bool(raw[_P["cur_shuffle"]]),
-            start=raw[_P["cur_start"]],
+            epoch=cursor.epoch,
+            seed=cursor.seed,
+            shuffle=cursor.shuffle,
+            start=cursor.start,
             batch_size=self.options.batch_size,
             world_size=self.world_size,
             rank=self.rank,

@@ -1,0 +1,108 @@
+"""The plan a loader publishes to its DataLoader workers, in shared memory.
+
+Workers are separate processes that outlive epochs (persistent workers), so
+what they must read at each epoch start (order, position, batch layout) lives
+in one small int64 tensor in shared memory rather than in pickled state. The
+published plan is written only before an iteration starts (workers may read
+it late: a slow worker starts after the first batches were delivered); the
+``cur_*`` cursor moves with every delivered batch and serves stock DataLoaders,
+which publish nothing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from dcp_volumes.data._order import Plan
+
+_FIELDS = (
+    "valid",
+    "epoch",
+    "seed",
+    "shuffle",
+    "start",
+    "batch_size",
+    "world_size",
+    "rank",
+    "drop",
+    "num_workers",
+    "prefetch_factor",
+    "local_world_size",
+    "cur_epoch",
+    "cur_start",
+    "cur_seed",
+    "cur_shuffle",
+)
+_AT = {name: i for i, name in enumerate(_FIELDS)}
+
+
+class Published(NamedTuple):
+    plan: Plan
+    prefetch_factor: int
+    local_world_size: int
+
+
+class Cursor(NamedTuple):
+    epoch: int
+    start: int
+    seed: int
+    shuffle: bool
+
+
+class SharedPlan:
+    """The published plan and the cursor (picklable; shares its memory with workers)."""
+
+    def __init__(self) -> None:
+        self._values = torch.zeros(len(_FIELDS), dtype=torch.int64).share_memory_()
+
+    def publish(
+        self, plan: Plan, *, num_workers: int, prefetch_factor: int, local_world_size: int
+    ) -> None:
+        values = {
+            "valid": 1,
+            "epoch": plan.epoch,
+            "seed": plan.seed,
+            "shuffle": int(plan.shuffle),
+            "start": plan.start,
+            "batch_size": plan.batch_size,
+            "world_size": plan.world_size,
+            "rank": plan.rank,
+            "drop": int(plan.drop),
+            "num_workers": num_workers,
+            "prefetch_factor": prefetch_factor,
+            "local_world_size": local_world_size,
+        }
+        for name, value in values.items():
+            self._values[_AT[name]] = value
+
+    def set_cursor(self, cursor: Cursor) -> None:
+        # Through a numpy view: it moves with every batch, and a tensor's
+        # __setitem__ costs ~50x more.
+        values = self._values.numpy()
+        values[_AT["cur_epoch"]] = cursor.epoch
+        values[_AT["cur_start"]] = cursor.start
+        values[_AT["cur_seed"]] = cursor.seed
+        values[_AT["cur_shuffle"]] = int(cursor.shuffle)
+
+    def read(self, num_files: int) -> tuple[Published | None, Cursor]:
+        """The published plan (None if nothing was published) and the cursor."""
+        raw = dict(zip(_FIELDS, self._values.tolist(), strict=True))
+        cursor = Cursor(
+            raw["cur_epoch"], raw["cur_start"], raw["cur_seed"], bool(raw["cur_shuffle"])
+        )
+        if not raw["valid"]:
+            return None, cursor
+        plan = Plan(
+            num_files=num_files,
+            epoch=raw["epoch"],
+            seed=raw["seed"],
+            shuffle=bool(raw["shuffle"]),
+            start=raw["start"],
+            batch_size=raw["batch_size"],
+            world_size=raw["world_size"],
+            rank=raw["rank"],
+            drop=bool(raw["drop"]),
+        )
+        return Published(plan, raw["prefetch_factor"], raw["local_world_size"]), cursor
