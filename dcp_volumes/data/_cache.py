@@ -432,7 +432,7 @@ class FileCache:
         tmp = f"{ref.meta}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             with open(tmp, "w") as f:
-                json.dump(meta, f)
+                f.write(json.dumps(meta))  # one write (json.dump writes piece by piece)
             os.replace(tmp, ref.meta)  # the entry becomes valid here, in one step
         finally:
             remove(tmp)
