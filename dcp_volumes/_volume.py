@@ -1,6 +1,8 @@
 """Volume: one URL (object store, mount path or any fsspec protocol) as a small file API.
 
-Everything above this module speaks ``Volume``; backends differ only here.
+Everything above this module speaks ``Volume``; backends differ only here and
+in its helpers: ``_clients.py`` (shared per-process clients), ``_file_info.py``
+(``FileInfo`` and listings) and ``_local_fs.py`` (local and mounted paths).
 Clients are lazy and fork-safe: the fsspec filesystem is created on first use
 in each process and never pickled, so a ``Volume`` survives fork and pickling.
 Every backend call goes through ``_call``, which retries transient errors and
@@ -10,31 +12,47 @@ translates failures (``_retry.py``), so no caller handles backend exceptions.
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import logging
 import os
 import shutil
-import threading
-import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
 from fsspec.core import split_protocol
 
 from dcp_volumes import _env
+from dcp_volumes._clients import (
+    S3_PROTOCOLS,
+    filesystem_class,
+    shared_filesystem,
+    shared_s3_transport,
+    upload_options,
+)
 from dcp_volumes._exceptions import (
-    BackendNotInstalledError,
     BucketNotFoundError,
     ConfigurationError,
     DcpVolumesError,
-    VolumeAccessError,
     VolumeError,
     VolumeExistsError,
     VolumeNotFoundError,
+)
+from dcp_volumes._file_info import (
+    FileInfo,
+    directory_names,
+    file_info,
+    files_below,
+    list_entries,
+    list_fresh,
+)
+from dcp_volumes._local_fs import (
+    check_dir,
+    download_atomically,
+    fill_in_parts,
+    place_file,
+    publish_bytes,
 )
 from dcp_volumes._retry import (
     RetryPolicy,
@@ -47,44 +65,9 @@ from dcp_volumes._s3_transport import S3Transport
 
 logger = logging.getLogger(__name__)
 
-# One client per (process, protocol, options): see Volume.fs and Volume.s3.
-_CLIENTS: dict[tuple[int, str, str], fsspec.AbstractFileSystem] = {}
-_TRANSPORTS: dict[tuple[int, str], S3Transport | None] = {}
-_CLIENTS_LOCK = threading.Lock()
-
 T = TypeVar("T")
 
 LOCAL_PROTOCOLS = frozenset({"file", "local"})
-_EXTRA_FOR_PROTOCOL = {
-    "s3": "s3",
-    "s3a": "s3",
-    "gs": "gcs",
-    "gcs": "gcs",
-    "az": "azure",
-    "abfs": "azure",
-    "abfss": "azure",
-    "adl": "azure",
-}
-
-
-@dataclass(frozen=True)
-class FileInfo:
-    """One file on a volume; ``path`` is relative to the volume's root, ``/``-separated."""
-
-    path: str
-    size: int
-    etag: str | None = None
-    mtime: float | None = None
-
-
-def _fsync_dir(path: str) -> None:
-    # Make a rename durable: the directory entry itself must reach the disk.
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 class Volume:
@@ -120,7 +103,7 @@ class Volume:
         if self.is_local:
             self.root = os.path.abspath(os.path.expanduser(path)).rstrip(os.sep) or os.sep
         else:
-            cls = self._filesystem_class()
+            cls = filesystem_class(self.protocol)
             self.root = cls._strip_protocol(url).rstrip("/")
             if not self.root:
                 raise ConfigurationError(
@@ -180,27 +163,6 @@ class Volume:
 
     # -- client ---------------------------------------------------------------------------
 
-    def _filesystem_class(self) -> type[fsspec.AbstractFileSystem]:
-        try:
-            return fsspec.get_filesystem_class(self.protocol)
-        except ImportError as exc:
-            extra = _EXTRA_FOR_PROTOCOL.get(self.protocol)
-            hint = (
-                f"pip install 'dcp_volumes[{extra}]'"
-                if extra
-                else f"install the fsspec implementation for '{self.protocol}://'"
-            )
-            raise BackendNotInstalledError(
-                f"No fsspec backend is installed for '{self.protocol}://' URLs, so this "
-                f"volume cannot be opened. Fix: {hint}."
-            ) from exc
-        except ValueError as exc:
-            raise ConfigurationError(
-                f"Unknown URL protocol '{self.protocol}://'. Use s3://, gs://, az://, file://, "
-                "a plain local or mounted path, or a protocol that fsspec knows "
-                "(fsspec.available_protocols())."
-            ) from exc
-
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         """The fsspec filesystem, created lazily in each process (fork- and pickle-safe).
@@ -210,22 +172,12 @@ class Volume:
         and writers and readers make a Volume per checkpoint.
         """
         if self._fs is None or self._fs_pid != os.getpid():
-            cls = self._filesystem_class()
+            cls = filesystem_class(self.protocol)
             try:
                 if self.is_local:
                     self._fs = fsspec.filesystem("file")
                 else:
-                    key = (os.getpid(), self.protocol, fsspec.utils.tokenize(self.storage_options))
-                    with _CLIENTS_LOCK:
-                        fs = _CLIENTS.get(key)
-                        if fs is None:
-                            # skip_instance_cache: a forked child must not reuse the parent's
-                            # client (the pid in the key does the same for our cache).
-                            # No listings cache: other ranks and jobs change the volume.
-                            options = {"use_listings_cache": False, **self.storage_options}
-                            fs = cls(skip_instance_cache=True, **options)
-                            _CLIENTS[key] = fs
-                    self._fs = fs
+                    self._fs = shared_filesystem(cls, self.protocol, self.storage_options)
             except Exception as exc:
                 raise self._translate(exc, "connect to", "") from exc
             self._fs_pid = os.getpid()
@@ -236,15 +188,11 @@ class Volume:
         """The botocore data path for S3 volumes (``None``: use ``fs`` for everything)."""
         if self._s3_pid != os.getpid():
             transport = None
-            if self.protocol in ("s3", "s3a") and _env.s3_transport_enabled():
-                key = (os.getpid(), fsspec.utils.tokenize(self.storage_options))
-                with _CLIENTS_LOCK:
-                    if key not in _TRANSPORTS:
-                        try:
-                            _TRANSPORTS[key] = S3Transport.for_options(self.storage_options)
-                        except Exception as exc:
-                            raise self._translate(exc, "connect to", "") from exc
-                    transport = _TRANSPORTS[key]
+            if self.protocol in S3_PROTOCOLS and _env.s3_transport_enabled():
+                try:
+                    transport = shared_s3_transport(self.storage_options)
+                except Exception as exc:
+                    raise self._translate(exc, "connect to", "") from exc
             self._s3, self._s3_pid = transport, os.getpid()
         return self._s3
 
@@ -283,15 +231,7 @@ class Volume:
                     os.makedirs(self.root, exist_ok=True)
                 except PermissionError as exc:
                     raise self._translate(exc, "create", "") from exc
-            if not os.path.isdir(self.root):
-                raise VolumeNotFoundError(
-                    f"The directory {self.root} does not exist. Fix: create it or mount the volume."
-                )
-            if create and not os.access(self.root, os.W_OK | os.X_OK):
-                raise VolumeAccessError(
-                    f"The directory {self.root} is not writable by this process. Fix: change its "
-                    "permissions or choose another path."
-                )
+            check_dir(self.root, writable=create)
             return
         bucket = self.root.split("/", 1)[0]
         # info(), not exists(): exists() turns "access denied" into False, and wrong
@@ -306,26 +246,6 @@ class Volume:
                 "the credentials."
             ) from exc
 
-    def _info(self, raw: Mapping[str, Any], base: str) -> FileInfo:
-        name = str(raw["name"])
-        if not self.is_local:
-            name = self.fs._strip_protocol(name)
-        rel = name[len(base) :].lstrip("/") if name.startswith(base) else name
-        if self.is_local:
-            rel = rel.replace(os.sep, "/")
-        etag = raw.get("ETag") or raw.get("etag") or raw.get("md5Hash") or raw.get("generation")
-        mtime = raw.get("mtime") or raw.get("LastModified") or raw.get("last_modified")
-        if hasattr(mtime, "timestamp"):
-            mtime = mtime.timestamp()
-        elif not isinstance(mtime, (int, float)):
-            mtime = None
-        return FileInfo(
-            path=rel,
-            size=int(raw.get("size") or 0),
-            etag=str(etag).strip('"') if etag else None,
-            mtime=float(mtime) if mtime is not None else None,
-        )
-
     def info(self, relpath: str) -> FileInfo:
         """Size, etag and mtime of one file."""
         s3 = self.s3
@@ -339,12 +259,7 @@ class Volume:
             raise VolumeNotFoundError(
                 f"{redact_url(self.url_of(relpath))} is a directory/prefix, not a file."
             )
-        return FileInfo(
-            path=relpath.strip("/"),
-            size=int(raw.get("size") or 0),
-            etag=self._info(raw, full).etag,
-            mtime=self._info(raw, full).mtime,
-        )
+        return file_info(raw, relpath.strip("/"))
 
     def exists(self, relpath: str = "") -> bool:
         """Whether a file or prefix exists."""
@@ -357,42 +272,15 @@ class Volume:
         A missing prefix lists as empty; directories/prefixes are not returned.
         """
         base = self.full_path(relpath)
-
-        def run() -> list[Any]:
-            if recursive:
-                found = self.fs.find(base, detail=True)
-                return list(found.values()) if isinstance(found, dict) else list(found)
-            try:
-                return list(self.fs.ls(base, detail=True))
-            except FileNotFoundError:
-                return []
-
-        root = self.full_path()
-        out = []
-        for raw in self._call("list", relpath, run):
-            if raw.get("type") == "directory":
-                continue
-            out.append(self._info(raw, root))
-        return sorted(out, key=lambda f: f.path)
+        entries = self._call(
+            "list", relpath, lambda: list_entries(self.fs, base, recursive=recursive)
+        )
+        return files_below(entries, self.root, None if self.is_local else self.fs._strip_protocol)
 
     def list_dirs(self, relpath: str = "") -> list[str]:
         """Names of the immediate sub-directories/prefixes of ``relpath``, sorted."""
         base = self.full_path(relpath)
-
-        def run() -> list[Any]:
-            try:
-                return list(self.fs.ls(base, detail=True, refresh=True))
-            except TypeError:  # backends without a refresh flag
-                return list(self.fs.ls(base, detail=True))
-            except FileNotFoundError:
-                return []
-
-        names = []
-        for raw in self._call("list", relpath, run):
-            if raw.get("type") == "directory":
-                name = str(raw["name"]).rstrip("/").replace(os.sep, "/")
-                names.append(name.rsplit("/", 1)[-1])
-        return sorted(set(names))
+        return directory_names(self._call("list", relpath, lambda: list_fresh(self.fs, base)))
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -450,46 +338,20 @@ class Volume:
         local_path = os.fspath(local_path)
         if size is None:
             size = self.info(relpath).size
-        tmp = f"{local_path}.part-{uuid.uuid4().hex[:8]}"
-        os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
-        try:
+
+        def fill(tmp: str) -> int | None:
             if self.is_local and size <= part_size * 4:
                 self._call("read", relpath, lambda: shutil.copyfile(self.full_path(relpath), tmp))
-            else:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    starts = list(range(0, size, part_size)) or [0]
+                return None
+            return fill_in_parts(
+                tmp,
+                size,
+                lambda start, end: self.read_bytes(relpath, start, end),
+                part_size=part_size,
+                concurrency=concurrency,
+            )
 
-                    def fetch(start: int) -> int:
-                        end = min(size, start + part_size)
-                        data = self.read_bytes(relpath, start, end) if end > start else b""
-                        os.pwrite(fd, data, start)
-                        return len(data)
-
-                    if len(starts) == 1:
-                        got = fetch(0)
-                    else:
-                        workers = max(1, min(concurrency, len(starts)))
-                        with ThreadPoolExecutor(max_workers=workers) as pool:
-                            got = sum(pool.map(fetch, starts))
-                finally:
-                    os.close(fd)
-                if got != size:
-                    raise VolumeError(
-                        f"Short read of {redact_url(self.url_of(relpath))}: got {got} bytes, "
-                        f"expected {size}. The object changed or the connection broke; retry."
-                    )
-            actual = os.path.getsize(tmp)
-            if actual != size:
-                raise VolumeError(
-                    f"Downloaded {actual} bytes of {redact_url(self.url_of(relpath))}, expected "
-                    f"{size}. The file changed while being read; retry."
-                )
-            os.replace(tmp, local_path)
-            return size
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
+        return download_atomically(local_path, size, fill, what=redact_url(self.url_of(relpath)))
 
     # -- writes ---------------------------------------------------------------------------
 
@@ -514,8 +376,13 @@ class Volume:
         size = os.path.getsize(local_path)
         if self.is_local:
             dst = self.full_path(relpath)
-            self._local_place(local_path, dst, move=move)
-        elif self.s3 is not None:
+            self._call(
+                "upload",
+                os.path.relpath(dst, self.root),
+                lambda: place_file(local_path, dst, move=move),
+            )
+            return size
+        if self.s3 is not None:
             bucket, key = self._bucket_key(relpath)
             self.s3.put(
                 local_path,
@@ -526,27 +393,14 @@ class Volume:
                 concurrency=concurrency or 1,
                 retry=lambda op, fn: self._call(op, relpath, fn),
             )
-            if verify_size:
-                self._verify_size(relpath, size)
-            if move:
-                os.remove(local_path)
         else:
             full = self.full_path(relpath)
-            kwargs: dict[str, Any] = {}
-            if self.protocol in ("s3", "s3a"):
-                if part_size:
-                    kwargs["chunksize"] = part_size
-                if concurrency:
-                    kwargs["max_concurrency"] = concurrency
-            elif self.protocol in ("gs", "gcs") and part_size:
-                kwargs["chunksize"] = part_size
-            elif self.protocol in ("az", "abfs", "abfss") and concurrency:
-                kwargs["max_concurrency"] = concurrency
+            kwargs = upload_options(self.protocol, part_size, concurrency)
             self._call("upload", relpath, lambda: self.fs.put_file(local_path, full, **kwargs))
-            if verify_size:
-                self._verify_size(relpath, size)
-            if move:
-                os.remove(local_path)
+        if verify_size:
+            self._verify_size(relpath, size)
+        if move:
+            os.remove(local_path)
         return size
 
     def _verify_size(self, relpath: str, size: int) -> None:
@@ -556,32 +410,6 @@ class Volume:
                 f"Uploaded {size} bytes to {redact_url(self.url_of(relpath))} but the "
                 f"volume reports {remote}. The upload was cut short; retry the save."
             )
-
-    def _local_place(self, src: str, dst: str, *, move: bool) -> None:
-        def run() -> None:
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            if move:
-                try:
-                    os.replace(src, dst)
-                    _fsync_dir(os.path.dirname(dst))
-                    return
-                except OSError as exc:
-                    if exc.errno != errno.EXDEV:
-                        raise
-            tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
-            try:
-                shutil.copyfile(src, tmp)
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-                os.replace(tmp, dst)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(tmp)
-            _fsync_dir(os.path.dirname(dst))
-            if move:
-                os.remove(src)
-
-        self._call("upload", os.path.relpath(dst, self.root), run)
 
     def publish(self, relpath: str, data: bytes, *, exclusive: bool = False) -> None:
         """Write a small file atomically: readers see all of it or nothing.
@@ -593,25 +421,7 @@ class Volume:
         """
         if self.is_local:
             dst = self.full_path(relpath)
-
-            def run_local() -> None:
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
-                try:
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    if exclusive:
-                        os.link(tmp, dst)  # fails with EEXIST instead of replacing
-                    else:
-                        os.replace(tmp, dst)
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(tmp)
-                _fsync_dir(os.path.dirname(dst))
-
-            self._call("publish", relpath, run_local)
+            self._call("publish", relpath, lambda: publish_bytes(dst, data, exclusive=exclusive))
             return
         full = self.full_path(relpath)
         if exclusive and self.exists(relpath):

@@ -9,25 +9,26 @@ exists, file sizes are checked against it and every file read whole is
 verified against its checksum (``verify=True`` reads every file whole). With
 ``local_copy_dir`` the files are read from the local tier when they match the
 manifest, and from the volume otherwise.
+
+This module plans the reads and schedules, verifies and finishes them; the
+reads of one file, up to handing its items to DCP's planner, are a ``FileJob``
+(``_file_job.py``).
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import pickle
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import IO, Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-import torch
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
@@ -40,9 +41,9 @@ from dcp_volumes._exceptions import (
 )
 from dcp_volumes._retry import RetryPolicy, redact_url
 from dcp_volumes._staging import parse_size
-from dcp_volumes._streams import FileSlice, MemoryReader
 from dcp_volumes._volume import FileInfo, Volume
 from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._file_job import FileJob
 from dcp_volumes.checkpoint._manifest import (
     METADATA_NAME,
     FileRecord,
@@ -51,25 +52,12 @@ from dcp_volumes.checkpoint._manifest import (
     checksum_file,
     read_manifest,
 )
-from dcp_volumes.checkpoint._shards import (
-    advise_willneed,
-    load_tensor,
-    missing_file_error,
-    narrow,
-    truncated_file_error,
-)
+from dcp_volumes.checkpoint._shards import advise_willneed
 
 try:
     from torch.distributed.checkpoint.metadata import StorageMeta
 except ImportError:  # pragma: no cover - torch < 2.4
     StorageMeta = None  # type: ignore[assignment,misc]
-
-# Stream transforms (e.g. compression) of stock writers with extensions; the
-# module is experimental in torch, so it may be missing.
-try:
-    from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
-except ImportError:  # pragma: no cover - torch < 2.7
-    _StorageReaderTransforms = None  # type: ignore[misc,assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -101,32 +89,6 @@ class ReaderOptions:
             raise ConfigurationError(f"part_size={self.part_size} must be >= 1 byte.")
         if self.coalesce_gap < 0 or self.prefetch_bytes < 0:
             raise ConfigurationError("coalesce_gap and prefetch_bytes must be >= 0 bytes.")
-
-
-@dataclass
-class _FileJob:
-    """The reads of one data file: its items, merged spans and where the bytes come from.
-
-    Files on a local volume (or the local tier) are not fetched into buffers:
-    ``file`` is opened when the job is finished and items are deserialised
-    straight from it, as stock DCP does.
-    """
-
-    rel: str
-    reqs: list[tuple[ReadItem, Any]]
-    spans: list[tuple[int, int]]
-    record: FileRecord | None
-    whole: bool
-    source: Volume
-    from_local: bool = False
-    buffers: list[memoryview] = field(default_factory=list)
-    futures: list[ThreadFuture[None]] = field(default_factory=list)
-    digest: str | None = None  # checksum taken by the fetch thread (one-GET whole files)
-    file: io.FileIO | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e - s for s, e in self.spans)
 
 
 class VolumeReader(_layout.CheckpointLocation, StorageReader):
@@ -292,14 +254,14 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                         listing = None
                     self._finish_job(pool, job)
                     in_flight -= job.nbytes
-                    self._deliver(job, planner)
+                    job.deliver(planner)
                     job.buffers.clear()
-                    _close(job)
+                    job.close()
             except BaseException:
                 for job in jobs:
                     for f in job.futures:
                         f.cancel()
-                    _close(job)
+                    job.close()
                 raise
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -338,7 +300,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                     self._volume.display_url,
                 )
 
-    def _plan_jobs(self, plan: LoadPlan) -> list[_FileJob]:
+    def _plan_jobs(self, plan: LoadPlan) -> list[FileJob]:
         per_file: dict[str, list[tuple[ReadItem, Any]]] = {}
         for req in plan.items:
             try:
@@ -366,13 +328,13 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             whole = record is not None and spans == [(0, record.size)]
             if record is not None and self.options.verify:
                 spans, whole = [(0, record.size)], True
-            job = _FileJob(rel, reqs, spans, record, whole, self._volume)
+            job = FileJob(rel, reqs, spans, record, whole, self._volume)
             if record is not None:
                 self._use_local_copy(job)
             jobs.append(job)
         return jobs
 
-    def _check_sizes(self, jobs: Sequence[_FileJob], listing: Sequence[FileInfo]) -> None:
+    def _check_sizes(self, jobs: Sequence[FileJob], listing: Sequence[FileInfo]) -> None:
         """Every file the plan reads exists with the manifest's size (before any is used)."""
         sizes = {f.path: f.size for f in listing}
         for job in jobs:
@@ -392,7 +354,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                 f"{record.size}. The file was truncated or replaced; load an older checkpoint."
             )
 
-    def _use_local_copy(self, job: _FileJob) -> None:
+    def _use_local_copy(self, job: FileJob) -> None:
         local_dir = self.local_copy_path
         if local_dir is None or job.record is None:
             return
@@ -415,7 +377,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         job.from_local = True
         job.spans, job.whole = [(0, size)], True
 
-    def _submit(self, pool: ThreadPoolExecutor, job: _FileJob) -> None:
+    def _submit(self, pool: ThreadPoolExecutor, job: FileJob) -> None:
         if job.source.is_local:
             advise_willneed(job.source.full_path(job.rel), job.spans)
             return
@@ -432,42 +394,12 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         # that deserialises.
         hash_here = job.whole and len(parts) == 1
         for buf, s, e, at in parts:
-            job.futures.append(pool.submit(self._fetch, job, s, e, buf, at, hash_here))
+            job.futures.append(pool.submit(job.fetch, s, e, buf, at, hash_here))
 
-    @staticmethod
-    def _fetch(
-        job: _FileJob, start: int, end: int, buf: memoryview, at: int, hash_it: bool
-    ) -> None:
-        source, rel = job.source, job.rel
-        try:
-            got = source.read_into(rel, start, buf[at : at + end - start])
-        except BucketNotFoundError:
-            raise
-        except VolumeNotFoundError:
-            raise missing_file_error(source, rel) from None
-        if got != end - start:
-            raise truncated_file_error(source, rel, start, end, got)
-        if hash_it:
-            job.digest = checksum_bytes(buf)
-
-    def _open_local(self, job: _FileJob) -> None:
-        """Open a file of a local source and check that it holds every span."""
-        source = job.source
-        try:
-            job.file = source.open_local(job.rel)
-        except BucketNotFoundError:
-            raise
-        except VolumeNotFoundError:
-            raise missing_file_error(source, job.rel) from None
-        size = os.fstat(job.file.fileno()).st_size
-        for start, end in job.spans:
-            if end > size:
-                raise truncated_file_error(source, job.rel, start, end, max(0, size - start))
-
-    def _finish_job(self, pool: ThreadPoolExecutor, job: _FileJob) -> None:
+    def _finish_job(self, pool: ThreadPoolExecutor, job: FileJob) -> None:
         """Wait for a file's bytes and verify them; a bad local copy falls back to the volume."""
         if job.source.is_local:
-            self._open_local(job)
+            job.open_local()
         for f in job.futures:
             f.result()
         if not job.whole or job.record is None:
@@ -483,7 +415,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             logger.warning(
                 "local copy of %s fails its checksum: reading it from the volume", job.rel
             )
-            _close(job)
+            job.close()
             job.source, job.from_local = self._volume, False
             self._submit(pool, job)
             self._finish_job(pool, job)
@@ -493,63 +425,3 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             f"checksum ({actual}, manifest {job.record.checksum}): its bytes changed after the "
             "save. Load an older checkpoint."
         )
-
-    def _deliver(self, job: _FileJob, planner: LoadPlanner) -> None:
-        starts = [s for s, _ in job.spans]
-        for req, info in job.reqs:
-            i = _layout.find_span(starts, job.spans, info.offset, info.offset + info.length)
-            stream: IO[bytes]
-            view = None
-            if job.file is not None:
-                stream = cast(IO[bytes], FileSlice(job.file, info.offset, info.length))
-            else:
-                lo = info.offset - job.spans[i][0]
-                view = job.buffers[i][lo : lo + info.length]
-                stream = cast(IO[bytes], MemoryReader(view))
-            descriptors = getattr(info, "transform_descriptors", None)
-            if descriptors:
-                stream, view = self._untransform(req, descriptors, stream), None
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(stream.read()))
-                continue
-            if not stream.seekable():
-                stream = io.BytesIO(stream.read())
-            try:
-                if view is not None:  # fetched bytes: deserialise in place
-                    tensor = load_tensor(view)
-                else:
-                    tensor = torch.load(stream, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise CheckpointCorruptError(
-                    f"{req.storage_index.fqn} in {redact_url(job.source.url_of(job.rel))} "
-                    f"cannot be deserialised ({type(exc).__name__}: {exc}). The file is damaged; "
-                    "load with verify=True to check it, or load an older checkpoint."
-                ) from exc
-            tensor = narrow(tensor, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
-            if target.size() != tensor.size():
-                raise CheckpointCorruptError(
-                    f"{req.storage_index.fqn}: the checkpoint holds a {tuple(tensor.size())} "
-                    f"piece where {tuple(target.size())} is expected."
-                )
-            target.copy_(tensor)
-            planner.commit_tensor(req, target)
-
-    def _untransform(
-        self, req: ReadItem, descriptors: Sequence[str], stream: IO[bytes]
-    ) -> IO[bytes]:
-        if _StorageReaderTransforms is None:  # pragma: no cover - torch < 2.7
-            raise CheckpointCorruptError(
-                f"{req.storage_index.fqn} was saved with stream transforms {list(descriptors)} "
-                "that this torch version cannot undo; load with the torch that saved it."
-            )
-        return cast(
-            IO[bytes],
-            _StorageReaderTransforms().transform_load_stream(req, descriptors, stream),
-        )
-
-
-def _close(job: _FileJob) -> None:
-    if job.file is not None:
-        job.file.close()
-        job.file = None

@@ -1,0 +1,157 @@
+"""Local-file side of ``Volume``: root checks, atomic placement and writes, downloads.
+
+A local disk or network mount has no atomic PUT, so every file lands under a
+temporary name and is renamed into place, with the fsyncs that make the rename
+durable; a download lands the same way. File operations raise plain
+``OSError``s, which ``Volume`` retries and translates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from dcp_volumes._exceptions import VolumeAccessError, VolumeError, VolumeNotFoundError
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename durable: the directory entry itself must reach the disk."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def check_dir(path: str, *, writable: bool) -> None:
+    """Raise a clear error unless ``path`` is a directory (``writable``: this process may write)."""
+    if not os.path.isdir(path):
+        raise VolumeNotFoundError(
+            f"The directory {path} does not exist. Fix: create it or mount the volume."
+        )
+    if writable and not os.access(path, os.W_OK | os.X_OK):
+        raise VolumeAccessError(
+            f"The directory {path} is not writable by this process. Fix: change its "
+            "permissions or choose another path."
+        )
+
+
+def place_file(src: str, dst: str, *, move: bool) -> None:
+    """Put ``src`` at ``dst`` so that no reader sees it half written.
+
+    ``move=True`` renames when both are on one filesystem and removes ``src``
+    after a copy otherwise.
+    """
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    if move:
+        try:
+            os.replace(src, dst)
+            fsync_dir(os.path.dirname(dst))
+            return
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+    tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+    fsync_dir(os.path.dirname(dst))
+    if move:
+        os.remove(src)
+
+
+def publish_bytes(dst: str, data: bytes, *, exclusive: bool) -> None:
+    """Write ``data`` to ``dst`` atomically: temp file, fsync, rename, fsync of the directory.
+
+    ``exclusive=True`` links instead of renaming, so an existing ``dst`` fails
+    with ``FileExistsError`` instead of being replaced.
+    """
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if exclusive:
+            os.link(tmp, dst)  # fails with EEXIST instead of replacing
+        else:
+            os.replace(tmp, dst)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+    fsync_dir(os.path.dirname(dst))
+
+
+def fill_in_parts(
+    path: str,
+    size: int,
+    read: Callable[[int, int], bytes],
+    *,
+    part_size: int,
+    concurrency: int,
+) -> int:
+    """Write ``size`` bytes to ``path`` from ``read(start, end)`` calls, in parallel parts.
+
+    Returns how many bytes arrived (fewer than ``size`` when a read came up short).
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        starts = list(range(0, size, part_size)) or [0]
+
+        def fetch(start: int) -> int:
+            end = min(size, start + part_size)
+            data = read(start, end) if end > start else b""
+            os.pwrite(fd, data, start)
+            return len(data)
+
+        if len(starts) == 1:
+            return fetch(0)
+        workers = max(1, min(concurrency, len(starts)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return sum(pool.map(fetch, starts))
+    finally:
+        os.close(fd)
+
+
+def download_atomically(
+    local_path: str, size: int, fill: Callable[[str], int | None], *, what: str
+) -> int:
+    """Land a ``size``-byte download at ``local_path`` whole or not at all.
+
+    ``fill(tmp)`` writes the file under a temporary name beside ``local_path``
+    and returns how many bytes arrived (``None``: not counted); the file is
+    renamed into place only when it has ``size`` bytes. ``what`` names the
+    source in errors. Returns ``size``.
+    """
+    tmp = f"{local_path}.part-{uuid.uuid4().hex[:8]}"
+    os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
+    try:
+        got = fill(tmp)
+        if got is not None and got != size:
+            raise VolumeError(
+                f"Short read of {what}: got {got} bytes, expected {size}. The object changed "
+                "or the connection broke; retry."
+            )
+        actual = os.path.getsize(tmp)
+        if actual != size:
+            raise VolumeError(
+                f"Downloaded {actual} bytes of {what}, expected {size}. The file changed while "
+                "being read; retry."
+            )
+        os.replace(tmp, local_path)
+        return size
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
