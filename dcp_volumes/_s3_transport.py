@@ -174,7 +174,38 @@ class S3Transport:
             modified.timestamp() if modified is not None else None,
         )
 
+    def check_bucket(self, bucket: str) -> None:
+        """Raise unless the bucket exists and these credentials may use it."""
+        self._client.head_bucket(Bucket=bucket)
+
+    def list(self, bucket: str, prefix: str) -> list[tuple[str, int, str | None, float | None]]:
+        """``(key, size, etag, mtime)`` of every object under ``prefix`` (pages followed)."""
+        found = []
+        for page in self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=prefix
+        ):
+            for obj in page.get("Contents", ()):
+                key = obj["Key"]
+                if key.endswith("/"):
+                    continue  # a "directory" marker, not a file
+                etag = obj.get("ETag")
+                modified = obj.get("LastModified")
+                found.append(
+                    (
+                        key,
+                        int(obj["Size"]),
+                        str(etag).strip('"') if etag else None,
+                        modified.timestamp() if modified is not None else None,
+                    )
+                )
+        return found
+
     # -- writes ---------------------------------------------------------------------------
+
+    def put_bytes(self, bucket: str, key: str, data: bytes, *, exclusive: bool) -> None:
+        """One PUT of a small object; ``exclusive`` adds ``If-None-Match: *``."""
+        extra = {"IfNoneMatch": "*"} if exclusive else {}
+        self._client.put_object(Bucket=bucket, Key=key, Body=data, **extra)
 
     def put(
         self,

@@ -147,11 +147,14 @@ def read_manifest(volume: Volume) -> Manifest | None:
     return Manifest.from_json(data, where=volume.url_of(MANIFEST_NAME))
 
 
-def check_listing(manifest: Manifest, listing: Iterable[FileInfo]) -> list[str]:
-    """Problems found comparing the manifest with a listing (empty list: consistent)."""
+def check_listing(
+    expected: Manifest | Mapping[str, FileRecord], listing: Iterable[FileInfo]
+) -> list[str]:
+    """Problems found comparing files (a manifest's, or some) with a listing (empty: consistent)."""
+    files = expected.files if isinstance(expected, Manifest) else expected
     sizes = {f.path: f.size for f in listing}
     problems = []
-    for name, rec in sorted(manifest.files.items()):
+    for name, rec in sorted(files.items()):
         if name not in sizes:
             problems.append(f"{name}: missing")
         elif sizes[name] != rec.size:

@@ -375,6 +375,8 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         finally:
             if not keep:
                 StagingArea.remove(save_dir)
+        if not self._volume.is_local:
+            self._verify_uploaded(results)
         elapsed = max(time.monotonic() - started, 1e-9)
         logger.debug(
             "rank %d wrote %d files (%.1f MiB) to %s in %.2fs (%.0f MiB/s)",
@@ -480,8 +482,23 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         files_in_flight = max(1, min(conc, budget // file_size))
         return files_in_flight, max(1, conc // files_in_flight), file_size
 
+    def _verify_uploaded(self, results: list[WriteResult]) -> None:
+        """Every file of this rank is on the volume with its size: one listing, not a HEAD each."""
+        files = {
+            wr.storage_data.info.relative_path: wr.storage_data.record
+            for wr in results
+            if isinstance(wr.storage_data, WrittenItem)
+        }
+        problems = check_listing(files, self._volume.list())
+        if problems:
+            raise VolumeError(
+                f"Rank {self._rank}'s upload to {self._volume.display_url} did not land whole "
+                f"({'; '.join(problems[:5])}). The upload was cut short or another writer "
+                "uses this location; save again."
+            )
+
     def _upload(self, local: str, rel: str, size: int, keep: bool, per_file: int) -> None:
-        """Upload one closed file and verify its size on the volume (upload threads)."""
+        """Upload one closed file (upload threads); sizes are checked by ``_verify_uploaded``."""
         volume = self._volume
         move = volume.is_local and not keep
         volume.put_file(
@@ -490,10 +507,10 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             part_size=self.options.part_size,
             concurrency=per_file,
             move=move,
-            verify_size=True,
+            verify_size=False,  # remote: one listing per rank afterwards (_verify_uploaded)
         )
         if volume.is_local:
-            # put_file verifies remote uploads; check the local copy/rename here.
+            # Remote files are checked together afterwards; the local copy/rename here.
             actual = os.path.getsize(volume.full_path(rel))
             if actual != size:
                 raise VolumeError(
