@@ -15,6 +15,7 @@ Shared by the writer and the reader so that both agree on the layout:
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -92,10 +93,17 @@ def coalesce(
 
 
 def split_range(start: int, end: int, part_size: int) -> list[tuple[int, int]]:
-    """``[start, end)`` cut into consecutive parts of at most ``part_size`` bytes."""
+    """``[start, end)`` cut into equal parts of about ``part_size`` bytes (at most 1.5x).
+
+    Equal parts, rounded, not full parts and a remainder: a file a few KiB over
+    the part size (its headers) would otherwise cost a second request for its tail.
+    """
     if end <= start:
         return [(start, start)]
-    return [(s, min(end, s + part_size)) for s in range(start, end, part_size)]
+    length = end - start
+    count = max(1, round(length / part_size))
+    cuts = [start + i * length // count for i in range(count + 1)]
+    return list(itertools.pairwise(cuts))
 
 
 def find_span(

@@ -61,6 +61,9 @@ except ImportError:  # pragma: no cover - torch < 2.4
 
 logger = logging.getLogger(__name__)
 
+# Smallest GET a file is split into to feed idle streams.
+_MIN_SPLIT = 4 * 2**20
+
 
 @dataclass(frozen=True)
 class ReaderOptions:
@@ -159,6 +162,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._storage_data: dict[Any, Any] = {}
         self._manifest: Manifest | None = None
         self._manifest_loaded = False
+        self._part_size = self.options.part_size  # per load: see _split_size
         self._load_id = uuid.uuid4().hex
 
     # -- identity ---------------------------------------------------------------------------
@@ -231,6 +235,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         """Fetch what ``plan`` needs, verify it, and hand it to ``planner`` (all ranks)."""
         self._load_manifest()
         jobs = self._plan_jobs(plan)
+        self._part_size = self._split_size(sum(job.nbytes for job in jobs))
         with ThreadPoolExecutor(
             max_workers=self.options.read_concurrency, thread_name_prefix="dcpv-read"
         ) as pool:
@@ -377,6 +382,16 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         job.from_local = True
         job.spans, job.whole = [(0, size)], True
 
+    def _split_size(self, total: int) -> int:
+        """Bytes per GET: whole files while there are enough to keep every stream busy.
+
+        Splitting costs requests (and on some servers a read of the whole
+        object per range), so a file is cut only when the plan has fewer
+        parts than streams; ``part_size`` caps a GET either way.
+        """
+        per_stream = -(-total // self.options.read_concurrency)
+        return max(min(_MIN_SPLIT, self.options.part_size), min(self.options.part_size, per_stream))
+
     def _submit(self, pool: ThreadPoolExecutor, job: FileJob) -> None:
         if job.source.is_local:
             advise_willneed(job.source.full_path(job.rel), job.spans)
@@ -387,7 +402,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         parts = [
             (buf, s, e, s - start)
             for buf, (start, end) in zip(job.buffers, job.spans, strict=True)
-            for s, e in _layout.split_range(start, end, self.options.part_size)
+            for s, e in _layout.split_range(start, end, self._part_size)
             if e > s
         ]
         # A whole file in one GET is hashed by its fetch thread, off the thread
