@@ -135,22 +135,31 @@ class S3Transport:
         finally:
             body.close()
 
-    def get_into(self, bucket: str, key: str, start: int, out: memoryview) -> int:
-        """Read ``len(out)`` bytes from ``start`` straight into ``out``; returns bytes read.
+    def get_into(
+        self, bucket: str, key: str, start: int, out: memoryview, *, whole: bool = False
+    ) -> int:
+        """Read ``len(out)`` bytes from ``start`` into ``out``; returns how many arrived.
 
-        No intermediate ``bytes``: the socket fills the caller's buffer (a
-        checkpoint load's buffers are hundreds of MiB per rank).
+        No ``bytes`` of the whole range is built: the body is read piece by piece
+        into the caller's buffer (a load's buffers are hundreds of MiB per
+        rank). ``whole``: the object is exactly ``out`` long, so ask for it
+        without a Range header (some servers read the whole object per range);
+        another length comes back as the count, unread.
         """
         if not len(out):
             return 0
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if not (whole and start == 0):
+            kwargs["Range"] = f"bytes={start}-{start + len(out) - 1}"
         try:
-            response = self._client.get_object(
-                Bucket=bucket, Key=key, Range=f"bytes={start}-{start + len(out) - 1}"
-            )
+            response = self._client.get_object(**kwargs)
         except Exception as exc:
             if _code(exc) in ("InvalidRange", "416"):
                 return 0
             raise
+        if "Range" not in kwargs and response.get("ContentLength") != len(out):
+            response["Body"].close()
+            return int(response.get("ContentLength") or 0)
         body = response["Body"]
         got = 0
         try:

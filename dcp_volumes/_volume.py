@@ -308,12 +308,17 @@ class Volume:
         full = self.full_path(relpath)
         return self._call("read", relpath, lambda: self.fs.cat_file(full, start=start, end=end))
 
-    def read_into(self, relpath: str, start: int, out: memoryview) -> int:
-        """Read ``len(out)`` bytes from ``start`` into ``out``; returns how many arrived."""
+    def read_into(self, relpath: str, start: int, out: memoryview, *, whole: bool = False) -> int:
+        """Read ``len(out)`` bytes from ``start`` into ``out``; returns how many arrived.
+
+        ``whole``: ``out`` is the whole file (one plain GET, no range).
+        """
         s3 = self.s3
         if s3 is not None:
             bucket, key = self._bucket_key(relpath)
-            return self._call("read", relpath, lambda: s3.get_into(bucket, key, start, out))
+            return self._call(
+                "read", relpath, lambda: s3.get_into(bucket, key, start, out, whole=whole)
+            )
         data = self.read_bytes(relpath, start, start + len(out))
         out[: len(data)] = data
         return len(data)

@@ -68,10 +68,11 @@ class FileJob:
         return sum(e - s for s, e in self.spans)
 
     def fetch(self, start: int, end: int, buf: memoryview, at: int, hash_it: bool) -> None:
-        """Read ``[start, end)`` into ``buf`` at ``at``; ``hash_it``: checksum the buffer."""
+        """Read ``[start, end)`` into ``buf`` at ``at``; ``hash_it``: the buffer is the whole
+        file (fetched with one plain GET), checksum it here."""
         source, rel = self.source, self.rel
         try:
-            got = source.read_into(rel, start, buf[at : at + end - start])
+            got = source.read_into(rel, start, buf[at : at + end - start], whole=hash_it)
         except BucketNotFoundError:
             raise
         except VolumeNotFoundError:
