@@ -31,6 +31,7 @@ faster), ``FsspecReader``, s3torchconnector's ``S3StorageReader`` and
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -68,6 +69,7 @@ SAVE_METHODS = (
 LOAD_METHODS = (
     "raw_get",
     "raw_ranged",
+    "local_reader",
     "fsspec_reader",
     "s3tc_reader",
     "vw_reader",
@@ -365,7 +367,16 @@ def run_save_method(
 # ---------------------------------------------------------------------------
 
 
+def local_copy_dir(job: Job) -> str:
+    """Where both ranks keep a local-disk copy of the state for the reference load."""
+    return os.path.join(tempfile.gettempdir(), f"dcpv-bench-{job.bucket}-{job.prefix}")
+
+
 def _make_reader(job: Job, name: str) -> Any:
+    if name == "local_reader":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        return FileSystemReader(local_copy_dir(job))
     if job.load_source is None:
         raise RuntimeError("no checkpoint to load")
     if name == "fsspec_reader":
@@ -427,6 +438,10 @@ def run_loads(
             if name in RAW_LOADS:
                 runs = _raw_loads(job, rank, name, state, barrier)
             else:
+                if name == "local_reader":  # untimed: the copy DCP then reads from disk
+                    from torch.distributed.checkpoint import FileSystemWriter
+
+                    dcp.save(state, storage_writer=FileSystemWriter(local_copy_dir(job)))
                 for _ in range(job.load_repeats):
                     for t in state_tensors(state):
                         t.zero_()  # a load that reads nothing must not pass
@@ -440,6 +455,8 @@ def run_loads(
             error = _describe(exc)
         out[name] = {"runs": runs, "error": error}
         barrier()
+        if name == "local_reader" and rank == 0:
+            shutil.rmtree(local_copy_dir(job), ignore_errors=True)
     return out
 
 

@@ -76,6 +76,7 @@ LABELS = {
     "vw_async_f32": "dcp.async_save VolumeWriter file_size=32MiB (not default)",
     "raw_get": "raw parallel GETs of the chunks",
     "raw_ranged": "raw parallel ranged GETs",
+    "local_reader": "dcp.load FileSystemReader <- local disk (no network: DCP's own cost)",
     "fsspec_reader": "dcp.load FsspecReader",
     "s3tc_reader": "dcp.load s3torchconnector",
     "vw_reader": "dcp.load VolumeReader",
