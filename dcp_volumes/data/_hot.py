@@ -206,26 +206,10 @@ class HotIndex:
             self._touch_hot(hot, shared, slot)
         note_hit(hot.key)
         if lock is not None:
-            return CachedFile(
-                path=hot.data,
-                url=hot.url,
-                key=hot.key,
-                size=hot.size,
-                hit=True,
-                download_seconds=0.0,
-                pin=lock,
-            )
+            return _hit(hot, lock)
         found = hot.file  # unpinned hits hand out one immutable object per copy
         if found is None:
-            found = hot.file = CachedFile(
-                path=hot.data,
-                url=hot.url,
-                key=hot.key,
-                size=hot.size,
-                hit=True,
-                download_seconds=0.0,
-                pin=None,
-            )
+            found = hot.file = _hit(hot, None)
         return found  # type: ignore[no-any-return]
 
     def _touch_hot(self, hot: Hot, shared: SharedHot | None, slot: int) -> None:
@@ -295,3 +279,15 @@ class HotIndex:
         index[relpath] = Hot(ref, meta, st)
         if shared is not None and expected is not None:
             shared.put(slot, st)
+
+
+def _hit(hot: Hot, pin: EntryLock | None) -> CachedFile:
+    return CachedFile(
+        path=hot.data,
+        url=hot.url,
+        key=hot.key,
+        size=hot.size,
+        hit=True,
+        download_seconds=0.0,
+        pin=pin,
+    )
