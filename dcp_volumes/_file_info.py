@@ -9,7 +9,7 @@ its retries and error translation.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,3 +93,12 @@ def directory_names(entries: list[Any]) -> list[str]:
             name = str(raw["name"]).rstrip("/").replace(os.sep, "/")
             names.append(name.rsplit("/", 1)[-1])
     return sorted(set(names))
+
+
+def files_of_keys(
+    found: Iterable[tuple[str, int, str | None, float | None]], root_key: str
+) -> list[FileInfo]:
+    """``(key, size, etag, mtime)`` of objects below ``root_key`` as sorted ``FileInfo``."""
+    skip = len(root_key) + 1 if root_key else 0
+    files = [FileInfo(path=k[skip:], size=n, etag=e, mtime=m) for k, n, e, m in found]
+    return sorted(files, key=lambda f: f.path)

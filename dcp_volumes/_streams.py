@@ -7,6 +7,7 @@ make the whole range one ``bytes`` first.
 
 from __future__ import annotations
 
+import abc
 import io
 import os
 from typing import Any
@@ -44,8 +45,9 @@ class RangeReader(io.RawIOBase):
         self._pos += got
         return got
 
+    @abc.abstractmethod
     def _fill(self, out: memoryview, pos: int) -> int:
-        raise NotImplementedError
+        """Fill ``out`` with the bytes at ``pos``; returns how many (short at the end of data)."""
 
 
 class MemoryReader(RangeReader):

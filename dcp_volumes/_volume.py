@@ -44,6 +44,7 @@ from dcp_volumes._file_info import (
     directory_names,
     file_info,
     files_below,
+    files_of_keys,
     list_entries,
     list_fresh,
 )
@@ -280,12 +281,7 @@ class Volume:
             bucket, key = self._bucket_key(relpath)
             prefix = f"{key}/" if key else ""
             found = self._call("list", relpath, lambda: s3.list(bucket, prefix))
-            root_key = self._bucket_key("")[1]
-            skip = len(root_key) + 1 if root_key else 0
-            return sorted(
-                (FileInfo(path=k[skip:], size=n, etag=e, mtime=m) for k, n, e, m in found),
-                key=lambda f: f.path,
-            )
+            return files_of_keys(found, self._bucket_key("")[1])
         base = self.full_path(relpath)
         entries = self._call(
             "list", relpath, lambda: list_entries(self.fs, base, recursive=recursive)
@@ -417,19 +413,15 @@ class Volume:
             full = self.full_path(relpath)
             kwargs = upload_options(self.protocol, part_size, concurrency)
             self._call("upload", relpath, lambda: self.fs.put_file(local_path, full, **kwargs))
-        if verify_size:
-            self._verify_size(relpath, size)
-        if move:
-            os.remove(local_path)
-        return size
-
-    def _verify_size(self, relpath: str, size: int) -> None:
-        remote = self.info(relpath).size
+        remote = self.info(relpath).size if verify_size else size
         if remote != size:
             raise VolumeError(
                 f"Uploaded {size} bytes to {redact_url(self.url_of(relpath))} but the "
                 f"volume reports {remote}. The upload was cut short; retry the save."
             )
+        if move:
+            os.remove(local_path)
+        return size
 
     def publish(self, relpath: str, data: bytes, *, exclusive: bool = False) -> None:
         """Write a small file atomically: readers see all of it or nothing.
@@ -443,29 +435,24 @@ class Volume:
             dst = self.full_path(relpath)
             self._call("publish", relpath, lambda: publish_bytes(dst, data, exclusive=exclusive))
             return
-        full = self.full_path(relpath)
         s3 = self.s3
-        if s3 is not None:
-            bucket, key = self._bucket_key(relpath)
-            if exclusive and self._s3_has(relpath):
-                raise VolumeExistsError(
-                    f"Cannot publish {redact_url(self.url_of(relpath))}: it already exists and "
-                    "this write must not replace it."
-                )
-            self._call(
-                "publish", relpath, lambda: s3.put_bytes(bucket, key, data, exclusive=exclusive)
-            )
-            return
-        if exclusive and self.exists(relpath):
+        # A check first: stores that ignore If-None-Match still refuse here.
+        if exclusive and (self._s3_has(relpath) if s3 is not None else self.exists(relpath)):
             raise VolumeExistsError(
                 f"Cannot publish {redact_url(self.url_of(relpath))}: it already exists and this "
                 "write must not replace it."
             )
+        if s3 is not None:
+            bucket, key = self._bucket_key(relpath)
+            self._call(
+                "publish", relpath, lambda: s3.put_bytes(bucket, key, data, exclusive=exclusive)
+            )
+            return
+        full = self.full_path(relpath)
         mode = "create" if exclusive else "overwrite"
         self._call("publish", relpath, lambda: self.fs.pipe_file(full, data, mode=mode))
 
     def _s3_has(self, relpath: str) -> bool:
-        # Stores that ignore If-None-Match still refuse here (a HEAD first).
         try:
             self.info(relpath)
         except VolumeNotFoundError:

@@ -14,7 +14,6 @@ them, because ``.metadata`` holds only stock types.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -38,11 +37,10 @@ from dcp_volumes._exceptions import (
     CheckpointCorruptError,
     CheckpointExistsError,
     ConfigurationError,
-    VolumeError,
     VolumeExistsError,
     VolumeNotFoundError,
 )
-from dcp_volumes._retry import RetryPolicy, redact_url
+from dcp_volumes._retry import RetryPolicy
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
@@ -53,6 +51,12 @@ from dcp_volumes.checkpoint._manifest import (
     Manifest,
     check_listing,
     read_manifest,
+)
+from dcp_volumes.checkpoint._rank_upload import (
+    MIN_PART_SIZE,
+    upload_file,
+    upload_shape,
+    verify_uploaded,
 )
 from dcp_volumes.checkpoint._shards import WrittenItem, estimate_bytes, write_and_upload
 from dcp_volumes.checkpoint._stager import CpuStager
@@ -70,14 +74,6 @@ except ImportError:  # pragma: no cover - torch < 2.4
     StorageMeta = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger(__name__)
-
-# S3 rejects multipart parts below 5 MiB (except the last one).
-_MIN_PART_SIZE = 5 * 2**20
-# Files uploaded at once per rank (they share the transfers in flight).
-_MAX_FILES_IN_FLIGHT = 4
-# Upload buffers may take this share of a rank's checkpoint bytes in RAM, so an
-# async save needs about 1.25x the state: the staged copy plus this.
-_UPLOAD_RAM_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -119,7 +115,7 @@ class WriterOptions:
             raise ConfigurationError(
                 f"upload_concurrency={self.upload_concurrency} must be >= 1."
             )
-        if self.part_size < _MIN_PART_SIZE:
+        if self.part_size < MIN_PART_SIZE:
             raise ConfigurationError(
                 f"part_size={self.part_size} bytes is below 5 MiB, the smallest multipart "
                 "part object stores accept. Use e.g. part_size='32MiB'."
@@ -355,7 +351,12 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         else:
             name = _layout.checkpoint_name(self._volume.root)
             save_dir = self._staging.new_dir(f"{name}-r{self._rank}")
-        files_in_flight, per_file, file_size = self._upload_shape(estimate_bytes(plan.items))
+        files_in_flight, per_file, file_size = upload_shape(
+            self._volume,
+            rank_bytes=estimate_bytes(plan.items),
+            concurrency=self.options.upload_concurrency,
+            file_size=self.options.file_size,
+        )
         items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
         items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
         started = time.monotonic()
@@ -370,13 +371,21 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                 # Mount-path volumes get the file by rename: it must be on disk first.
                 fsync=self._volume.is_local or local_copy is not None,
                 files_in_flight=files_in_flight,
-                upload=lambda local, rel, size: self._upload(local, rel, size, keep, per_file),
+                upload=lambda local, rel, size: upload_file(
+                    self._volume,
+                    local,
+                    rel,
+                    size,
+                    keep=keep,
+                    per_file=per_file,
+                    part_size=self.options.part_size,
+                ),
             )
         finally:
             if not keep:
                 StagingArea.remove(save_dir)
         if not self._volume.is_local:
-            self._verify_uploaded(results)
+            verify_uploaded(self._volume, self._rank, results)
         elapsed = max(time.monotonic() - started, 1e-9)
         logger.debug(
             "rank %d wrote %d files (%.1f MiB) to %s in %.2fs (%.0f MiB/s)",
@@ -464,60 +473,3 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             ]
         self._volume.delete(MANIFEST_NAME)
         self._volume.delete_many(old_files)
-
-    def _upload_shape(self, rank_bytes: int) -> tuple[int, int, int]:
-        """(files in flight, transfers per file, file size) for this rank's upload.
-
-        Throughput comes from many streams in flight (real stores cap each
-        stream), RAM from the bytes those streams buffer. Within a budget of
-        ``_UPLOAD_RAM_SHARE`` of the rank's bytes, keep ``upload_concurrency``
-        streams busy by making files small enough that each is one PUT (no
-        multipart round trips); large states keep ``file_size`` files.
-        """
-        conc = self.options.upload_concurrency
-        if self._volume.is_local:
-            return min(_MAX_FILES_IN_FLIGHT, conc), 1, self.options.file_size
-        budget = max(conc * _MIN_PART_SIZE, int(rank_bytes * _UPLOAD_RAM_SHARE))
-        file_size = min(self.options.file_size, max(_MIN_PART_SIZE, budget // conc))
-        files_in_flight = max(1, min(conc, budget // file_size))
-        return files_in_flight, max(1, conc // files_in_flight), file_size
-
-    def _verify_uploaded(self, results: list[WriteResult]) -> None:
-        """Every file of this rank is on the volume with its size: one listing, not a HEAD each."""
-        files = {
-            wr.storage_data.info.relative_path: wr.storage_data.record
-            for wr in results
-            if isinstance(wr.storage_data, WrittenItem)
-        }
-        problems = check_listing(files, self._volume.list())
-        if problems:
-            raise VolumeError(
-                f"Rank {self._rank}'s upload to {self._volume.display_url} did not land whole "
-                f"({'; '.join(problems[:5])}). The upload was cut short or another writer "
-                "uses this location; save again."
-            )
-
-    def _upload(self, local: str, rel: str, size: int, keep: bool, per_file: int) -> None:
-        """Upload one closed file (upload threads); sizes are checked by ``_verify_uploaded``."""
-        volume = self._volume
-        move = volume.is_local and not keep
-        volume.put_file(
-            local,
-            rel,
-            part_size=self.options.part_size,
-            concurrency=per_file,
-            move=move,
-            verify_size=False,  # remote: one listing per rank afterwards (_verify_uploaded)
-        )
-        if volume.is_local:
-            # Remote files are checked together afterwards; the local copy/rename here.
-            actual = os.path.getsize(volume.full_path(rel))
-            if actual != size:
-                raise VolumeError(
-                    f"Wrote {size} bytes to {redact_url(volume.url_of(rel))} but it holds "
-                    f"{actual}. The disk or mount dropped data; retry the save."
-                )
-        elif not keep:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(local)
-        logger.debug("uploaded %s (%d bytes)", redact_url(volume.url_of(rel)), size)
