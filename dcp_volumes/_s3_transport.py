@@ -1,11 +1,13 @@
-"""The S3 data path: GETs, PUTs and multipart uploads on one botocore client.
+"""The S3 data path: GETs, PUTs, multipart uploads, HEADs and listings on one botocore client.
 
 s3fs funnels every call of a process through one asyncio loop and costs
 5-7 ms of client CPU per small GET (2-3 ms for a plain botocore client), and
 its ``put_file`` reads each whole file into memory before sending it. Bulk
 bytes (checkpoint shards, training files) therefore go through a thread-safe
 botocore client here, with upload bodies streamed from the staged file in
-small chunks; listing, deletes and conditional publishes stay on s3fs.
+small chunks, and so do the recursive listings, the bucket check and small
+(conditional) publishes, so a save or a load never builds an s3fs client.
+Deletes and directory-style listings stay on s3fs.
 
 ``S3Transport.for_options`` returns ``None`` for storage options it does not
 map faithfully, and the volume then keeps using s3fs for everything.
