@@ -25,6 +25,14 @@ _CLIENTS: dict[tuple[int, str, str], fsspec.AbstractFileSystem] = {}
 _TRANSPORTS: dict[tuple[int, str], S3Transport | None] = {}
 _CLIENTS_LOCK = threading.Lock()
 
+
+def _new_lock_in_child() -> None:
+    global _CLIENTS_LOCK  # another thread may have held it at the fork
+    _CLIENTS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
 S3_PROTOCOLS = frozenset({"s3", "s3a"})
 _EXTRA_FOR_PROTOCOL = {
     "s3": "s3",

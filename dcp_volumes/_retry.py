@@ -111,6 +111,8 @@ class RetryPolicy:
 
 def redact_url(url: str) -> str:
     """The URL with any ``user:password@`` part and query string removed."""
+    if "@" not in url and "?" not in url and "#" not in url:
+        return url  # nothing to remove (and no parse: this runs once per cached file)
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -177,6 +179,7 @@ def _is_transient(exc: BaseException) -> bool:
             "ConnectTimeoutError",
             "ResponseStreamingError",
             "IncompleteReadError",
+            "IncompleteRead",  # http.client's, from bodies read off the socket directly
             "ClientConnectionError",
             "ClientPayloadError",
             "ServerDisconnectedError",

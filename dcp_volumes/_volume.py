@@ -154,6 +154,8 @@ class Volume:
         if not relpath:
             return self.root
         if self.is_local:
+            if os.sep == "/":  # one join: this runs once per file a cache process first sees
+                return os.path.join(self.root, relpath)
             return os.path.join(self.root, *relpath.split("/"))
         return f"{self.root}/{relpath}"
 

@@ -147,7 +147,10 @@ def test_file_changed_after_listing_is_an_error(s3_data: tuple[str, Any],
     url, opts = s3_data
     ds = VolumeDataset(url, storage_options=opts, cache_dir=tmp_path / "cache", shuffle=False)
     Volume(url, storage_options=opts).publish(name_of(0), payload(0, 100))  # grew
-    with pytest.raises(DatasetChangedError, match="has 65 bytes but was listed with 64"):
+    with pytest.raises(DatasetChangedError, match="has 100 bytes but was listed with 64"):
+        next(iter(DataLoader(ds, batch_size=4, num_workers=0)))
+    Volume(url, storage_options=opts).publish(name_of(0), payload(0, 10))  # shrank
+    with pytest.raises(DatasetChangedError, match="has 10 bytes but was listed with 64"):
         next(iter(DataLoader(ds, batch_size=4, num_workers=0)))
 
 

@@ -77,6 +77,29 @@ def test_retried_upload_resends_the_body_from_its_start(moto_server: MotoServer,
         assert vol.read_bytes("f.bin") == data
 
 
+def test_body_cut_mid_stream_is_retried(moto_server: MotoServer):
+    # Bodies are read off the socket straight into the caller's buffer: a cut in
+    # the middle must surface as a transient error (retried, whole GET again).
+    bucket = "transport-cut"
+    moto_server.create_bucket(bucket)
+    data = os.urandom(3 * MiB + 17)
+    moto_server.boto3_client().put_object(Bucket=bucket, Key="x/f.bin", Body=data)
+    with LatencyProxy.in_front_of(moto_server) as proxy:
+        vol = Volume(
+            f"s3://{bucket}/x", storage_options=moto_server.storage_options(proxy.endpoint)
+        )
+        out = memoryview(bytearray(len(data)))
+        assert vol.read_into("f.bin", 0, out, whole=True) == len(data)
+        proxy.drop_next(1, after_bytes=MiB, method="GET")
+        out[:] = bytes(len(data))
+        assert vol.read_into("f.bin", 0, out, whole=True) == len(data)
+        assert bytes(out) == data
+        assert proxy.count("GET", f"/{bucket}/x/f.bin") == 3
+        for _ in range(5):
+            assert vol.read_into("f.bin", 5, out[:1000]) == 1000
+        assert bytes(out[:1000]) == data[5:1005]
+
+
 def test_botocore_error_codes_become_typed_errors():
     # End-to-end wrong-credential cases run in test_checkpoint_errors.py; here
     # the codes only the botocore path produces (s3fs raised built-ins).

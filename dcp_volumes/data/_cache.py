@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -69,13 +70,27 @@ __all__ = [
 ]
 
 
+_buffers = threading.local()
+
+
+def _thread_buffer(size: int) -> memoryview:
+    """``size`` bytes of this thread's download buffer (kept, so its pages stay mapped)."""
+    buf: bytearray | None = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _buffers.buf = bytearray(size)
+    return memoryview(buf)[:size]
+
+
 def default_cache_dir() -> str:
     """``DCP_VOLUMES_CACHE`` if set, else ``~/.cache/dcp_volumes``."""
     return _env.cache_dir() or os.path.join(os.path.expanduser("~"), ".cache", "dcp_volumes")
 
 
+_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+
+
 def _sanitize(name: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[-80:].lstrip(".")
+    safe = _UNSAFE_CHARS.sub("_", name)[-80:].lstrip(".")
     return safe or "data"
 
 
@@ -90,6 +105,11 @@ def _source_identity(volume: Volume) -> str:
     if conn:  # hashed: it holds a secret
         endpoint += "#" + hashlib.sha256(str(conn).encode()).hexdigest()[:16]
     return f"{volume.protocol}|{endpoint}"
+
+
+def _key(volume: Volume, url: str) -> str:
+    digest = hashlib.sha256(f"{_source_identity(volume)}\n{url}".encode()).hexdigest()
+    return digest[:_KEY_CHARS]
 
 
 class FileCache:
@@ -209,13 +229,12 @@ class FileCache:
 
     def key_of(self, volume: Volume, relpath: str) -> str:
         """The entry key of ``relpath`` on ``volume``: a hash of source identity and URL."""
-        url = volume.url_of(relpath)
-        digest = hashlib.sha256(f"{_source_identity(volume)}\n{url}".encode()).hexdigest()
-        return digest[:_KEY_CHARS]
+        return _key(volume, volume.url_of(relpath))
 
     def _ref(self, volume: Volume, relpath: str) -> Ref:
+        url = volume.url_of(relpath)
         name = _sanitize(relpath.rstrip("/").rsplit("/", 1)[-1])
-        return self._store.ref(self.key_of(volume, relpath), name, volume.url_of(relpath))
+        return self._store.ref(_key(volume, url), name, url)
 
     # -- public API -----------------------------------------------------------------------
 
@@ -442,21 +461,33 @@ class FileCache:
 
     @staticmethod
     def _download(volume: Volume, relpath: str, ref: Ref, size: int, *, listed: bool) -> None:
-        if size <= _SINGLE_GET_BYTES:
-            # One GET for one byte more than expected: a file that grew or shrank since
-            # the listing shows up in the length (a whole-object read would cost a HEAD
-            # first on s3fs; an empty range is an error, hence the whole read for 0).
-            data = volume.read_bytes(relpath, 0, size + 1) if size else volume.read_bytes(relpath)
-            if len(data) != size:
+        if size > _SINGLE_GET_BYTES:
+            volume.get_file(relpath, ref.fill, size=size)  # parallel ranged GETs
+        else:
+            data: bytes | memoryview
+            if size and volume.s3 is not None:
+                # One plain GET straight into this thread's reused buffer: no bytes
+                # object per file (a fresh 8 MiB allocation costs page faults every
+                # time); a length other than the listed one comes back as the count.
+                data = _thread_buffer(size)
+                length = volume.read_into(relpath, 0, data, whole=True)
+            else:
+                # One GET for one byte more than expected: a file that grew or shrank
+                # since the listing shows up in the length (a whole-object read would
+                # cost a HEAD first on s3fs; an empty range is an error, hence the whole
+                # read for 0).
+                data = (
+                    volume.read_bytes(relpath, 0, size + 1) if size else volume.read_bytes(relpath)
+                )
+                length = len(data)
+            if length != size:
                 what = "was listed" if listed else "was reported a moment ago"
                 cls = DatasetChangedError if listed else VolumeError
                 raise cls(
-                    f"{redact_url(ref.url)} has {len(data)} bytes but {what} with {size}: the "
+                    f"{redact_url(ref.url)} has {length} bytes but {what} with {size}: the "
                     "file changed on the volume. Fix: re-create the dataset (it re-lists the "
                     "files) or retry."
                 )
             with open(ref.fill, "wb") as f:
                 f.write(data)
-        else:
-            volume.get_file(relpath, ref.fill, size=size)  # parallel ranged GETs
         os.replace(ref.fill, ref.data)

@@ -173,20 +173,24 @@ class HotIndex:
         """A verified copy of ``relpath``, or None: ``FileCache.fetch_hot`` does this."""
         entry = self._by_volume.get(id(volume))
         hot = entry[1].get(relpath) if entry is not None else None
+        st: os.stat_result | None = None
         if hot is None:
-            hot = self._adopt(volume, relpath, expected, shared, slot, ref_of)
-            if hot is None:
+            adopted = self._adopt(volume, relpath, expected, shared, slot, ref_of)
+            if adopted is None:
                 return None
+            hot, st = adopted
         elif not hot.listed_as(expected):
             return None
         lock = None
         if pin:
             lock = EntryLock(hot.lock)
             lock.acquire(exclusive=False)
-        try:
-            st = os.stat(hot.data)
-        except OSError:
-            st = None
+            st = None  # stat again under the pin
+        if st is None:
+            try:
+                st = os.stat(hot.data)
+            except OSError:
+                st = None
         if st is None or not hot.same_file(st):
             # Replaced, evicted, repaired or touched: still good if a process sharing
             # the table verified exactly this copy (another worker's touch or refill).
@@ -236,8 +240,9 @@ class HotIndex:
         shared: SharedHot | None,
         slot: int,
         ref_of: Callable[[Volume, str], Ref],
-    ) -> Hot | None:
-        """A copy another process verified against ``expected`` (see ``SharedHot``)."""
+    ) -> tuple[Hot, os.stat_result] | None:
+        """A copy another process verified against ``expected`` (see ``SharedHot``),
+        with the ``stat`` that matched."""
         if shared is None or expected is None:
             return None
         digest = shared.get(slot)
@@ -256,7 +261,7 @@ class HotIndex:
         if len(index) >= _HOT_MAX:
             index.clear()
         index[relpath] = hot
-        return hot
+        return hot, st
 
     def remember(
         self,

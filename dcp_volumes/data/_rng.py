@@ -31,6 +31,8 @@ from torch.utils.data import get_worker_info
 
 _MASK63 = (1 << 63) - 1
 _random_seed = _random.Random.seed
+# The CPU generator only: torch.manual_seed would also reseed CUDA generators.
+_seed_torch_cpu = torch.random.default_generator.manual_seed
 
 
 def _seed_random(seed: int) -> None:
@@ -81,7 +83,7 @@ class SampleTransform:
             return fn(path, rng=gen) if self.mode == "kw" else fn(path, gen)
         if get_worker_info() is not None:
             # A worker process: no caller's streams to protect (see the module doc).
-            torch.random.default_generator.manual_seed(seed63)
+            _seed_torch_cpu(seed63)
             np.random.seed(seed & 0xFFFFFFFF)
             _seed_random(seed)
             if self.mode == "kw":
@@ -93,8 +95,7 @@ class SampleTransform:
         np_state = np.random.get_state()
         py_state = random.getstate()
         try:
-            # CPU generator only: torch.manual_seed would also reseed CUDA generators.
-            torch.random.default_generator.manual_seed(seed63)
+            _seed_torch_cpu(seed63)
             np.random.seed(seed & 0xFFFFFFFF)
             random.seed(seed)
             if self.mode == "kw":

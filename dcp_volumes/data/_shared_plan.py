@@ -36,6 +36,9 @@ _FIELDS = (
     "cur_shuffle",
 )
 _AT = {name: i for i, name in enumerate(_FIELDS)}
+_CUR_EPOCH, _CUR_START, _CUR_SEED, _CUR_SHUFFLE = (
+    _AT[n] for n in ("cur_epoch", "cur_start", "cur_seed", "cur_shuffle")
+)
 
 
 class Published(NamedTuple):
@@ -56,6 +59,14 @@ class SharedPlan:
 
     def __init__(self) -> None:
         self._values = torch.zeros(len(_FIELDS), dtype=torch.int64).share_memory_()
+        self._view: memoryview | None = None
+
+    def __getstate__(self) -> dict[str, torch.Tensor]:
+        return {"_values": self._values}
+
+    def __setstate__(self, state: dict[str, torch.Tensor]) -> None:
+        self._values = state["_values"]
+        self._view = None
 
     def publish(
         self, plan: Plan, *, num_workers: int, prefetch_factor: int, local_world_size: int
@@ -78,13 +89,15 @@ class SharedPlan:
             self._values[_AT[name]] = value
 
     def set_cursor(self, cursor: Cursor) -> None:
-        # Through a numpy view: it moves with every batch, and a tensor's
-        # __setitem__ costs ~50x more.
-        values = self._values.numpy()
-        values[_AT["cur_epoch"]] = cursor.epoch
-        values[_AT["cur_start"]] = cursor.start
-        values[_AT["cur_seed"]] = cursor.seed
-        values[_AT["cur_shuffle"]] = int(cursor.shuffle)
+        # Through a memoryview of the shared words: it moves with every batch, and
+        # a tensor's __setitem__ costs ~50x more.
+        view = self._view
+        if view is None:
+            view = self._view = memoryview(self._values.numpy()).cast("B").cast("q")
+        view[_CUR_EPOCH] = cursor.epoch
+        view[_CUR_START] = cursor.start
+        view[_CUR_SEED] = cursor.seed
+        view[_CUR_SHUFFLE] = int(cursor.shuffle)
 
     def read(self, num_files: int) -> tuple[Published | None, Cursor]:
         """The published plan (None if nothing was published) and the cursor."""

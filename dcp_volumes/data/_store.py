@@ -28,8 +28,8 @@ import re
 import shutil
 import threading
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 from dcp_volumes._exceptions import CacheError
 from dcp_volumes._retry import redact_url
@@ -63,9 +63,8 @@ class CacheCounters:
     bytes_evicted: int = 0
 
 
-@dataclass(frozen=True)
-class Ref:
-    """Where one entry lives on disk."""
+class Ref(NamedTuple):
+    """Where one entry lives on disk (a tuple: built once per file a process first sees)."""
 
     key: str
     url: str
@@ -157,7 +156,7 @@ class Store:
         self._last_overshoot_log = 0.0
 
     def ref(self, key: str, name: str, url: str = "") -> Ref:
-        base = os.path.join(self.objects, key[:2], key)
+        base = self._base(key)
         return Ref(
             key=key,
             url=url,
@@ -169,7 +168,8 @@ class Store:
         )
 
     def _base(self, key: str) -> str:
-        return os.path.join(self.objects, key[:2], key)
+        # Not os.path.join: this runs once per file a worker first sees in a warm epoch.
+        return f"{self.objects}{os.sep}{key[:2]}{os.sep}{key}"
 
     def note_filled(self, ref: Ref, size: int) -> None:
         with self.mu:
@@ -444,7 +444,7 @@ class Store:
                         if kind.startswith("temp:") or kind in (".fill", ".resv"):
                             removed_temp += remove(path)
                     data = kinds.get("data")
-                    meta = read_meta(replace(self.ref(key, ""), data=data)) if data else None
+                    meta = read_meta(self.ref(key, "")._replace(data=data)) if data else None
                     if meta is not None:
                         entries += 1
                         total += int(meta["size"])
