@@ -341,6 +341,14 @@ def run_save_method(
     try:
         saver = Saver(job, method, rank, state)
         for i in range(job.repeats):
+            if rank == 0 and i > 0:
+                # Between saves, outside the timing: the server keeps no more than the
+                # previous checkpoint (moto holds objects in its own memory and slows
+                # as it grows), and the page cache starts clean (on this VM's slow
+                # disk, writeback left by one save would throttle the next one's
+                # writes; checkpoints of a real job are minutes apart).
+                purge(job, f"{job.prefix}/{method}/save{i - 1}", keep_last=False)
+                os.sync()
             barrier()
             sampler.reset()
             blocking, e2e = saver.save(i)
