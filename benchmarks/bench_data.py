@@ -343,6 +343,22 @@ def _one_epoch(loader: Any) -> float:
     return float(e["samples"] / e["seconds"])
 
 
+def _note_round(
+    rounds: list[dict[str, float]], what: str, peer: str, ours: float, other: float
+) -> None:
+    rounds.append({"ours_files_s": ours, f"{peer}_files_s": other, "ratio": ours / other})
+    print(
+        f"  paired {what} round {len(rounds)}: ours {ours:8.1f}, {peer} {other:8.1f} files/s "
+        f"= {ours / other:.2f}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _paired(rounds: list[dict[str, float]]) -> dict[str, Any]:
+    return {"rounds": rounds, "median_ratio": statistics.median(x["ratio"] for x in rounds)}
+
+
 def paired_warm(
     files: FileSet, storage_options: dict[str, Any], args: argparse.Namespace, tmp: Path
 ) -> dict[str, Any]:
@@ -354,7 +370,7 @@ def paired_warm(
     to a local epoch, alternating which goes first; the target uses the median
     of the per-round ratios.
     """
-    rounds = []
+    rounds: list[dict[str, float]] = []
     with make_loader("local", files, storage_options, args, tmp, True) as local:
         _one_epoch(local)  # workers started, page cache warm
         for r in range(args.pairs):
@@ -364,14 +380,8 @@ def paired_warm(
                     o, lo = _one_epoch(ours), _one_epoch(local)
                 else:
                     lo, o = _one_epoch(local), _one_epoch(ours)
-            rounds.append({"ours_files_s": o, "local_files_s": lo, "ratio": o / lo})
-            print(
-                f"  {files.name:5s} paired warm round {r + 1}: ours {o:8.1f}, local {lo:8.1f} "
-                f"files/s = {o / lo:.2f}",
-                file=sys.stderr,
-                flush=True,
-            )
-    return {"rounds": rounds, "median_ratio": statistics.median(x["ratio"] for x in rounds)}
+            _note_round(rounds, f"{files.name} warm", "local", o, lo)
+    return _paired(rounds)
 
 
 def paired_cold(
@@ -385,7 +395,7 @@ def paired_cold(
     """Ours' cold epoch against raw concurrent GETs, in ``args.pairs`` alternating rounds."""
     from _data_peers import raw_concurrent_gets
 
-    rounds = []
+    rounds: list[dict[str, float]] = []
     for r in range(args.pairs):
 
         def raw() -> float:
@@ -400,14 +410,8 @@ def paired_cold(
             o, rw = ours(), raw()
         else:
             rw, o = raw(), ours()
-        rounds.append({"ours_files_s": o, "raw_files_s": rw, "ratio": o / rw})
-        print(
-            f"  {files.name:5s} paired cold round {r + 1}: ours {o:8.1f}, raw {rw:8.1f} "
-            f"files/s = {o / rw:.2f}",
-            file=sys.stderr,
-            flush=True,
-        )
-    return {"rounds": rounds, "median_ratio": statistics.median(x["ratio"] for x in rounds)}
+        _note_round(rounds, f"{files.name} cold", "raw", o, rw)
+    return _paired(rounds)
 
 
 # ---------------------------------------------------------------------------
