@@ -50,6 +50,7 @@ from dcp_volumes.data._store import (
     human,
     read_meta,
     remove,
+    write_file,
 )
 
 logger = logging.getLogger(__name__)
@@ -450,11 +451,11 @@ class FileCache:
         }
         tmp = f"{ref.meta}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "w") as f:
-                f.write(json.dumps(meta))  # one write (json.dump writes piece by piece)
+            write_file(tmp, json.dumps(meta).encode())
             os.replace(tmp, ref.meta)  # the entry becomes valid here, in one step
-        finally:
+        except BaseException:
             remove(tmp)
+            raise
         remove(ref.resv)  # the reservation is now the file itself
         self._store.note_filled(ref, size)
         return size, seconds
@@ -488,6 +489,5 @@ class FileCache:
                     "file changed on the volume. Fix: re-create the dataset (it re-lists the "
                     "files) or retry."
                 )
-            with open(ref.fill, "wb") as f:
-                f.write(data)
+            write_file(ref.fill, data)
         os.replace(ref.fill, ref.data)
