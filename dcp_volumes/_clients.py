@@ -24,6 +24,12 @@ from dcp_volumes._s3_transport import S3Transport
 _CLIENTS: dict[tuple[int, str, str], fsspec.AbstractFileSystem] = {}
 _TRANSPORTS: dict[tuple[int, str], S3Transport | None] = {}
 _CLIENTS_LOCK = threading.Lock()
+# One botocore session per profile, shared by the process's S3 clients and
+# inherited by forked children (DataLoader workers): a session caches the parsed
+# service model and endpoint rules, which a fresh one re-parses (~80 ms of CPU
+# alone, ~0.5 s per worker when workers start together). A session holds no
+# connections, so sharing it over fork is safe; clients stay per process.
+_SESSIONS: dict[str | None, Any] = {}
 
 
 def _new_lock_in_child() -> None:
@@ -91,8 +97,22 @@ def shared_s3_transport(storage_options: Mapping[str, Any]) -> S3Transport | Non
     key = (os.getpid(), fsspec.utils.tokenize(storage_options))
     with _CLIENTS_LOCK:
         if key not in _TRANSPORTS:  # a None answer is cached too
-            _TRANSPORTS[key] = S3Transport.for_options(storage_options)
+            _TRANSPORTS[key] = S3Transport.for_options(
+                storage_options, session=_session(storage_options.get("profile"))
+            )
         return _TRANSPORTS[key]
+
+
+def _session(profile: str | None) -> Any:
+    """The shared botocore session for ``profile`` (call with ``_CLIENTS_LOCK`` held)."""
+    session = _SESSIONS.get(profile)
+    if session is None:
+        try:
+            import botocore.session
+        except ImportError:
+            return None  # for_options then keeps s3fs
+        session = _SESSIONS[profile] = botocore.session.Session(profile=profile)
+    return session
 
 
 def upload_options(protocol: str, part_size: int | None, concurrency: int | None) -> dict[str, Any]:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import os
-import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -71,33 +69,6 @@ _CLIENT_KWARGS = frozenset(
 )
 
 
-# One botocore session per profile, shared by every client of the process and
-# inherited by forked children (DataLoader workers): a session caches the parsed
-# service model and endpoint rules, and a fresh one re-parses them (~80 ms of CPU,
-# seconds of first-batch latency when workers start together). Sessions hold no
-# connections, so sharing one over fork is safe; clients stay per process.
-_SESSIONS: dict[str | None, Any] = {}
-_SESSIONS_LOCK = threading.Lock()
-
-
-def _new_lock_in_child() -> None:
-    global _SESSIONS_LOCK  # another thread may have held it at the fork
-    _SESSIONS_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_new_lock_in_child)
-
-
-def _session(profile: str | None) -> Any:
-    import botocore.session
-
-    with _SESSIONS_LOCK:
-        session = _SESSIONS.get(profile)
-        if session is None:
-            session = _SESSIONS[profile] = botocore.session.Session(profile=profile)
-        return session
-
-
 def _read_body_into(body: Any, out: memoryview) -> int:
     """Read a response body into ``out`` until it is full or the body ends; the count.
 
@@ -132,10 +103,15 @@ class S3Transport:
 
     @classmethod
     def for_options(
-        cls, options: Mapping[str, Any], *, max_connections: int = 64
+        cls, options: Mapping[str, Any], *, max_connections: int = 64, session: Any = None
     ) -> S3Transport | None:
-        """A transport for these s3fs-style options, or ``None`` to keep s3fs."""
+        """A transport for these s3fs-style options, or ``None`` to keep s3fs.
+
+        ``session``: a botocore session to create the client from (a new one if
+        None); see ``_clients.shared_s3_transport`` for why it is shared.
+        """
         try:
+            import botocore.session
             from botocore import UNSIGNED
             from botocore.config import Config
         except ImportError:
@@ -154,7 +130,8 @@ class S3Transport:
         }
         if options.get("anon"):
             config_kwargs["signature_version"] = UNSIGNED
-        session = _session(options.get("profile"))
+        if session is None:
+            session = botocore.session.Session(profile=options.get("profile"))
         kwargs: dict[str, Any] = {
             "aws_access_key_id": options.get("key"),
             "aws_secret_access_key": options.get("secret"),

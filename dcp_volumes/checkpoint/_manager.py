@@ -38,7 +38,6 @@ import os
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, cast
 
@@ -64,6 +63,7 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
     step_dir,
 )
+from dcp_volumes.checkpoint._manager_options import ManagerOptions
 from dcp_volumes.checkpoint._manifest import METADATA_NAME
 from dcp_volumes.checkpoint._reader import VolumeReader
 from dcp_volumes.checkpoint._retention import LocalTier, apply_retention, delete_checkpoint
@@ -72,40 +72,6 @@ from dcp_volumes.checkpoint._writer import VolumeWriter
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "ManagerOptions"]
-
-
-@dataclass(frozen=True)
-class ManagerOptions:
-    """Validated settings of a ``CheckpointManager`` (see its docstring)."""
-
-    keep_last: int | None = 3
-    async_save: bool = True
-    keep_local: bool = False
-    verify: bool = False
-    overwrite: bool = False
-    create_root: bool = True
-    writer_options: Mapping[str, Any] = field(default_factory=dict)
-    reader_options: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.keep_last is not None and (
-            isinstance(self.keep_last, bool)
-            or not isinstance(self.keep_last, int)
-            or self.keep_last < 1
-        ):
-            raise ConfigurationError(
-                f"keep_last={self.keep_last!r} must be an integer >= 1 (the newest complete "
-                "checkpoint is always kept), or None to keep every checkpoint."
-            )
-        reserved = {"path", "storage_options", "staging_dir", "local_copy_dir", "retry"}
-        for what, opts in (("writer_options", self.writer_options),
-                           ("reader_options", self.reader_options)):
-            clash = sorted(reserved & set(opts))
-            if clash:
-                raise ConfigurationError(
-                    f"{what} may not set {clash}: the manager sets them. Pass them as "
-                    "CheckpointManager arguments instead."
-                )
 
 
 class CheckpointManager:

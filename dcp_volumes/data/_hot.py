@@ -24,12 +24,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-
 from dcp_volumes._retry import redact_url
 from dcp_volumes._volume import FileInfo, Volume
 from dcp_volumes.data._files import CachedFile
 from dcp_volumes.data._locks import EntryLock
+from dcp_volumes.data._shared_words import SharedWords
 from dcp_volumes.data._store import Ref
 
 _U64 = (1 << 64) - 1
@@ -109,40 +108,20 @@ def listed_meta(expected: FileInfo | Any) -> dict[str, Any]:
     return {"size": expected.size, "etag": expected.etag, "mtime": expected.mtime}
 
 
-class SharedHot:
+class SharedHot(SharedWords):
     """Identities of verified copies of a fixed list of files, shared by processes.
 
     Slot ``i`` holds ``identity()`` of the copy of file ``i`` that some process
     verified against that file's listing entry, or 0. A reader trusts a slot
     only if its own ``stat`` of the copy gives the same digest, so a stale or
-    racing slot costs a slow-path check, never a wrong hit. One aligned 8-byte
-    word per file: a write is never seen torn. Pickles as shared memory through
-    torch's multiprocessing (DataLoader workers, fork or spawn).
+    racing slot costs a slow-path check, never a wrong hit.
     """
 
-    def __init__(self, num_files: int) -> None:
-        self.table = torch.zeros(max(1, num_files), dtype=torch.int64).share_memory_()
-        self._view: memoryview | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"table": self.table}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.table = state["table"]
-        self._view = None
-
-    def _words(self) -> memoryview:
-        # A memoryview of the shared words: indexing it is ~30x cheaper than a tensor's.
-        view = self._view
-        if view is None:
-            view = self._view = memoryview(self.table.numpy()).cast("B").cast("q")
-        return view
-
     def get(self, slot: int) -> int:
-        return int(self._words()[slot])
+        return int(self.words[slot])
 
     def put(self, slot: int, st: os.stat_result) -> None:
-        self._words()[slot] = identity(st)
+        self.words[slot] = identity(st)
 
 
 # Hits refresh the file's mtime (the LRU clock) at most this often.

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import torch
-
 from dcp_volumes.data._order import Plan
+from dcp_volumes.data._shared_words import SharedWords
 
 _FIELDS = (
     "valid",
@@ -54,19 +53,11 @@ class Cursor(NamedTuple):
     shuffle: bool
 
 
-class SharedPlan:
+class SharedPlan(SharedWords):
     """The published plan and the cursor (picklable; shares its memory with workers)."""
 
     def __init__(self) -> None:
-        self._values = torch.zeros(len(_FIELDS), dtype=torch.int64).share_memory_()
-        self._view: memoryview | None = None
-
-    def __getstate__(self) -> dict[str, torch.Tensor]:
-        return {"_values": self._values}
-
-    def __setstate__(self, state: dict[str, torch.Tensor]) -> None:
-        self._values = state["_values"]
-        self._view = None
+        super().__init__(len(_FIELDS))
 
     def publish(
         self, plan: Plan, *, num_workers: int, prefetch_factor: int, local_world_size: int
@@ -86,14 +77,10 @@ class SharedPlan:
             "local_world_size": local_world_size,
         }
         for name, value in values.items():
-            self._values[_AT[name]] = value
+            self.words[_AT[name]] = value
 
     def set_cursor(self, cursor: Cursor) -> None:
-        # Through a memoryview of the shared words: it moves with every batch, and
-        # a tensor's __setitem__ costs ~50x more.
-        view = self._view
-        if view is None:
-            view = self._view = memoryview(self._values.numpy()).cast("B").cast("q")
+        view = self.words  # it moves with every batch
         view[_CUR_EPOCH] = cursor.epoch
         view[_CUR_START] = cursor.start
         view[_CUR_SEED] = cursor.seed
@@ -101,7 +88,7 @@ class SharedPlan:
 
     def read(self, num_files: int) -> tuple[Published | None, Cursor]:
         """The published plan (None if nothing was published) and the cursor."""
-        raw = dict(zip(_FIELDS, self._values.tolist(), strict=True))
+        raw = dict(zip(_FIELDS, self.words.tolist(), strict=True))
         cursor = Cursor(
             raw["cur_epoch"], raw["cur_start"], raw["cur_seed"], bool(raw["cur_shuffle"])
         )
