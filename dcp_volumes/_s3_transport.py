@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -69,30 +69,35 @@ _CLIENT_KWARGS = frozenset(
 )
 
 
-def _read_body_into(body: Any, out: memoryview) -> int:
-    """Read a response body into ``out`` until it is full or the body ends; the count.
+def _read_body_into(body: Any, outs: Sequence[memoryview]) -> int:
+    """Read a response body into ``outs``, one after another, until full or the body ends.
 
     urllib3's ``readinto`` reads into a new ``bytes`` and copies that: for a plain
     (not content-decoded) body this reads from the socket's file straight into
-    ``out`` instead, then hands the connection back to the pool as urllib3 does at
-    the end of a body. Connection errors surface as ``ConnectionError`` /
+    the buffers instead, then hands the connection back to the pool as urllib3
+    does at the end of a body. Connection errors surface as ``ConnectionError`` /
     ``TimeoutError`` / ``IncompleteRead``, all transient for the volume's retries.
     """
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
     plain = raw is not None and raw.headers.get("content-encoding", "identity") == "identity"
     read = fp.readinto if fp is not None and plain else body.readinto
-    got = 0
-    while got < len(out):
-        n = read(out[got:])
-        if not n:
+    total = 0
+    for out in outs:
+        got = 0
+        while got < len(out):
+            n = read(out[got:])
+            if not n:
+                break
+            got += n
+        total += got
+        if got < len(out):  # the body ended
             if read is not body.readinto and fp.length:  # closed before its length
                 raise http.client.IncompleteRead(b"", fp.length)
             break
-        got += n
     if read is not body.readinto and fp.isclosed():
         raw.release_conn()  # the whole body was read: keep the connection
-    return got
+    return total
 
 
 class S3Transport:
@@ -170,33 +175,36 @@ class S3Transport:
             body.close()
 
     def get_into(
-        self, bucket: str, key: str, start: int, out: memoryview, *, whole: bool = False
+        self, bucket: str, key: str, start: int, outs: Sequence[memoryview], *, whole: bool = False
     ) -> int:
-        """Read ``len(out)`` bytes from ``start`` into ``out``; returns how many arrived.
+        """Read the bytes from ``start`` into the buffers ``outs`` in turn; returns how many
+        arrived.
 
         No ``bytes`` of the whole range is built: the body is read piece by piece
-        into the caller's buffer (a load's buffers are hundreds of MiB per
-        rank). ``whole``: the object is exactly ``out`` long, so ask for it
-        without a Range header (some servers read the whole object per range);
-        another length comes back as the count, unread.
+        into the caller's buffers (a load's are hundreds of MiB per rank, often
+        the target tensors themselves). ``whole``: the object is exactly as
+        long as the buffers, so ask for it without a Range header (some servers
+        read the whole object per range); another length comes back as the
+        count, unread.
         """
-        if not len(out):
+        length = sum(len(out) for out in outs)
+        if not length:
             return 0
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
         if not (whole and start == 0):
-            kwargs["Range"] = f"bytes={start}-{start + len(out) - 1}"
+            kwargs["Range"] = f"bytes={start}-{start + length - 1}"
         try:
             response = self._client.get_object(**kwargs)
         except Exception as exc:
             if _code(exc) in ("InvalidRange", "416"):
                 return 0
             raise
-        if "Range" not in kwargs and response.get("ContentLength") != len(out):
+        if "Range" not in kwargs and response.get("ContentLength") != length:
             response["Body"].close()
             return int(response.get("ContentLength") or 0)
         body = response["Body"]
         try:
-            return _read_body_into(body, out)
+            return _read_body_into(body, outs)
         finally:
             body.close()
 

@@ -306,20 +306,33 @@ class Volume:
         full = self.full_path(relpath)
         return self._call("read", relpath, lambda: self.fs.cat_file(full, start=start, end=end))
 
-    def read_into(self, relpath: str, start: int, out: memoryview, *, whole: bool = False) -> int:
-        """Read ``len(out)`` bytes from ``start`` into ``out``; returns how many arrived.
+    def read_into(
+        self,
+        relpath: str,
+        start: int,
+        out: memoryview | Sequence[memoryview],
+        *,
+        whole: bool = False,
+    ) -> int:
+        """Read the bytes from ``start`` into ``out`` (a buffer, or buffers filled in turn);
+        returns how many arrived.
 
-        ``whole``: ``out`` is the whole file (one plain GET, no range).
+        ``whole``: the buffers are exactly the whole file (one plain GET, no range).
         """
+        outs = [out] if isinstance(out, memoryview) else out
         s3 = self.s3
         if s3 is not None:
             bucket, key = self._bucket_key(relpath)
             return self._call(
-                "read", relpath, lambda: s3.get_into(bucket, key, start, out, whole=whole)
+                "read", relpath, lambda: s3.get_into(bucket, key, start, outs, whole=whole)
             )
-        data = self.read_bytes(relpath, start, start + len(out))
-        out[: len(data)] = data
-        return len(data)
+        data = memoryview(self.read_bytes(relpath, start, start + sum(len(o) for o in outs)))
+        got = 0
+        for o in outs:
+            n = min(len(o), len(data) - got)
+            o[:n] = data[got : got + n]
+            got += n
+        return got
 
     def open_local(self, relpath: str) -> io.FileIO:
         """Open a file of a local volume for unbuffered reading (positioned reads, no copies)."""

@@ -323,6 +323,72 @@ def test_local_copy_is_kept_and_preferred(tmp_path: Path, caplog: pytest.LogCapt
                for r in caplog.records)
 
 
+# -- tensors read straight into their targets ---------------------------------------------------
+
+
+def _direct_count(caplog: pytest.LogCaptureFixture) -> int:
+    counts = [int(r.getMessage().split(": ")[-1].split()[0]) for r in caplog.records
+              if "read straight into their target" in r.getMessage()]
+    assert len(counts) == 1, counts
+    return counts[0]
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.emulator)])
+def test_tensor_data_is_read_straight_into_targets(
+    where: str, request: pytest.FixtureRequest, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    if where == "s3":
+        url, opts = request.getfixturevalue("s3_bucket")
+        ck = join(url, "direct")
+    else:
+        ck, opts = str(tmp_path / "volume" / "direct"), {}
+    state = sample_state()
+    dcp.save(state, storage_writer=VolumeWriter(ck, storage_options=opts, file_size="1MiB"))
+    volume = Volume(ck, storage_options=opts)
+    manifest = Manifest.from_json(volume.read_bytes(MANIFEST_NAME))
+    metadata = pickle.loads(volume.read_bytes(METADATA_NAME))
+
+    # The manifest says where each tensor's raw data lies, in logical order: check those
+    # bytes. A view into a bigger buffer is saved as a compact copy, so it qualifies too;
+    # a transposed tensor is saved with its strides and does not.
+    contiguous = {k for k, v in state.items() if isinstance(v, torch.Tensor)} - {"transposed"}
+    contiguous.add("nested.inner.t")
+    located = set()
+    for index, info in metadata.storage_data.items():
+        entry = manifest.files[info.relative_path].tensors.get(info.offset)
+        if entry is None:
+            continue
+        at, nbytes = entry
+        assert info.offset < at and at + nbytes <= info.offset + info.length
+        expected = state["nested"]["inner"]["t"] if index.fqn == "nested.inner.t" else state[
+            index.fqn]
+        raw = expected.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert volume.read_bytes(info.relative_path, at, at + nbytes) == raw, index.fqn
+        located.add(index.fqn)
+    assert located == contiguous
+
+    # Plain targets: every located tensor is read in place.
+    out = blank_like(state)
+    with caplog.at_level(logging.DEBUG, logger="dcp_volumes.checkpoint._reader"):
+        dcp.load(out, storage_reader=VolumeReader(ck, storage_options=opts, verify=True))
+    assert_same(out, state)
+    assert _direct_count(caplog) == len(contiguous)
+
+    # Targets that need a conversion or are views take the deserialising path, correctly.
+    caplog.clear()
+    out = blank_like(state)
+    out["f32"] = torch.zeros(17, 5, dtype=torch.float64)  # another dtype: converted
+    out["big2"] = torch.zeros(256, state["big2"].shape[0]).t()  # a non-contiguous target
+    out["f16"] = torch.zeros(33, dtype=torch.bfloat16)  # same item size, other dtype
+    with caplog.at_level(logging.DEBUG, logger="dcp_volumes.checkpoint._reader"):
+        dcp.load(out, storage_reader=VolumeReader(ck, storage_options=opts))
+    assert torch.equal(out["f32"], state["f32"].double())
+    assert torch.equal(out["big2"], state["big2"])
+    assert torch.equal(out["f16"], state["f16"].bfloat16())
+    assert torch.equal(out["big1"], state["big1"])
+    assert _direct_count(caplog) == len(contiguous) - 3
+
+
 # -- async staging buffers and pickling --------------------------------------------------------
 
 

@@ -3,17 +3,25 @@
 ``VolumeReader`` plans one job per data file a rank needs and schedules their
 fetches; a job fetches its byte ranges into buffers (or opens a local file in
 place), then deserialises its items and hands them to DCP's planner.
+
+Where the manifest says where a saved tensor's data lies in the file and the
+planner's target is a plain CPU tensor of the same dtype and shape, the data
+is read straight into the target: one copy from the socket (or page cache)
+instead of three, and no fresh memory. Only the zip headers around it go to a
+scratch buffer.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
@@ -26,7 +34,7 @@ from dcp_volumes._retry import redact_url
 from dcp_volumes._streams import FileSlice, MemoryReader
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
-from dcp_volumes.checkpoint._manifest import FileRecord, checksum_bytes
+from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
 from dcp_volumes.checkpoint._shards import (
     load_tensor,
     missing_file_error,
@@ -48,7 +56,9 @@ class FileJob:
 
     Files on a local volume (or the local tier) are not fetched into buffers:
     ``file`` is opened when the job is finished and items are deserialised
-    straight from it, as stock DCP does.
+    straight from it, as stock DCP does. Fetched bytes land in ``pieces``,
+    ``(file offset, buffer)`` in file order covering every span: targets of
+    direct reads and scratch buffers between them.
     """
 
     rel: str
@@ -58,21 +68,97 @@ class FileJob:
     whole: bool
     source: Volume
     from_local: bool = False
-    buffers: list[memoryview] = field(default_factory=list)
+    pieces: list[tuple[int, memoryview]] = field(default_factory=list)
     futures: list[ThreadFuture[None]] = field(default_factory=list)
     digest: str | None = None  # checksum taken by the fetch thread (one-GET whole files)
     file: io.FileIO | None = None
+    targets: dict[int, torch.Tensor] = field(default_factory=dict)  # req index -> target
+    direct: dict[int, tuple[int, memoryview]] = field(default_factory=dict)  # -> data at, bytes
 
     @property
     def nbytes(self) -> int:
         return sum(e - s for s, e in self.spans)
 
-    def fetch(self, start: int, end: int, buf: memoryview, at: int, hash_it: bool) -> None:
-        """Read ``[start, end)`` into ``buf`` at ``at``; ``hash_it``: the buffer is the whole
-        file (fetched with one plain GET), checksum it here."""
+    def plan_direct(self, planner: LoadPlanner, saved_dtype: Callable[[str], Any]) -> None:
+        """Pick the tensor items whose data can be read straight into their target.
+
+        ``saved_dtype(fqn)``: the dtype the checkpoint holds. A target must be a
+        contiguous CPU tensor of that dtype and exactly the saved piece's shape
+        (no resharding cut, no conversion); the rest are deserialised as usual.
+        """
+        self.direct = {}
+        tensors = self.record.tensors if self.record is not None else {}
+        if not tensors:
+            return
+        taken: set[int] = set()
+        for i, (req, info) in enumerate(self.reqs):
+            data = tensors.get(info.offset)
+            if (
+                data is None
+                or req.type != LoadItemType.TENSOR
+                or getattr(info, "transform_descriptors", None)
+                or any(req.storage_offsets)
+                or data[0] in taken
+                or data[0] + data[1] > info.offset + info.length
+            ):
+                continue
+            target = self.target(planner, i)
+            if (
+                target.device.type != "cpu"
+                or target.dtype != saved_dtype(req.storage_index.fqn)
+                or tuple(target.size()) != tuple(req.lengths)
+                or not target.is_contiguous()
+                or target.numel() * target.element_size() != data[1]
+            ):
+                continue
+            try:
+                array = target.reshape(-1).view(torch.uint8).numpy()
+            except (RuntimeError, TypeError):  # e.g. a tensor subclass without plain memory
+                continue
+            if array.flags.writeable:
+                self.direct[i] = (data[0], memoryview(array))
+                taken.add(data[0])
+
+    def target(self, planner: LoadPlanner, i: int) -> torch.Tensor:
+        """The planner's target tensor for item ``i`` (resolved once per job)."""
+        if i not in self.targets:
+            self.targets[i] = planner.resolve_tensor(self.reqs[i][0]).detach()
+        return self.targets[i]
+
+    def allocate(self) -> None:
+        """Lay out ``pieces`` over the spans: direct targets, scratch buffers between them."""
+        direct = sorted(self.direct.values(), key=lambda d: d[0])
+        pieces: list[tuple[int, memoryview]] = []
+        for start, end in self.spans:
+            pos = start
+            for at, view in direct:
+                if start <= at < end:
+                    if at > pos:
+                        pieces.append((pos, _scratch(at - pos)))
+                    pieces.append((at, view))
+                    pos = at + len(view)
+            if end > pos:
+                pieces.append((pos, _scratch(end - pos)))
+        self.pieces = pieces
+
+    def views(self, start: int, end: int) -> list[memoryview]:
+        """The buffers that ``[start, end)`` of the file is read into, in order."""
+        out = []
+        i = max(0, bisect.bisect_right([p for p, _ in self.pieces], start) - 1)
+        for at, buf in self.pieces[i:]:
+            if at >= end:
+                break
+            lo, hi = max(start, at), min(end, at + len(buf))
+            if lo < hi:
+                out.append(buf[lo - at : hi - at])
+        return out
+
+    def fetch(self, start: int, end: int, hash_it: bool) -> None:
+        """Read ``[start, end)`` into its pieces; ``hash_it``: that is the whole file
+        (fetched with one plain GET), checksum it here."""
         source, rel = self.source, self.rel
         try:
-            got = source.read_into(rel, start, buf[at : at + end - start], whole=hash_it)
+            got = source.read_into(rel, start, self.views(start, end), whole=hash_it)
         except BucketNotFoundError:
             raise
         except VolumeNotFoundError:
@@ -80,7 +166,14 @@ class FileJob:
         if got != end - start:
             raise truncated_file_error(source, rel, start, end, got)
         if hash_it:
-            self.digest = checksum_bytes(buf)
+            self.digest = self.checksum()
+
+    def checksum(self) -> str:
+        """Checksum of the fetched pieces (the whole file when ``whole``)."""
+        h = Checksum()
+        for _, buf in self.pieces:
+            h.update(buf)
+        return h.hexdigest()
 
     def open_local(self) -> None:
         """Open the file of a local source and check that it holds every span."""
@@ -104,16 +197,21 @@ class FileJob:
 
     def deliver(self, planner: LoadPlanner) -> None:
         """Deserialise every item from the fetched bytes and hand it to ``planner``."""
-        starts = [s for s, _ in self.spans]
-        for req, info in self.reqs:
-            i = _layout.find_span(starts, self.spans, info.offset, info.offset + info.length)
+        starts = [at for at, _ in self.pieces]
+        bounds = [(at, at + len(buf)) for at, buf in self.pieces]
+        for i, (req, info) in enumerate(self.reqs):
+            if i in self.direct:
+                if self.file is not None:  # local: one positioned read into the target
+                    at, dest = self.direct[i]
+                    FileSlice(self.file, at, len(dest)).readinto(dest)
+                planner.commit_tensor(req, self.targets[i])
+                continue
             stream: IO[bytes]
             view = None
             if self.file is not None:
                 stream = cast(IO[bytes], FileSlice(self.file, info.offset, info.length))
             else:
-                lo = info.offset - self.spans[i][0]
-                view = self.buffers[i][lo : lo + info.length]
+                view = _slice(self.pieces, starts, bounds, info.offset, info.length)
                 stream = cast(IO[bytes], MemoryReader(view))
             descriptors = getattr(info, "transform_descriptors", None)
             if descriptors:
@@ -135,7 +233,7 @@ class FileJob:
                     "load with verify=True to check it, or load an older checkpoint."
                 ) from exc
             tensor = narrow(tensor, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
+            target = self.target(planner, i)
             if target.size() != tensor.size():
                 raise CheckpointCorruptError(
                     f"{req.storage_index.fqn}: the checkpoint holds a {tuple(tensor.size())} "
@@ -143,6 +241,25 @@ class FileJob:
                 )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+
+def _scratch(nbytes: int) -> memoryview:
+    # Uninitialised: zero-filling (bytearray) costs as much as the copy it precedes.
+    return memoryview(np.empty(nbytes, dtype=np.uint8))  # type: ignore[arg-type]
+
+
+def _slice(
+    pieces: Sequence[tuple[int, memoryview]],
+    starts: Sequence[int],
+    bounds: Sequence[tuple[int, int]],
+    offset: int,
+    length: int,
+) -> memoryview:
+    """``[offset, offset + length)`` of the file, from the one piece that holds it."""
+    if not length:
+        return memoryview(b"")
+    at, buf = pieces[_layout.find_span(starts, bounds, offset, offset + length)]
+    return buf[offset - at : offset - at + length]
 
 
 def _untransform(req: ReadItem, descriptors: Sequence[str], stream: IO[bytes]) -> IO[bytes]:

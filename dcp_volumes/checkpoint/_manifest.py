@@ -79,10 +79,16 @@ def checksum_file(file: str | os.PathLike[str] | io.RawIOBase) -> str:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """Size and checksum of one checkpoint file."""
+    """Size and checksum of one checkpoint file.
+
+    ``tensors`` maps the offset of each tensor item whose ``torch.save`` bytes
+    hold its data contiguously, in logical order, to that data's offset and
+    length: a reader can fetch the data straight into the target tensor.
+    """
 
     size: int
     checksum: str
+    tensors: Mapping[int, tuple[int, int]] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)
@@ -103,10 +109,7 @@ class Manifest:
             "format": FORMAT,
             "algorithm": self.algorithm,
             "created": self.created,
-            "files": {
-                name: {"size": r.size, "checksum": r.checksum}
-                for name, r in sorted(self.files.items())
-            },
+            "files": {name: _record_json(r) for name, r in sorted(self.files.items())},
             "extra": dict(self.extra),
         }
         return json.dumps(doc, indent=1).encode()
@@ -118,7 +121,13 @@ class Manifest:
             if doc.get("format") != FORMAT:
                 raise ValueError(f"format {doc.get('format')!r}")
             files = {
-                str(name): FileRecord(size=int(rec["size"]), checksum=str(rec["checksum"]))
+                str(name): FileRecord(
+                    size=int(rec["size"]),
+                    checksum=str(rec["checksum"]),
+                    tensors={
+                        int(k): (int(at), int(n)) for k, (at, n) in rec.get("tensors", {}).items()
+                    },
+                )
                 for name, rec in doc["files"].items()
             }
             return cls(
@@ -133,6 +142,13 @@ class Manifest:
                 "incompatible tool or damaged; verify it with `dcp-volumes verify` or restore "
                 "an older one."
             ) from exc
+
+
+def _record_json(record: FileRecord) -> dict[str, Any]:
+    doc: dict[str, Any] = {"size": record.size, "checksum": record.checksum}
+    if record.tensors:
+        doc["tensors"] = {str(k): list(v) for k, v in sorted(record.tensors.items())}
+    return doc
 
 
 def read_manifest(volume: Volume) -> Manifest | None:

@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -48,7 +47,6 @@ from dcp_volumes.checkpoint._manifest import (
     METADATA_NAME,
     FileRecord,
     Manifest,
-    checksum_bytes,
     checksum_file,
     read_manifest,
 )
@@ -160,6 +158,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._retry = retry
         self._volume = Volume(path, storage_options=self._storage_options, retry=retry)
         self._storage_data: dict[Any, Any] = {}
+        self._metadata: Metadata | None = None
         self._manifest: Manifest | None = None
         self._manifest_loaded = False
         self._part_size = self.options.part_size  # per load: see _split_size
@@ -221,6 +220,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                 "written by a DCP storage writer."
             )
         self._storage_data = metadata.storage_data
+        self._metadata = metadata
         self._load_manifest()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -245,22 +245,25 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                 listing = pool.submit(self._volume.list) if self._manifest and jobs else None
                 submitted = 0
                 in_flight = 0
+                direct = 0
                 for i, job in enumerate(jobs):
                     # Fetch ahead within the byte budget (always at least the current file).
                     while submitted < len(jobs) and (
                         submitted <= i
                         or in_flight + jobs[submitted].nbytes <= self.options.prefetch_bytes
                     ):
-                        self._submit(pool, jobs[submitted])
+                        self._submit(pool, jobs[submitted], planner)
                         in_flight += jobs[submitted].nbytes
                         submitted += 1
                     if listing is not None:
                         self._check_sizes(jobs, listing.result())
                         listing = None
-                    self._finish_job(pool, job)
+                    self._finish_job(pool, job, planner)
                     in_flight -= job.nbytes
                     job.deliver(planner)
-                    job.buffers.clear()
+                    direct += len(job.direct)
+                    job.pieces.clear()
+                    job.targets.clear()
                     job.close()
             except BaseException:
                 for job in jobs:
@@ -268,6 +271,12 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                         f.cancel()
                     job.close()
                 raise
+        logger.debug(
+            "%s: %d of %d items read straight into their target tensors",
+            self._volume.display_url,
+            direct,
+            len(plan.items),
+        )
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -392,26 +401,31 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         per_stream = -(-total // self.options.read_concurrency)
         return max(min(_MIN_SPLIT, self.options.part_size), min(self.options.part_size, per_stream))
 
-    def _submit(self, pool: ThreadPoolExecutor, job: FileJob) -> None:
+    def _saved_dtype(self, fqn: str) -> Any:
+        md = self._metadata.state_dict_metadata.get(fqn) if self._metadata else None
+        properties = getattr(md, "properties", None)
+        return getattr(properties, "dtype", None)
+
+    def _submit(self, pool: ThreadPoolExecutor, job: FileJob, planner: LoadPlanner) -> None:
+        job.plan_direct(planner, self._saved_dtype)
         if job.source.is_local:
             advise_willneed(job.source.full_path(job.rel), job.spans)
             return
-        # Uninitialised: zero-filling (bytearray) costs as much as the copy it precedes.
-        job.buffers = [memoryview(np.empty(e - s, dtype=np.uint8)) for s, e in job.spans]
+        job.allocate()
         job.futures, job.digest = [], None
         parts = [
-            (buf, s, e, s - start)
-            for buf, (start, end) in zip(job.buffers, job.spans, strict=True)
+            (s, e)
+            for start, end in job.spans
             for s, e in _layout.split_range(start, end, self._part_size)
             if e > s
         ]
         # A whole file in one GET is hashed by its fetch thread, off the thread
         # that deserialises.
         hash_here = job.whole and len(parts) == 1
-        for buf, s, e, at in parts:
-            job.futures.append(pool.submit(job.fetch, s, e, buf, at, hash_here))
+        for s, e in parts:
+            job.futures.append(pool.submit(job.fetch, s, e, hash_here))
 
-    def _finish_job(self, pool: ThreadPoolExecutor, job: FileJob) -> None:
+    def _finish_job(self, pool: ThreadPoolExecutor, job: FileJob, planner: LoadPlanner) -> None:
         """Wait for a file's bytes and verify them; a bad local copy falls back to the volume."""
         if job.source.is_local:
             job.open_local()
@@ -420,10 +434,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         if not job.whole or job.record is None:
             return
         file = job.file
-        if file is not None:
-            actual = checksum_file(file)
-        else:
-            actual = job.digest or checksum_bytes(job.buffers[0])
+        actual = checksum_file(file) if file is not None else job.digest or job.checksum()
         if actual == job.record.checksum:
             return
         if job.from_local:
@@ -432,8 +443,8 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             )
             job.close()
             job.source, job.from_local = self._volume, False
-            self._submit(pool, job)
-            self._finish_job(pool, job)
+            self._submit(pool, job, planner)
+            self._finish_job(pool, job, planner)
             return
         raise CheckpointCorruptError(
             f"The checkpoint file {redact_url(self._volume.url_of(job.rel))} fails its "

@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
@@ -51,16 +53,34 @@ class WrittenItem:
 
 
 class HashingFile:
-    """A write-only file that hashes every byte on its way to disk (no extra copy)."""
+    """A write-only file that hashes every byte on its way to disk (no extra copy).
+
+    It also notes where the data of each tensor announced with
+    ``expect_tensor`` lands: ``torch.save`` writes a storage as one
+    ``write`` of a view of the tensor's own memory.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._f = open(path, "wb")  # noqa: SIM115 - closed in close()/abort()
         self._hash = Checksum()
         self._size = 0
+        self._tensors: dict[int, tuple[int, int]] = {}
+        self._expected: tuple[int, int, int] | None = None  # item offset, address, nbytes
+
+    def expect_tensor(self, tensor: torch.Tensor) -> None:
+        """The next item is ``tensor`` (from ``plain_cpu_tensor``): note where its data goes."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._expected = None
+        if nbytes and tensor.is_contiguous() and sys.byteorder == "little":
+            self._expected = (self._size, tensor.data_ptr(), nbytes)
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        expected = self._expected
+        if expected is not None and len(view) == expected[2] and _address(view) == expected[1]:
+            self._tensors[expected[0]] = (self._size, expected[2])
+            self._expected = None
         self._hash.update(view)
         self._f.write(view)
         self._size += len(view)
@@ -78,11 +98,15 @@ class HashingFile:
         if fsync:
             os.fsync(self._f.fileno())
         self._f.close()
-        return FileRecord(size=self._size, checksum=self._hash.hexdigest())
+        return FileRecord(size=self._size, checksum=self._hash.hexdigest(), tensors=self._tensors)
 
     def abort(self) -> None:
         with contextlib.suppress(OSError):
             self._f.close()
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
 def plain_cpu_tensor(data: torch.Tensor) -> torch.Tensor:
@@ -169,7 +193,10 @@ def write_and_upload(
                     current.write(data.getbuffer())
                 else:
                     # torch.save streams each storage as a memoryview: no copy in RAM.
-                    torch.save(plain_cpu_tensor(data), cast(IO[bytes], current))
+                    tensor = plain_cpu_tensor(data)
+                    current.expect_tensor(tensor)
+                    torch.save(tensor, cast(IO[bytes], current))
+                    del tensor
                 pending.append((item, offset, current.tell() - offset))
                 del data
                 if current.tell() >= file_size:
