@@ -69,8 +69,8 @@ _CLIENT_KWARGS = frozenset(
 )
 
 
-def _read_body_into(body: Any, outs: Sequence[memoryview]) -> int:
-    """Read a response body into ``outs``, one after another, until full or the body ends.
+def _read_body_into(raw: Any, outs: Sequence[memoryview]) -> int:
+    """Read a urllib3 response body into ``outs``, one after another, until full or it ends.
 
     urllib3's ``readinto`` reads into a new ``bytes`` and copies that: for a plain
     (not content-decoded) body this reads from the socket's file straight into
@@ -78,10 +78,10 @@ def _read_body_into(body: Any, outs: Sequence[memoryview]) -> int:
     does at the end of a body. Connection errors surface as ``ConnectionError`` /
     ``TimeoutError`` / ``IncompleteRead``, all transient for the volume's retries.
     """
-    raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
-    plain = raw is not None and raw.headers.get("content-encoding", "identity") == "identity"
-    read = fp.readinto if fp is not None and plain else body.readinto
+    headers = getattr(raw, "headers", {})
+    plain = fp is not None and headers.get("content-encoding", "identity") == "identity"
+    read = fp.readinto if plain else raw.readinto
     total = 0
     for out in outs:
         got = 0
@@ -92,10 +92,10 @@ def _read_body_into(body: Any, outs: Sequence[memoryview]) -> int:
             got += n
         total += got
         if got < len(out):  # the body ended
-            if read is not body.readinto and fp.length:  # closed before its length
+            if plain and fp.length:  # closed before its length
                 raise http.client.IncompleteRead(b"", fp.length)
             break
-    if read is not body.readinto and fp.isclosed():
+    if plain and fp.isclosed():
         raw.release_conn()  # the whole body was read: keep the connection
     return total
 
@@ -103,8 +103,9 @@ def _read_body_into(body: Any, outs: Sequence[memoryview]) -> int:
 class S3Transport:
     """Bulk GET/PUT for one set of storage options (create one per process)."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, signed_get: Any = None) -> None:
         self._client = client
+        self._signed_get = signed_get  # a SignedGet, or None: every GET through botocore
 
     @classmethod
     def for_options(
@@ -150,29 +151,31 @@ class S3Transport:
         if not kwargs.get("region_name") and not session.get_config_variable("region"):
             kwargs["region_name"] = "us-east-1"  # botocore must sign for some region
         client = session.create_client("s3", config=Config(**config_kwargs), **kwargs)
-        return cls(client)
+        from dcp_volumes._s3_signed_get import SignedGet
+
+        return cls(client, SignedGet.for_client(client))
 
     # -- reads ----------------------------------------------------------------------------
 
     def get(self, bucket: str, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The object's bytes, or ``[start, end)`` of them (clipped at its end)."""
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        range_header = None
         if start is not None or end is not None:
             first = start or 0
             if end is not None and end <= first:
                 return b""
-            kwargs["Range"] = f"bytes={first}-" + ("" if end is None else str(end - 1))
+            range_header = f"bytes={first}-" + ("" if end is None else str(end - 1))
+        opened = self._open(bucket, key, range_header)
+        if opened is None:
+            return b""  # the range starts at or past the end: no bytes, as s3fs says
+        raw, size = opened
         try:
-            response = self._client.get_object(**kwargs)
-        except Exception as exc:
-            if _code(exc) in ("InvalidRange", "416"):
-                return b""  # the range starts at or past the end: no bytes, as s3fs says
-            raise
-        body = response["Body"]
-        try:
-            return body.read()
+            data = bytes(raw.read())
         finally:
-            body.close()
+            raw.close()
+        if size >= 0 and len(data) != size:  # cut off: transient, retried
+            raise http.client.IncompleteRead(data[:0], size - len(data))
+        return data
 
     def get_into(
         self, bucket: str, key: str, start: int, outs: Sequence[memoryview], *, whole: bool = False
@@ -190,23 +193,41 @@ class S3Transport:
         length = sum(len(out) for out in outs)
         if not length:
             return 0
+        range_header = None if whole and start == 0 else f"bytes={start}-{start + length - 1}"
+        opened = self._open(bucket, key, range_header)
+        if opened is None:
+            return 0
+        raw, size = opened
+        try:
+            if range_header is None and size != length:
+                return max(0, size)
+            return _read_body_into(raw, outs)
+        finally:
+            raw.close()
+
+    def _open(self, bucket: str, key: str, range_header: str | None) -> tuple[Any, int] | None:
+        """A GET's urllib3 response and Content-Length; ``None`` for a range past the end.
+
+        Signed by hand where possible (``_s3_signed_get.py``); botocore sends
+        the rest and interprets every answer that is not a success.
+        """
+        signed = self._signed_get
+        raw = signed.open(bucket, key, range_header) if signed is not None else None
+        if raw is not None:
+            return raw, int(raw.headers.get("content-length", -1))
         kwargs: dict[str, Any] = {"Bucket": bucket, "Key": key}
-        if not (whole and start == 0):
-            kwargs["Range"] = f"bytes={start}-{start + length - 1}"
+        if range_header is not None:
+            kwargs["Range"] = range_header
         try:
             response = self._client.get_object(**kwargs)
         except Exception as exc:
             if _code(exc) in ("InvalidRange", "416"):
-                return 0
+                return None
             raise
-        if "Range" not in kwargs and response.get("ContentLength") != length:
-            response["Body"].close()
-            return int(response.get("ContentLength") or 0)
+        if signed is not None:
+            signed.botocore_succeeded(bucket)
         body = response["Body"]
-        try:
-            return _read_body_into(body, outs)
-        finally:
-            body.close()
+        return getattr(body, "_raw_stream", body), int(response.get("ContentLength", -1))
 
     def head(self, bucket: str, key: str) -> tuple[int, str | None, float | None]:
         """``(size, etag, mtime)`` of an object, in one HEAD request."""

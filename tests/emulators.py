@@ -333,11 +333,17 @@ class MotoServer(_ProcessEmulator):
         *,
         record_requests: bool = False,
         region: str = "us-east-1",
+        auth_after: int | None = None,
     ) -> None:
         super().__init__()
         if mode not in ("thread", "process"):
             raise ValueError(f"mode must be 'thread' or 'process', not {mode!r}")
+        if auth_after is not None and mode != "process":
+            raise ValueError("auth_after needs mode='process' (moto reads it at start-up)")
         self.mode = mode
+        # Requests after the first `auth_after` must carry valid IAM credentials and
+        # signatures (moto's INITIAL_NO_AUTH_ACTION_COUNT); None: anything goes.
+        self.auth_after = auth_after
         self.region = region
         self.record_requests = record_requests
         self._thread_server: Any = None
@@ -349,6 +355,8 @@ class MotoServer(_ProcessEmulator):
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)
+        if self.auth_after is not None:
+            env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(self.auth_after)
         if self._workdir is not None:
             env["MOTO_RECORDER_FILEPATH"] = str(self._workdir / "recording.jsonl")
         return env

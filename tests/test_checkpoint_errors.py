@@ -132,15 +132,7 @@ def test_wrong_azure_key_is_reported_and_never_printed(
 @pytest.fixture(scope="module")
 def moto_with_auth() -> Iterator[MotoServer]:
     """A moto server that checks credentials (the shared one accepts any)."""
-    old = os.environ.get("INITIAL_NO_AUTH_ACTION_COUNT")
-    os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
-    try:
-        server = MotoServer(mode="process").start()
-    finally:
-        if old is None:
-            del os.environ["INITIAL_NO_AUTH_ACTION_COUNT"]
-        else:
-            os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = old
+    server = MotoServer(mode="process", auth_after=0).start()
     yield server
     server.stop()
 
