@@ -29,6 +29,11 @@ from tests.test_data_support import disk_bytes, payload, write_samples
 _FORK = mp.get_context("fork")
 
 
+def _reserved(ref: Any) -> bool:
+    """A fill of this entry is in progress (or was killed): its lock file holds the bytes."""
+    return os.path.exists(ref.lock) and os.path.getsize(ref.lock) > 0
+
+
 @pytest.fixture
 def proxied_bucket(moto_server: MotoServer, s3_bucket: tuple[str, dict[str, Any]]
                    ) -> Iterator[tuple[str, dict[str, Any], LatencyProxy]]:
@@ -256,7 +261,7 @@ def _slow_filler(moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: 
         cache = FileCache(cache_dir, reconcile=False)
         ref = cache._ref(Volume(url, storage_options=opts), "big.bin")
         deadline = time.monotonic() + 20
-        while not os.path.exists(ref.resv) and time.monotonic() < deadline:
+        while not _reserved(ref) and time.monotonic() < deadline:
             time.sleep(0.02)
         yield url, data, opts, filler, cache, ref
 
@@ -266,7 +271,7 @@ def test_killed_filler_is_recovered(moto_server: MotoServer, s3_bucket: tuple[st
     with _slow_filler(moto_server, s3_bucket, tmp_path, seed=7) as (
         url, data, opts, filler, cache, ref
     ):
-        assert os.path.exists(ref.resv), "the filler never started"
+        assert _reserved(ref), "the filler never started"
         time.sleep(0.3)
         assert filler.is_alive()
         os.kill(filler.pid or 0, signal.SIGKILL)
@@ -275,7 +280,7 @@ def test_killed_filler_is_recovered(moto_server: MotoServer, s3_bucket: tuple[st
         assert not cache.contains(f"{url}/big.bin", storage_options=opts)
         path = cache.fetch(f"{url}/big.bin", storage_options=opts, size=len(data))
     assert Path(path).read_bytes() == data
-    assert not os.path.exists(ref.resv) and not os.path.exists(ref.fill)
+    assert not _reserved(ref) and not os.path.exists(ref.fill)
     assert cache.usage() == len(data)  # the dead filler's reservation was given back
 
 
@@ -307,16 +312,19 @@ def test_restart_reconciles_the_directory(tmp_path: Path) -> None:
     for u in urls:
         cache.fetch(u)
     Path(refs[0].fill).write_bytes(b"half")            # a killed fill
-    Path(refs[0].resv).write_text("500")
+    Path(refs[0].lock).write_text("500")              # ... and its reservation
     os.remove(refs[1].meta)                            # a file without its sidecar
     os.remove(refs[2].data)                            # a sidecar without its file
+    legacy = Path(refs[3].lock[: -len(".lock")] + ".resv")
+    legacy.write_text("7")                             # an older version's reservation file
     foreign = tmp_path / "cache" / "objects" / "notes.txt"
     foreign.write_text("not the cache's")
     restarted = FileCache(tmp_path / "cache")
     report = restarted.reconcile()  # (already ran at start-up: now a no-op)
     assert report.removed_temp == 0 and report.entries == 2
-    assert not os.path.exists(refs[0].fill) and not os.path.exists(refs[0].resv)
+    assert not os.path.exists(refs[0].fill) and not _reserved(refs[0])
     assert not os.path.exists(refs[1].data) and not os.path.exists(refs[2].meta)
+    assert not legacy.exists()
     assert foreign.exists()  # never deletes what it did not create
     assert restarted.usage() == 1000 == disk_bytes(restarted.cache_dir) - len("not the cache's")
     assert Path(restarted.fetch(urls[1])).read_bytes() == files[os.path.relpath(urls[1], src)]

@@ -83,7 +83,7 @@ def disk_bytes(cache_dir: str) -> int:
     total = 0
     for root, _, names in os.walk(os.path.join(cache_dir, "objects")):
         for name in names:
-            if name.endswith((".lock", ".meta", ".resv")):
+            if name.endswith((".lock", ".meta")):
                 continue
             with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
                 total += os.path.getsize(os.path.join(root, name))

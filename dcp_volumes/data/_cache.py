@@ -47,6 +47,7 @@ from dcp_volumes.data._store import (
     ReconcileReport,
     Ref,
     Store,
+    clear_reservation,
     human,
     read_meta,
     remove,
@@ -452,11 +453,11 @@ class FileCache:
         tmp = f"{ref.meta}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             write_file(tmp, json.dumps(meta).encode())
+            clear_reservation(ref)  # the reservation is now the file itself
             os.replace(tmp, ref.meta)  # the entry becomes valid here, in one step
         except BaseException:
             remove(tmp)
             raise
-        remove(ref.resv)  # the reservation is now the file itself
         self._store.note_filled(ref, size)
         return size, seconds
 

@@ -5,8 +5,8 @@ Layout below ``cache_dir`` (one directory may serve many processes and jobs)::
     usage.lock                 flock'ed by writers; holds the byte count of the cache
     objects/<k2>/<key>-<name>  a cached file (<key>: 128-bit hash of source + URL)
     objects/<k2>/<key>.meta    its sidecar: URL, size, etag/mtime (written atomically)
-    objects/<k2>/<key>.lock    its lock: exclusive to fill/evict, shared to pin
-    objects/<k2>/<key>.resv    bytes reserved by a fill in progress
+    objects/<k2>/<key>.lock    its lock: exclusive to fill/evict, shared to pin; while a
+                               fill runs it holds the bytes reserved for it (else empty)
     objects/<k2>/<key>.fill    the download in progress (renamed into place when done)
 
 There is no shared index: an entry is its data file plus its sidecar, each
@@ -71,7 +71,6 @@ class Ref(NamedTuple):
     data: str
     meta: str
     lock: str
-    resv: str
     fill: str
 
 
@@ -145,14 +144,21 @@ def read_meta(ref: Ref) -> dict[str, Any] | None:
     return meta
 
 
-def _read_resv(path: str) -> int | None:
+def read_reservation(lock_path: str) -> int:
+    """Bytes a fill reserved, as written into its entry's lock file (0: none)."""
     try:
-        with open(path) as f:
+        if not os.stat(lock_path).st_size:
+            return 0  # the usual case: one system call
+        with open(lock_path, "rb") as f:
             return int(f.read().strip() or 0)
-    except FileNotFoundError:
-        return None
     except (OSError, ValueError):
         return 0
+
+
+def clear_reservation(ref: Ref) -> None:
+    """The fill's bytes are on disk now (its lock file empties in place: no new inode)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.truncate(ref.lock, 0)
 
 
 class Store:
@@ -179,7 +185,6 @@ class Store:
             data=f"{base}-{name}",
             meta=f"{base}.meta",
             lock=f"{base}.lock",
-            resv=f"{base}.resv",
             fill=f"{base}.fill",
         )
 
@@ -215,25 +220,27 @@ class Store:
 
     def clear_entry(self, ref: Ref) -> None:
         """Remove what a previous (maybe killed) filler or a broken copy left behind."""
-        freed = 0
-        reserved = _read_resv(ref.resv)
-        if reserved is not None:
+        reserved = read_reservation(ref.lock)
+        if reserved:
             # A filler died mid-download: its reservation is still counted, and a
             # ranged download may have left <fill>.part-* files.
-            remove(ref.resv)
-            freed += reserved
+            clear_reservation(ref)
             folder, prefix = os.path.split(ref.fill)
             with contextlib.suppress(FileNotFoundError):
                 for name in os.listdir(folder):
                     if name.startswith(prefix):
                         remove(os.path.join(folder, name))
         remove(ref.fill)
+        size = 0
         try:
-            freed += os.stat(ref.data).st_size
+            size = os.stat(ref.data).st_size
             remove(ref.data)
         except FileNotFoundError:
             pass
         remove(ref.meta)
+        # A killed fill's data file (renamed in before its death) is counted by its
+        # reservation only.
+        freed = reserved or size
         if freed:
             self._adjust(-freed)
 
@@ -266,10 +273,12 @@ class Store:
             if self.limit is not None and used + size > self.limit:
                 self._log_overshoot(used + size)
             counter.write(used + size)
-            write_file(ref.resv, str(size).encode())
+            # Into the lock file the filler holds, not a file of its own: creating and
+            # deleting an inode per fill is what ext4's allocator is slowest at.
+            write_file(ref.lock, str(size).encode())
 
     def unreserve(self, ref: Ref, size: int) -> None:
-        remove(ref.resv)
+        clear_reservation(ref)
         self._adjust(-size)
 
     def _log_overshoot(self, total: int) -> None:
@@ -330,8 +339,8 @@ class Store:
         if not lock.acquire(exclusive=True, blocking=False):
             return None  # pinned (shared lock) or being filled
         try:
-            if os.path.exists(f"{base}.resv"):
-                return None  # a killed filler's leftovers: the next fill cleans them up
+            if lock.fd is not None and os.fstat(lock.fd).st_size:
+                return None  # a killed filler's reservation: the next fill cleans it up
             try:
                 size = os.stat(data).st_size
             except FileNotFoundError:
@@ -427,8 +436,8 @@ class Store:
         with self.mu:
             total = sum(k.size for k in self._known.values())
         for key, kinds in found.items():
-            if key and ".resv" in kinds and "data" not in kinds:
-                total += _read_resv(kinds[".resv"]) or 0
+            if key and ".lock" in kinds and "data" not in kinds:
+                total += read_reservation(kinds[".lock"])
         return total
 
     def reconcile(self) -> ReconcileReport:
@@ -451,13 +460,17 @@ class Store:
                     data = kinds.get("data")
                     with contextlib.suppress(FileNotFoundError):
                         total += (
-                            os.stat(data).st_size if data else (_read_resv(f"{base}.resv") or 0)
+                            os.stat(data).st_size if data else read_reservation(f"{base}.lock")
                         )
                     continue
                 try:
                     for kind, path in kinds.items():
+                        # (.resv: reservation files of earlier versions)
                         if kind.startswith("temp:") or kind in (".fill", ".resv"):
                             removed_temp += remove(path)
+                    if read_reservation(f"{base}.lock"):
+                        removed_temp += 1  # a killed fill's reservation
+                        os.truncate(f"{base}.lock", 0)
                     data = kinds.get("data")
                     meta = read_meta(self.ref(key, "")._replace(data=data)) if data else None
                     if meta is not None:
