@@ -79,11 +79,15 @@ def to_list(batch: Any) -> list[Any]:
 
 
 def disk_bytes(cache_dir: str) -> int:
-    """Bytes of every file below cache_dir/objects (what the limit bounds)."""
+    """Bytes of every data file below cache_dir/objects (what the limit bounds).
+
+    Locks and sidecars (also a sidecar's temp file, there for a moment while a
+    fill publishes it) are bookkeeping, not cached bytes.
+    """
     total = 0
     for root, _, names in os.walk(os.path.join(cache_dir, "objects")):
         for name in names:
-            if name.endswith((".lock", ".meta")):
+            if name.endswith((".lock", ".meta")) or ".meta.tmp-" in name:
                 continue
             with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
                 total += os.path.getsize(os.path.join(root, name))
