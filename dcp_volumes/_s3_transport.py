@@ -78,7 +78,7 @@ def _read_body_into(raw: Any, outs: Sequence[memoryview]) -> int:
     does at the end of a body. Connection errors surface as ``ConnectionError`` /
     ``TimeoutError`` / ``IncompleteRead``, all transient for the volume's retries.
     """
-    fp = getattr(raw, "_fp", None)
+    fp: Any = getattr(raw, "_fp", None)
     headers = getattr(raw, "headers", {})
     plain = fp is not None and headers.get("content-encoding", "identity") == "identity"
     read = fp.readinto if plain else raw.readinto

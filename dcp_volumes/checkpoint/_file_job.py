@@ -116,7 +116,7 @@ class FileJob:
             except (RuntimeError, TypeError):  # e.g. a tensor subclass without plain memory
                 continue
             if array.flags.writeable:
-                self.direct[i] = (data[0], memoryview(array))
+                self.direct[i] = (data[0], memoryview(array))  # type: ignore[arg-type]
                 taken.add(data[0])
 
     def target(self, planner: LoadPlanner, i: int) -> torch.Tensor:
