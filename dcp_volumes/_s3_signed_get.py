@@ -99,6 +99,7 @@ class SignedGet:
         # bucket -> (origin, host, path prefix, signing region), or None: botocore only.
         self._bases: dict[str, tuple[str, str, str, str] | None] = {}
         self._keys: dict[tuple[str, str, str], bytes] = {}
+        self._unavailable = False  # this botocore's HTTP session refused our request
         client.meta.events.register("before-send.s3.GetObject", self._capture)
 
     @classmethod
@@ -120,6 +121,8 @@ class SignedGet:
         The caller reads the response and releases its connection.
         """
         self._local.refused = None
+        if self._unavailable:
+            return None
         base = self._bases[bucket] if bucket in self._bases else self._learn(bucket)
         if base is None:
             return None
@@ -138,7 +141,16 @@ class SignedGet:
         )
         if range_header is not None:
             headers["Range"] = range_header
-        response = self._http.send(AWSPreparedRequest("GET", origin + path, headers, None, True))
+        request = AWSPreparedRequest("GET", origin + path, headers, None, True)
+        try:
+            response = self._http.send(request)
+        except (AttributeError, TypeError, KeyError):
+            # Another botocore wants more of a prepared request than this one: its own
+            # path works, so use it from now on (network errors are not caught here:
+            # they are retried like botocore's).
+            logger.info("signed GETs unavailable with this botocore: using botocore's path")
+            self._unavailable = True
+            return None
         status = response.status_code
         if status in (200, 206):
             return response.raw

@@ -276,3 +276,20 @@ def test_signed_gets_pass_a_server_that_checks_signatures() -> None:
             bad.read_into(_AWKWARD_KEYS[0], 0, memoryview(bytearray(5)), whole=False)
         assert secret not in str(err.value)
 
+
+
+def test_signed_get_falls_back_when_botocore_session_refuses_it(s3_bucket, monkeypatch):
+    url, options = s3_bucket
+    vol = Volume(url, storage_options={**options, "config_kwargs": {"connect_timeout": 7}})
+    vol.publish("f.bin", b"0123456789")
+    signed = vol.s3._signed_get
+    assert signed is not None
+
+    def refuse(request: Any) -> None:
+        raise AttributeError("'AWSPreparedRequest' object has no attribute 'something_new'")
+
+    monkeypatch.setattr(signed, "_http", type("Session", (), {"send": staticmethod(refuse)})())
+    out = memoryview(bytearray(4))
+    assert vol.read_into("f.bin", 3, out) == 4 and bytes(out) == b"3456"  # through botocore
+    assert vol.read_bytes("f.bin") == b"0123456789"
+    assert signed._unavailable
