@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
@@ -340,17 +339,6 @@ class Volume:
             raise ValueError(f"{self.display_url} is not a local volume")
         full = self.full_path(relpath)
         return self._call("read", relpath, lambda: io.FileIO(full, "rb"))
-
-    def read_ranges(
-        self, ranges: Sequence[tuple[str, int, int]], *, concurrency: int = 16
-    ) -> list[bytes]:
-        """Read many ``(relpath, start, end)`` ranges concurrently, results in input order."""
-        if not ranges:
-            return []
-        if len(ranges) == 1 or concurrency <= 1:
-            return [self.read_bytes(p, s, e) for p, s, e in ranges]
-        with ThreadPoolExecutor(max_workers=min(concurrency, len(ranges))) as pool:
-            return list(pool.map(lambda r: self.read_bytes(*r), ranges))
 
     def get_file(
         self,

@@ -73,7 +73,7 @@ def test_put_and_get_large_file_in_parts(volume: Volume, tmp_path) -> None:
     assert volume.get_file("big/file.bin", dst, part_size=2**20, concurrency=4) == len(payload)
     assert dst.read_bytes() == payload
     assert not [p for p in os.listdir(tmp_path) if ".part-" in p], "temp files left behind"
-    ranges = volume.read_ranges([("big/file.bin", 0, 10), ("big/file.bin", 2**20, 2**20 + 7)])
+    ranges = [volume.read_bytes("big/file.bin", s, e) for s, e in ((0, 10), (2**20, 2**20 + 7))]
     assert ranges == [payload[:10], payload[2**20 : 2**20 + 7]]
 
 

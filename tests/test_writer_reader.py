@@ -476,7 +476,7 @@ def test_coalesced_ranges_cover_and_read_back(
     buffers = []
     for s, e in spans:
         parts = [p for p in _layout.split_range(s, e, part) if p[1] > p[0]]
-        data = b"".join(volume.read_ranges([("f.distcp", a, b) for a, b in parts]))
+        data = b"".join(volume.read_bytes("f.distcp", a, b) for a, b in parts)
         assert len(data) == e - s
         buffers.append(data)
     for s, e in ranges:
