@@ -41,11 +41,12 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from _common import (
     REMOTE_BANDWIDTH_BPS,
@@ -61,6 +62,7 @@ from _common import (
 )
 from _data_report import _epoch, _rate, plot, table
 
+T = TypeVar("T")
 BUCKET = "data"
 ROWS = ("local", "naive", "filecache", "s3tc", "ours", "raw")
 WARM_VS_LOCAL = 0.9
@@ -68,6 +70,27 @@ COLD_VS_RAW = 0.8
 COLD_VS_NAIVE_REMOTE = 3.0
 # fetch_seconds p50 counts as "near zero" at <= this share of the compute step.
 NEAR_ZERO_SHARE = 0.1
+# No batch takes this long here; a worker that does is stuck (see ``retry_stuck``).
+WORKER_TIMEOUT_S = 120.0
+
+
+def retry_stuck(what: str, run: Callable[[], T]) -> T:
+    """``run()``, once more if a DataLoader worker got stuck (``WORKER_TIMEOUT_S``).
+
+    A forked worker inherits the parent's locks as they were at the fork: when
+    another thread of this process (a peer's client shutting down, a pool
+    thread exiting) held one of OpenSSL's at that instant, the worker blocks
+    forever at its first TLS or hashing call. Rare (seen once in ~20 runs) and
+    no fault of the loader being measured, so the row runs again with fresh
+    workers, and the retry is printed.
+    """
+    try:
+        return run()
+    except RuntimeError as exc:
+        if "timed out" not in str(exc):
+            raise
+        print(f"  {what}: a worker got stuck ({exc}); running it again", file=sys.stderr)
+        return run()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,6 +134,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=16,
         help="threads of the raw GET row (ours: 2 workers x 8 fetch threads)",
     )
+    p.add_argument(
+        "--warm-epochs",
+        type=int,
+        default=None,
+        help="warm epochs per side in each paired warm round (default 3, quick 1)",
+    )
     args = p.parse_args(argv)
     q = args.quick
     args.small_files = args.small_files or (64 if q else 2000)
@@ -120,6 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.remote_small = min(args.small_files, args.remote_small or (32 if q else 480))
     args.remote_large = min(args.large_files, args.remote_large or (16 if q else 32))
     args.pairs = args.pairs or (1 if q else 3)
+    args.warm_epochs = args.warm_epochs or (1 if q else 3)
     # The longest compute step of the "step > fetch" run (it adapts to the cold rate).
     args.max_step_s = 0.15 if q else 0.5
     return args
@@ -211,7 +241,9 @@ def make_loader(
             shuffle=True,
             seed=0,
         )
-        loader = DataLoader(ds, batch_size=args.batch_size, num_workers=args.workers)
+        loader = DataLoader(
+            ds, batch_size=args.batch_size, num_workers=args.workers, timeout=WORKER_TIMEOUT_S
+        )
     else:
         if row == "local":
             dataset: Any = LocalFiles(files.local_paths())
@@ -239,6 +271,7 @@ def make_loader(
             generator=torch.Generator().manual_seed(0),
             persistent_workers=True,
             prefetch_factor=4,
+            timeout=WORKER_TIMEOUT_S,
         )
     try:
         yield loader
@@ -322,15 +355,19 @@ def run_row(
                 {"seconds": secs, "samples": len(files.keys), "bytes": nbytes, "fetch_seconds": []}
             ]
         else:
-            with make_loader(
-                row, files, server.storage_options(endpoint), args, tmp, full_set
-            ) as loader:
-                result["epochs"] = run_epochs(loader, epochs, compute_s)
-                metrics = getattr(loader, "metrics", None)
-                if metrics is not None:  # ours: what the loader itself reports
-                    own = list(metrics.fetch_seconds)
-                    result["loader_metrics_fetch_p50_s"] = percentile(own, 50)
-                    result["loader_metrics_fetch_p95_s"] = percentile(own, 95)
+
+            def measure() -> None:
+                with make_loader(
+                    row, files, server.storage_options(endpoint), args, tmp, full_set
+                ) as loader:
+                    result["epochs"] = run_epochs(loader, epochs, compute_s)
+                    metrics = getattr(loader, "metrics", None)
+                    if metrics is not None:  # ours: what the loader itself reports
+                        own = list(metrics.fetch_seconds)
+                        result["loader_metrics_fetch_p50_s"] = percentile(own, 50)
+                        result["loader_metrics_fetch_p95_s"] = percentile(own, 95)
+
+            retry_stuck(f"{files.name} {row}", measure)
     except Exception as exc:
         import traceback
 
@@ -377,25 +414,37 @@ def _paired(rounds: list[dict[str, float]]) -> dict[str, Any]:
 def paired_warm(
     files: FileSet, storage_options: dict[str, Any], args: argparse.Namespace, tmp: Path
 ) -> dict[str, Any]:
-    """Epoch 2 of ours against the local-disk loader, in ``args.pairs`` alternating rounds.
+    """Warm epochs of ours against the local-disk loader, in ``args.pairs`` rounds.
 
     One pass per row (the tables) is at the mercy of a noisy 2-core VM: the same
-    local loader measured twice in a row differs by up to 2x here. Each round
-    makes a fresh cache (a cold epoch 1), then times ours' epoch 2 right next
-    to a local epoch, alternating which goes first; the target uses the median
-    of the per-round ratios.
+    local loader measured twice in a row differs by up to 2x. Each round makes a
+    fresh cache (a cold epoch 1) and starts the local loader (its page cache
+    warm), then times ``args.warm_epochs`` warm epochs of ours interleaved with
+    as many local epochs (alternating which goes first);
+    the round's ratio is ours' files/s over the local loader's, each over all
+    its epochs, and the target uses the median of the rounds' ratios.
     """
     rounds: list[dict[str, float]] = []
-    with make_loader("local", files, storage_options, args, tmp, True) as local:
-        _one_epoch(local)  # workers started, page cache warm
-        for r in range(args.pairs):
-            with make_loader("ours", files, storage_options, args, tmp, True) as ours:
-                _one_epoch(ours)  # epoch 1 (cold) fills the cache
-                if r % 2:
-                    o, lo = _one_epoch(ours), _one_epoch(local)
-                else:
-                    lo, o = _one_epoch(local), _one_epoch(ours)
-            _note_round(rounds, f"{files.name} warm", "local", o, lo)
+    n = len(files.keys) * args.warm_epochs
+
+    def one_round(r: int) -> tuple[float, float]:
+        """Seconds of ours' and the local loader's warm epochs in round ``r``."""
+        with (
+            make_loader("local", files, storage_options, args, tmp, True) as local,
+            make_loader("ours", files, storage_options, args, tmp, True) as ours,
+        ):
+            _one_epoch(local)  # workers started, page cache warm
+            _one_epoch(ours)  # epoch 1 (cold) fills the cache
+            spent = {"ours": 0.0, "local": 0.0}
+            for e in range(args.warm_epochs):
+                pair = (("ours", ours), ("local", local))
+                for name, loader in pair if (r + e) % 2 else pair[::-1]:
+                    spent[name] += len(files.keys) / _one_epoch(loader)
+            return spent["ours"], spent["local"]
+
+    for r in range(args.pairs):
+        o_s, lo_s = retry_stuck(f"{files.name} warm round {r + 1}", partial(one_round, r))
+        _note_round(rounds, f"{files.name} warm", "local", n / o_s, n / lo_s)
     return _paired(rounds)
 
 
@@ -417,9 +466,12 @@ def paired_cold(
             secs, _ = raw_concurrent_gets(endpoint, BUCKET, files.keys, args.raw_threads)
             return len(files.keys) / secs
 
-        def ours() -> float:
-            with make_loader("ours", files, storage_options, args, tmp, full_set) as loader:
-                return _one_epoch(loader)
+        def ours(label: str = f"{files.name} cold round {r + 1}") -> float:
+            def epoch() -> float:
+                with make_loader("ours", files, storage_options, args, tmp, full_set) as loader:
+                    return _one_epoch(loader)
+
+            return retry_stuck(label, epoch)
 
         if r % 2:
             o, rw = ours(), raw()
@@ -629,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workers",
                 "raw_threads",
                 "pairs",
+                "warm_epochs",
                 "link",
             )
         },

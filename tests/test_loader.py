@@ -189,6 +189,43 @@ def _as_tensor(path: str) -> torch.Tensor:
     return torch.tensor([read_id(path)])
 
 
+def test_forkserver_workers_deliver_the_same_stream_and_state(
+    moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: Path
+) -> None:
+    # The start method to use when the training process has threads that may be
+    # inside OpenSSL at a fork (see the DataLoader docstring): workers get the
+    # dataset pickled (shared-memory plan and hot table included) instead of
+    # forked, and the delivered stream and the state must not change.
+    url, direct = s3_bucket
+    write_samples(url, direct, 24)
+    opts = moto_server.storage_options()
+
+    def run(context: str, cache: str, stop_after: int | None = None) -> tuple[list[int], Any]:
+        ds = VolumeDataset(url, storage_options=opts, cache_dir=tmp_path / cache,
+                           transform=read_id, seed=3)
+        loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context=context,
+                            timeout=120)
+        seen: list[int] = []
+        for batch in loader:
+            seen += to_list(batch)
+            if stop_after is not None and len(seen) >= stop_after:
+                break
+        return seen, loader
+
+    forked, _ = run("fork", "c-fork")
+    served, loader = run("forkserver", "c-fs")
+    assert served == forked and sorted(served) == list(range(24))
+    assert loader.metrics.totals["misses"] == 24  # the counters travel from the workers
+    partial, paused = run("forkserver", "c-fs2", stop_after=8)
+    state = paused.state_dict()
+    ds = VolumeDataset(url, storage_options=opts, cache_dir=tmp_path / "c-fs2",
+                       transform=read_id, seed=3)
+    resumed = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="forkserver",
+                         timeout=120)
+    resumed.load_state_dict(state)
+    assert partial + [i for b in resumed for i in to_list(b)] == forked
+
+
 def test_counters_survive_the_pin_memory_step() -> None:
     from dcp_volumes.data._loader import _Delivery
 

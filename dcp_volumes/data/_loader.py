@@ -114,7 +114,12 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
 
     Workers start with torch's default method (fork on Linux before Python
     3.14); processes that were themselves spawned inherit "spawn", so pass
-    ``multiprocessing_context="fork"`` there for fast worker starts. Epochs:
+    ``multiprocessing_context="fork"`` there for fast worker starts. A forked
+    worker inherits the parent's locks as they were at the fork: if another
+    thread was inside OpenSSL then (an HTTPS uploader, a client shutting down),
+    the worker blocks at its first TLS call. Pass
+    ``multiprocessing_context="forkserver"`` in such processes (the dataset is
+    then pickled to the workers; the stream and state are the same). Epochs:
     an exhausted epoch moves the state to the next one; ``set_epoch(e)`` with
     another epoch than the current starts ``e`` at its beginning, with the
     same epoch it keeps a restored position.
