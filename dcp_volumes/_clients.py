@@ -17,6 +17,7 @@ from typing import Any
 
 import fsspec
 
+from dcp_volumes._client_watchdog import watch_client_start
 from dcp_volumes._exceptions import BackendNotInstalledError, ConfigurationError
 from dcp_volumes._s3_transport import S3Transport
 
@@ -87,7 +88,8 @@ def shared_filesystem(
             # client (the pid in the key does the same for our cache).
             # No listings cache: other ranks and jobs change the volume.
             options = {"use_listings_cache": False, **storage_options}
-            fs = cls(skip_instance_cache=True, **options)
+            with watch_client_start(protocol):
+                fs = cls(skip_instance_cache=True, **options)
             _CLIENTS[key] = fs
     return fs
 
@@ -97,9 +99,10 @@ def shared_s3_transport(storage_options: Mapping[str, Any]) -> S3Transport | Non
     key = (os.getpid(), fsspec.utils.tokenize(storage_options))
     with _CLIENTS_LOCK:
         if key not in _TRANSPORTS:  # a None answer is cached too
-            _TRANSPORTS[key] = S3Transport.for_options(
-                storage_options, session=_session(storage_options.get("profile"))
-            )
+            with watch_client_start("S3"):
+                _TRANSPORTS[key] = S3Transport.for_options(
+                    storage_options, session=_session(storage_options.get("profile"))
+                )
         return _TRANSPORTS[key]
 
 

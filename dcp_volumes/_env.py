@@ -7,6 +7,7 @@
 | ``DCP_VOLUMES_MAX_RETRIES`` | attempts per volume call on transient errors     |
 | ``DCP_VOLUMES_STORAGE_OPTIONS`` | JSON object of fsspec options for the CLI    |
 | ``DCP_VOLUMES_S3_TRANSPORT`` | ``0``: move S3 bytes through s3fs, not botocore |
+| ``DCP_VOLUMES_CLIENT_START_TIMEOUT`` | seconds until a client creation is stuck (0: never) |
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ CACHE = "DCP_VOLUMES_CACHE"
 MAX_RETRIES = "DCP_VOLUMES_MAX_RETRIES"
 STORAGE_OPTIONS = "DCP_VOLUMES_STORAGE_OPTIONS"
 S3_TRANSPORT = "DCP_VOLUMES_S3_TRANSPORT"
+CLIENT_START_TIMEOUT = "DCP_VOLUMES_CLIENT_START_TIMEOUT"
 
 
 def staging_dir() -> str | None:
@@ -44,6 +46,22 @@ def max_retries(default: int) -> int:
             f"{MAX_RETRIES}={raw!r} is not an integer; set it to a count such as 5 or unset it."
         ) from None
     return max(1, value)
+
+
+def client_start_timeout(default: float = 120.0) -> float:
+    """Seconds a client creation may take before the watchdog calls it stuck (0: never)."""
+    raw = os.environ.get(CLIENT_START_TIMEOUT)
+    if not raw:
+        return default
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        from dcp_volumes._exceptions import ConfigurationError
+
+        raise ConfigurationError(
+            f"{CLIENT_START_TIMEOUT}={raw!r} is not a number of seconds; set it to e.g. 120, "
+            "0 to turn the watchdog off, or unset it."
+        ) from None
 
 
 def world_info() -> tuple[int, int, int, int]:

@@ -226,6 +226,54 @@ def test_forkserver_workers_deliver_the_same_stream_and_state(
     assert partial + [i for b in resumed for i in to_list(b)] == forked
 
 
+def test_a_worker_stuck_creating_its_client_fails_fast(
+    moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker forked while another thread held an OpenSSL lock blocks forever
+    # creating its S3 client (seen in the data benchmark: SSL_CTX_new waiting on a
+    # lock no thread of the worker holds). Here the creation blocks for good; the
+    # watchdog must log why and stop the worker, so the loop fails, not hangs.
+    from dcp_volumes._client_watchdog import STUCK_EXIT_CODE
+    from dcp_volumes._s3_transport import S3Transport
+
+    url, direct = s3_bucket
+    write_samples(url, direct, 8)
+    ds = VolumeDataset(url, storage_options=moto_server.storage_options(),
+                       cache_dir=tmp_path / "c", transform=read_id)
+    monkeypatch.setattr(S3Transport, "for_options",
+                        classmethod(lambda cls, *a, **k: time.sleep(3600)))
+    monkeypatch.setenv("DCP_VOLUMES_CLIENT_START_TIMEOUT", "1")
+    log_file = tmp_path / "worker.log"
+    handler = logging.FileHandler(log_file)  # forked workers inherit it
+    watchdog_log = logging.getLogger("dcp_volumes._client_watchdog")
+    watchdog_log.addHandler(handler)
+    try:
+        loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="fork")
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"exit code {STUCK_EXIT_CODE}|exited unexpectedly"):
+            list(loader)
+        assert time.monotonic() - started < 60
+    finally:
+        watchdog_log.removeHandler(handler)
+        handler.close()
+    logged = log_file.read_text()
+    assert "has not finished after 1 s" in logged and "forkserver" in logged
+    assert "Stopping this DataLoader worker" in logged
+
+
+def test_client_start_timeout_takes_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dcp_volumes import _env
+
+    monkeypatch.setenv("DCP_VOLUMES_CLIENT_START_TIMEOUT", "soon")
+    with pytest.raises(ConfigurationError, match="'soon' is not a number of seconds"):
+        _env.client_start_timeout()
+    monkeypatch.setenv("DCP_VOLUMES_CLIENT_START_TIMEOUT", "0")
+    assert _env.client_start_timeout() == 0.0  # the watchdog is off
+    monkeypatch.delenv("DCP_VOLUMES_CLIENT_START_TIMEOUT")
+    assert _env.client_start_timeout() == 120.0
+
+
 def test_counters_survive_the_pin_memory_step() -> None:
     from dcp_volumes.data._loader import _Delivery
 
