@@ -200,30 +200,28 @@ def test_forkserver_workers_deliver_the_same_stream_and_state(
     write_samples(url, direct, 24)
     opts = moto_server.storage_options()
 
-    def run(context: str, cache: str, stop_after: int | None = None) -> tuple[list[int], Any]:
+    def loader_for(context: str, cache: str) -> DataLoader:
         ds = VolumeDataset(url, storage_options=opts, cache_dir=tmp_path / cache,
                            transform=read_id, seed=3)
-        loader = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context=context,
-                            timeout=120)
+        return DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context=context,
+                          timeout=120)
+
+    def run(loader: DataLoader, stop_after: int | None = None) -> list[int]:
         seen: list[int] = []
         for batch in loader:
             seen += to_list(batch)
             if stop_after is not None and len(seen) >= stop_after:
                 break
-        return seen, loader
+        return seen
 
-    forked, _ = run("fork", "c-fork")
-    served, loader = run("forkserver", "c-fs")
+    forked = run(loader_for("fork", "c-fork"))
+    served = run(loader := loader_for("forkserver", "c-fs"))
     assert served == forked and sorted(served) == list(range(24))
     assert loader.metrics.totals["misses"] == 24  # the counters travel from the workers
-    partial, paused = run("forkserver", "c-fs2", stop_after=8)
-    state = paused.state_dict()
-    ds = VolumeDataset(url, storage_options=opts, cache_dir=tmp_path / "c-fs2",
-                       transform=read_id, seed=3)
-    resumed = DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="forkserver",
-                         timeout=120)
-    resumed.load_state_dict(state)
-    assert partial + [i for b in resumed for i in to_list(b)] == forked
+    partial = run(paused := loader_for("forkserver", "c-fs2"), stop_after=8)
+    resumed = loader_for("forkserver", "c-fs2")
+    resumed.load_state_dict(paused.state_dict())
+    assert partial + run(resumed) == forked
 
 
 def test_a_worker_stuck_creating_its_client_fails_fast(

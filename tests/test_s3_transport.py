@@ -277,7 +277,6 @@ def test_signed_gets_pass_a_server_that_checks_signatures() -> None:
         assert secret not in str(err.value)
 
 
-
 def test_signed_get_falls_back_when_botocore_session_refuses_it(s3_bucket, monkeypatch):
     url, options = s3_bucket
     vol = Volume(url, storage_options={**options, "config_kwargs": {"connect_timeout": 7}})

@@ -69,6 +69,7 @@ class FileJob:
     source: Volume
     from_local: bool = False
     pieces: list[tuple[int, memoryview]] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # the pieces' file offsets
     futures: list[ThreadFuture[None]] = field(default_factory=list)
     digest: str | None = None  # checksum taken by the fetch thread (one-GET whole files)
     file: io.FileIO | None = None
@@ -140,11 +141,12 @@ class FileJob:
             if end > pos:
                 pieces.append((pos, _scratch(end - pos)))
         self.pieces = pieces
+        self.starts = [at for at, _ in pieces]
 
     def views(self, start: int, end: int) -> list[memoryview]:
         """The buffers that ``[start, end)`` of the file is read into, in order."""
         out = []
-        i = max(0, bisect.bisect_right([p for p, _ in self.pieces], start) - 1)
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
         for at, buf in self.pieces[i:]:
             if at >= end:
                 break
@@ -197,7 +199,7 @@ class FileJob:
 
     def deliver(self, planner: LoadPlanner) -> None:
         """Deserialise every item from the fetched bytes and hand it to ``planner``."""
-        starts = [at for at, _ in self.pieces]
+        starts = self.starts
         bounds = [(at, at + len(buf)) for at, buf in self.pieces]
         for i, (req, info) in enumerate(self.reqs):
             if i in self.direct:

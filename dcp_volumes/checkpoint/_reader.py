@@ -263,6 +263,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                     job.deliver(planner)
                     direct += len(job.direct)
                     job.pieces.clear()
+                    job.starts.clear()
                     job.targets.clear()
                     job.close()
             except BaseException:

@@ -459,20 +459,19 @@ class Store:
                     busy += 1  # being filled or pinned by a live process: count, don't touch
                     data = kinds.get("data")
                     with contextlib.suppress(FileNotFoundError):
-                        total += (
-                            os.stat(data).st_size if data else read_reservation(f"{base}.lock")
-                        )
+                        total += os.stat(data).st_size if data else read_reservation(f"{base}.lock")
                     continue
                 try:
                     for kind, path in kinds.items():
                         # (.resv: reservation files of earlier versions)
                         if kind.startswith("temp:") or kind in (".fill", ".resv"):
                             removed_temp += remove(path)
-                    if read_reservation(f"{base}.lock"):
+                    ref = self.ref(key, "")
+                    if read_reservation(ref.lock):
                         removed_temp += 1  # a killed fill's reservation
-                        os.truncate(f"{base}.lock", 0)
+                        clear_reservation(ref)
                     data = kinds.get("data")
-                    meta = read_meta(self.ref(key, "")._replace(data=data)) if data else None
+                    meta = read_meta(ref._replace(data=data)) if data else None
                     if meta is not None:
                         entries += 1
                         total += int(meta["size"])
