@@ -109,16 +109,27 @@ class FsspecFileCache(Dataset[torch.Tensor]):
 
 
 def raw_concurrent_gets(
-    endpoint: str, bucket: str, keys: Sequence[str], threads: int
+    endpoint: str, bucket: str, keys: Sequence[str], threads: int, to_dir: str | None = None
 ) -> tuple[float, int]:
-    """GET every key once with a thread pool; returns (seconds, bytes)."""
+    """GET every key once with a thread pool; returns (seconds, bytes).
+
+    With ``to_dir``, each body is written to a new file there instead of
+    becoming a tensor: the least any read-through cache does on a miss (its
+    cold epoch can be no faster), so this rate shows how much of the gap to
+    plain GETs is the cost of keeping the bytes on local storage at all.
+    """
     from _raw import boto3_client
 
     client = boto3_client(endpoint, threads * 2)
     client.head_bucket(Bucket=bucket)  # connect and sign once outside the timing
 
     def get(key: str) -> int:
-        return len(to_tensor(client.get_object(Bucket=bucket, Key=key)["Body"].read()))
+        body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        if to_dir is None:
+            return len(to_tensor(body))
+        with open(os.path.join(to_dir, key.replace("/", "_")), "wb") as f:
+            f.write(body)
+        return len(body)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:

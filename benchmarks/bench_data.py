@@ -9,7 +9,9 @@ persistent workers and prefetch_factor=4, as ours defaults to):
 * ``filecache`` the same through fsspec's ``filecache::`` (download once, then local);
 * ``s3tc``      s3torchconnector's ``S3MapDataset``;
 * ``ours``      ``VolumeDataset`` + ``dcp_volumes.DataLoader`` (fresh cache: epoch 1 cold);
-* ``raw``       raw concurrent GETs of every file with a thread pool (no DataLoader).
+* ``raw``       raw concurrent GETs of every file with a thread pool (no DataLoader);
+* ``raw_to_files`` (paired cold rounds only) the same GETs, each body written to a
+  new local file: the least a read-through cache does, so its ceiling.
 
 Experiments (each prints a table):
 
@@ -72,6 +74,8 @@ COLD_VS_NAIVE_REMOTE = 3.0
 NEAR_ZERO_SHARE = 0.1
 # No batch takes this long here; a worker that does is stuck (see ``retry_stuck``).
 WORKER_TIMEOUT_S = 120.0
+# Pause before each paired cold measurement (see ``settle``).
+SETTLE_S = 6.0
 
 
 def retry_stuck(what: str, run: Callable[[], T]) -> T:
@@ -120,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--remote-large",
         type=int,
         default=None,
-        help="large files in the remote-link runs (default 32, quick 16)",
+        help="large files in the remote-link runs (default 64, quick 16)",
     )
     p.add_argument(
         "--pairs",
@@ -149,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.large_mib = args.large_mib or (1 if q else 8)
     args.compute_files = min(args.small_files, args.compute_files or (32 if q else 640))
     args.remote_small = min(args.small_files, args.remote_small or (32 if q else 480))
-    args.remote_large = min(args.large_files, args.remote_large or (16 if q else 32))
+    args.remote_large = min(args.large_files, args.remote_large or (16 if q else 64))
     args.pairs = args.pairs or (1 if q else 3)
     args.warm_epochs = args.warm_epochs or (1 if q else 3)
     # The longest compute step of the "step > fetch" run (it adapts to the cold rate).
@@ -398,11 +402,16 @@ def _one_epoch(loader: Any) -> float:
 
 
 def _note_round(
-    rounds: list[dict[str, float]], what: str, peer: str, ours: float, other: float
+    rounds: list[dict[str, float]],
+    what: str,
+    peer: str,
+    ours: float,
+    other: float,
+    first: str = "ours",
 ) -> None:
-    rounds.append({"ours_files_s": ours, f"{peer}_files_s": other, "ratio": ours / other})
+    rounds.append({f"{first}_files_s": ours, f"{peer}_files_s": other, "ratio": ours / other})
     print(
-        f"  paired {what} round {len(rounds)}: ours {ours:8.1f}, {peer} {other:8.1f} files/s "
+        f"  paired {what} round {len(rounds)}: {first} {ours:8.1f}, {peer} {other:8.1f} files/s "
         f"= {ours / other:.2f}",
         file=sys.stderr,
         flush=True,
@@ -450,6 +459,21 @@ def paired_warm(
     return _paired(rounds)
 
 
+def settle(args: argparse.Namespace) -> None:
+    """Let memory freed by the previous measurement go back to the host first.
+
+    On this VM memory freed a moment ago is cheap to reuse for a second or
+    two; then the hypervisor has it back and each new page costs a host fault
+    again (writing 512 MiB of new files: 0.33 CPU-s 1 s after deleting as
+    many, 0.90 after 3 s, 1.31 after 6 s, 1.59 after 12 s). A cold
+    epoch that writes its files right after another row freed its copies
+    would run on recycled pages, so every paired cold measurement starts
+    after a pause: all of them on new memory, as a cache that grows does.
+    """
+    os.sync()
+    time.sleep(0.0 if args.quick else SETTLE_S)
+
+
 def paired_cold(
     files: FileSet,
     endpoint: str,
@@ -458,29 +482,49 @@ def paired_cold(
     tmp: Path,
     full_set: bool,
 ) -> dict[str, Any]:
-    """Ours' cold epoch against raw concurrent GETs, in ``args.pairs`` alternating rounds."""
+    """Ours' cold epoch against raw concurrent GETs, in ``args.pairs`` rounds.
+
+    Each round also times the same GETs written to new local files (``raw_to_files``,
+    see ``raw_concurrent_gets``), the ceiling of any cache's cold epoch,
+    alternates the order of the three and ``settle``s before each. Returns the paired results
+    ``cold_vs_raw`` (the target), ``raw_to_files_vs_raw`` and
+    ``cold_vs_raw_to_files``.
+    """
     from _data_peers import raw_concurrent_gets
 
-    rounds: list[dict[str, float]] = []
+    vs_raw: list[dict[str, float]] = []
+    floor: list[dict[str, float]] = []
+    vs_floor: list[dict[str, float]] = []
     for r in range(args.pairs):
 
-        def raw() -> float:
-            secs, _ = raw_concurrent_gets(endpoint, BUCKET, files.keys, args.raw_threads)
+        def raw(to_files: bool) -> float:
+            settle(args)
+            out = tempfile.mkdtemp(prefix="raw-files-", dir=tmp) if to_files else None
+            secs, _ = raw_concurrent_gets(endpoint, BUCKET, files.keys, args.raw_threads, out)
+            if out is not None:
+                _empty_files(out)
             return len(files.keys) / secs
 
         def ours(label: str = f"{files.name} cold round {r + 1}") -> float:
             def epoch() -> float:
+                settle(args)
                 with make_loader("ours", files, storage_options, args, tmp, full_set) as loader:
                     return _one_epoch(loader)
 
             return retry_stuck(label, epoch)
 
         if r % 2:
-            o, rw = ours(), raw()
+            o, rf, rw = ours(), raw(True), raw(False)
         else:
-            rw, o = raw(), ours()
-        _note_round(rounds, f"{files.name} cold", "raw", o, rw)
-    return _paired(rounds)
+            rw, rf, o = raw(False), raw(True), ours()
+        _note_round(vs_raw, f"{files.name} cold", "raw", o, rw)
+        _note_round(floor, f"{files.name} raw to files", "raw", rf, rw, first="raw_to_files")
+        _note_round(vs_floor, f"{files.name} cold", "raw_to_files", o, rf)
+    return {
+        "cold_vs_raw": _paired(vs_raw),
+        "raw_to_files_vs_raw": _paired(floor),
+        "cold_vs_raw_to_files": _paired(vs_floor),
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -513,7 +557,7 @@ def run_all(args: argparse.Namespace, server: Any, sets: dict[str, FileSet], tmp
         exp["paired"] = {
             name: {
                 "warm_vs_local": paired_warm(files, opts, args, tmp),
-                "cold_vs_raw": paired_cold(files, server.endpoint, opts, args, tmp, True),
+                **paired_cold(files, server.endpoint, opts, args, tmp, True),
             }
             for name, files in sets.items()
         }
@@ -585,11 +629,7 @@ def run_all(args: argparse.Namespace, server: Any, sets: dict[str, FileSet], tmp
             print("paired rounds, remote (the targets' medians)", file=sys.stderr)
             opts = server.storage_options(endpoint)
             exp["paired"] = {
-                name: {
-                    "cold_vs_raw": paired_cold(
-                        sets[name].subset(n), endpoint, opts, args, tmp, False
-                    )
-                }
+                name: paired_cold(sets[name].subset(n), endpoint, opts, args, tmp, False)
                 for name, n in (("small", args.remote_small), ("large", args.remote_large))
             }
             experiments["remote"] = exp

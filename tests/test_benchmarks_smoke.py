@@ -95,4 +95,10 @@ def _check_data(report: dict[str, Any]) -> None:
                     assert epoch["samples"] >= res["files"], where
                     assert epoch["bytes"] >= res["files"] * res["file_bytes"], where
     assert "ours" in exps["throughput"]["sets"]["small"]
+    # Each cold comparison also measured the cache ceiling (raw GETs written to files).
+    for exp_name in ("throughput", "remote"):
+        for set_name, paired in exps[exp_name]["paired"].items():
+            for key in ("cold_vs_raw", "raw_to_files_vs_raw", "cold_vs_raw_to_files"):
+                rounds = paired[key]["rounds"]
+                assert rounds and all(r["ratio"] > 0 for r in rounds), (exp_name, set_name, key)
     assert report["targets"], "no target was evaluated"

@@ -5,7 +5,10 @@ the same warm files several times and also reports CPU microseconds per
 sample (main process and workers apart), to tell a real per-sample cost from
 machine noise.
 
-    python benchmarks/probes/warm_side_by_side.py [--files 2000] [--rounds 3]
+    python benchmarks/probes/warm_side_by_side.py [--files 2000] [--rounds 3] [--no-seed-rngs]
+
+``--no-seed-rngs`` runs ours with ``seed_rngs=False``: the share of the
+per-sample reseeding of torch/numpy/``random`` in the difference.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=2000)
     ap.add_argument("--kib", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-seed-rngs", action="store_true", help="ours with seed_rngs=False")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="dcpv-warm-"))
     src = root / "src"
@@ -69,7 +73,8 @@ def main() -> None:
     try:
         for r in range(args.rounds):
             cache = root / f"cache{r}"
-            ds = VolumeDataset(str(src), cache_dir=str(cache), transform=read_local, shuffle=True)
+            ds = VolumeDataset(str(src), cache_dir=str(cache), transform=read_local, shuffle=True,
+                               seed_rngs=not args.no_seed_rngs)
             ours = DataLoader(ds, batch_size=16, num_workers=2)
             epoch(ours)  # cold: fills the cache
             if r % 2:  # alternate which loader goes first
