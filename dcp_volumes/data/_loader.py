@@ -32,6 +32,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
 from dcp_volumes._exceptions import ConfigurationError, DatasetChangedError
+from dcp_volumes.data import _batch_sharing
 from dcp_volumes.data._dataset import VolumeDataset, detect_world
 from dcp_volumes.data._metrics import LoaderMetrics, worker_stats
 from dcp_volumes.data._order import ORDER_ALGORITHM, Plan
@@ -109,6 +110,11 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         rank, world_size: default: the process group, else torchrun's env.
         metrics_window_s: seconds per metrics window (logged, sent to MLflow).
         mlflow: send windows to MLflow when it is installed and a run is active.
+        sharing_strategy: how workers hand batches over (torch's sharing
+            strategies); default "file_system" where available: by the
+            shared-memory segment's name, not a file descriptor passed over a
+            new connection per batch (see ``_batch_sharing.py``). Set in the
+            workers only, before ``worker_init_fn``.
         **kwargs: passed to ``torch.utils.data.DataLoader``. Explicit
             arguments always win over the tuned defaults.
 
@@ -141,6 +147,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         world_size: int | None = None,
         metrics_window_s: float = 10.0,
         mlflow: bool = True,
+        sharing_strategy: str | None = None,
         **kwargs: Any,
     ) -> None:
         det_rank, det_world, local_world = detect_world()
@@ -176,6 +183,11 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             persistent_workers = bool(persistent_workers)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
+        self.sharing_strategy = _batch_sharing.resolve(sharing_strategy) if workers else None
+        if workers:
+            kwargs["worker_init_fn"] = _batch_sharing.WorkerInit(
+                self.sharing_strategy, kwargs.get("worker_init_fn")
+            )
         self._token = 0
         self._step = 0
         self.metrics = LoaderMetrics(rank=self._rank, window_s=metrics_window_s, mlflow=mlflow)
@@ -192,7 +204,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         )
         logger.info(
             "DataLoader rank %d/%d: batch %d per rank (%d global), %d workers, prefetch_factor "
-            "%s, persistent_workers %s, pin_memory %s",
+            "%s, persistent_workers %s, pin_memory %s, batches shared by %s",
             self._rank,
             self._world,
             per_rank,
@@ -201,6 +213,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             prefetch_factor,
             persistent_workers,
             pin_memory,
+            self.sharing_strategy or "torch's default",
         )
 
     def _resolve_batch(self, batch_size: int | None, global_batch_size: int | None) -> int:
