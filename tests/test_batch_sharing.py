@@ -96,3 +96,21 @@ def test_no_shared_memory_outlives_the_job(samples: str, tmp_path: Path, ending:
     while _segments() - before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _segments() - before
+
+
+def test_a_worker_without_the_shm_manager_falls_back_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dcp_volumes.data import _batch_sharing
+
+    def no_manager(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("could not start torch_shm_manager")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared", no_manager)
+    try:
+        with caplog.at_level("WARNING", logger="dcp_volumes.data"):
+            _batch_sharing.WorkerInit("file_system", None)(0)
+        assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
+        assert "torch_shm_manager" in caplog.text and "file descriptor" in caplog.text
+    finally:
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")
