@@ -402,17 +402,13 @@ def _one_epoch(loader: Any) -> float:
 
 
 def _note_round(
-    rounds: list[dict[str, float]],
-    what: str,
-    peer: str,
-    ours: float,
-    other: float,
-    first: str = "ours",
+    rounds: list[dict[str, float]], what: str, name: str, value: float, peer: str, other: float
 ) -> None:
-    rounds.append({f"{first}_files_s": ours, f"{peer}_files_s": other, "ratio": ours / other})
+    """Record one round of ``name`` against ``peer`` (files/s each) and print it."""
+    rounds.append({f"{name}_files_s": value, f"{peer}_files_s": other, "ratio": value / other})
     print(
-        f"  paired {what} round {len(rounds)}: {first} {ours:8.1f}, {peer} {other:8.1f} files/s "
-        f"= {ours / other:.2f}",
+        f"  paired {what} round {len(rounds)}: {name} {value:8.1f}, {peer} {other:8.1f} "
+        f"files/s = {value / other:.2f}",
         file=sys.stderr,
         flush=True,
     )
@@ -455,7 +451,7 @@ def paired_warm(
 
     for r in range(args.pairs):
         o_s, lo_s = retry_stuck(f"{files.name} warm round {r + 1}", partial(one_round, r))
-        _note_round(rounds, f"{files.name} warm", "local", n / o_s, n / lo_s)
+        _note_round(rounds, f"{files.name} warm", "ours", n / o_s, "local", n / lo_s)
     return _paired(rounds)
 
 
@@ -484,42 +480,39 @@ def paired_cold(
 ) -> dict[str, Any]:
     """Ours' cold epoch against raw concurrent GETs, in ``args.pairs`` rounds.
 
-    Each round also times the same GETs written to new local files (``raw_to_files``,
-    see ``raw_concurrent_gets``), the ceiling of any cache's cold epoch,
-    alternates the order of the three and ``settle``s before each. Returns the paired results
-    ``cold_vs_raw`` (the target), ``raw_to_files_vs_raw`` and
-    ``cold_vs_raw_to_files``.
+    Each round also times the same GETs written to new local files
+    (``raw_to_files``, see ``raw_concurrent_gets``), the ceiling of any cache's
+    cold epoch, alternates the order of the three and ``settle``s before each.
+    Returns the paired results ``cold_vs_raw`` (the target),
+    ``raw_to_files_vs_raw`` and ``cold_vs_raw_to_files``.
     """
     from _data_peers import raw_concurrent_gets
+
+    def raw(to_files: bool) -> float:
+        settle(args)
+        out = tempfile.mkdtemp(prefix="raw-files-", dir=tmp) if to_files else None
+        secs, _ = raw_concurrent_gets(endpoint, BUCKET, files.keys, args.raw_threads, out)
+        if out is not None:
+            _empty_files(out)
+        return len(files.keys) / secs
+
+    def epoch() -> float:
+        settle(args)
+        with make_loader("ours", files, storage_options, args, tmp, full_set) as loader:
+            return _one_epoch(loader)
 
     vs_raw: list[dict[str, float]] = []
     floor: list[dict[str, float]] = []
     vs_floor: list[dict[str, float]] = []
     for r in range(args.pairs):
-
-        def raw(to_files: bool) -> float:
-            settle(args)
-            out = tempfile.mkdtemp(prefix="raw-files-", dir=tmp) if to_files else None
-            secs, _ = raw_concurrent_gets(endpoint, BUCKET, files.keys, args.raw_threads, out)
-            if out is not None:
-                _empty_files(out)
-            return len(files.keys) / secs
-
-        def ours(label: str = f"{files.name} cold round {r + 1}") -> float:
-            def epoch() -> float:
-                settle(args)
-                with make_loader("ours", files, storage_options, args, tmp, full_set) as loader:
-                    return _one_epoch(loader)
-
-            return retry_stuck(label, epoch)
-
+        label = f"{files.name} cold round {r + 1}"
         if r % 2:
-            o, rf, rw = ours(), raw(True), raw(False)
+            o, rf, rw = retry_stuck(label, epoch), raw(True), raw(False)
         else:
-            rw, rf, o = raw(False), raw(True), ours()
-        _note_round(vs_raw, f"{files.name} cold", "raw", o, rw)
-        _note_round(floor, f"{files.name} raw to files", "raw", rf, rw, first="raw_to_files")
-        _note_round(vs_floor, f"{files.name} cold", "raw_to_files", o, rf)
+            rw, rf, o = raw(False), raw(True), retry_stuck(label, epoch)
+        _note_round(vs_raw, f"{files.name} cold", "ours", o, "raw", rw)
+        _note_round(floor, f"{files.name} raw to files", "raw_to_files", rf, "raw", rw)
+        _note_round(vs_floor, f"{files.name} cold", "ours", o, "raw_to_files", rf)
     return {
         "cold_vs_raw": _paired(vs_raw),
         "raw_to_files_vs_raw": _paired(floor),

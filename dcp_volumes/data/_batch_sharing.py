@@ -49,13 +49,12 @@ def resolve(strategy: str | None) -> str | None:
 class WorkerInit:
     """``worker_init_fn``: set the worker's sharing strategy, then call the user's init."""
 
-    def __init__(self, strategy: str | None, user_init: Callable[[int], None] | None) -> None:
+    def __init__(self, strategy: str, user_init: Callable[[int], None] | None) -> None:
         self.strategy = strategy
         self.user_init = user_init
 
     def __call__(self, worker_id: int) -> None:
-        if self.strategy is not None:
-            use(self.strategy)
+        use(self.strategy)
         if self.user_init is not None:
             self.user_init(worker_id)
 

@@ -184,7 +184,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.sharing_strategy = _batch_sharing.resolve(sharing_strategy) if workers else None
-        if workers:
+        if self.sharing_strategy is not None:
             kwargs["worker_init_fn"] = _batch_sharing.WorkerInit(
                 self.sharing_strategy, kwargs.get("worker_init_fn")
             )
