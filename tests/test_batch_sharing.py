@@ -1,9 +1,12 @@
 """DataLoader workers hand batches over by shared-memory name ("file_system"), the user's
-worker_init_fn still runs, and no segment outlives the job, even a SIGKILLed one."""
+worker_init_fn still runs, forked workers share the training process's torch_shm_manager,
+and no segment outlives the job, even a SIGKILLed one."""
 
 from __future__ import annotations
 
 import glob
+import json
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -33,6 +36,39 @@ if __name__ == "__main__":
     next(it)
     print("ready", flush=True)  # the workers have more batches waiting in shared memory
     time.sleep(float(sys.argv[3]))
+"""
+
+
+MANAGERS_JOB = """
+import json, os, sys
+from dcp_volumes import DataLoader, VolumeDataset
+
+def processes():
+    # (pid, parent) of this job's descendants, by name ("comm" is cut to 15 characters).
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
+        found[int(pid)] = (comm, int(rest.split()[1]))
+    me = os.getpid()
+    workers = sorted(pid for pid, (comm, parent) in found.items()
+                     if parent == me and comm != "torch_shm_manag")
+    managers = sorted((pid, parent) for pid, (comm, parent) in found.items()
+                      if comm == "torch_shm_manag" and parent in (me, *workers))
+    return workers, managers
+
+if __name__ == "__main__":
+    ds = VolumeDataset(sys.argv[1], cache_dir=sys.argv[2])
+    loader = DataLoader(ds, batch_size=2, num_workers=2, persistent_workers=False)
+    for epoch in range(2):  # new workers every epoch
+        it = iter(loader)
+        next(it), next(it)  # both workers have shared batches by now
+        workers, managers = processes()
+        print(json.dumps([os.getpid(), workers, managers]), flush=True)
+        del it
 """
 
 
@@ -114,3 +150,44 @@ def test_a_worker_without_the_shm_manager_falls_back_and_says_so(
         assert "torch_shm_manager" in caplog.text and "file descriptor" in caplog.text
     finally:
         torch.multiprocessing.set_sharing_strategy("file_descriptor")
+
+
+def test_forked_workers_share_the_training_process_manager(samples: str, tmp_path: Path) -> None:
+    # A manager per worker is a new process loading libtorch (~0.3 s) before each worker's
+    # first download; the workers inherit the training process's one instead.
+    out = subprocess.run(
+        [sys.executable, "-c", MANAGERS_JOB, samples, str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout.splitlines()
+    seen = [json.loads(line) for line in out]  # [job pid, worker pids, [[manager, parent]]]
+    assert len(seen) == 2
+    (job, workers0, managers0), (_, workers1, managers1) = seen
+    assert set(workers0).isdisjoint(workers1)  # the second epoch forked new workers
+    assert len(workers0) == len(workers1) == 2
+    # One manager, the training process's; the second epoch's workers use it too.
+    assert len(managers0) == 1 and managers0[0][1] == job, managers0
+    assert managers1 == managers0
+
+
+def test_the_training_process_starts_a_manager_only_for_forked_workers(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dcp_volumes.data import _batch_sharing
+
+    calls: list[int] = []
+
+    def no_manager(self: object) -> None:
+        calls.append(1)
+        raise RuntimeError("could not start torch_shm_manager")
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", no_manager)
+    monkeypatch.setattr(_batch_sharing, "_manager_pid", None)
+    spawn = multiprocessing.get_context("spawn")
+    _batch_sharing.start_manager_for_workers("file_system", spawn)  # they could not inherit it
+    _batch_sharing.start_manager_for_workers("file_descriptor", None)  # they need none
+    assert calls == []
+    with caplog.at_level("INFO", logger="dcp_volumes.data"):
+        _batch_sharing.start_manager_for_workers("file_system", None)
+    # It could not start: logged, not raised, and the workers try their own.
+    assert calls == [1] and "workers try their own" in caplog.text
+    assert _batch_sharing._manager_pid is None

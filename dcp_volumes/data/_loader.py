@@ -114,7 +114,8 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             strategies); default "file_system" where available: by the
             shared-memory segment's name, not a file descriptor passed over a
             new connection per batch (see ``_batch_sharing.py``). Set in the
-            workers only, before ``worker_init_fn``.
+            workers only, before ``worker_init_fn``; forked workers share the
+            training process's ``torch_shm_manager``.
         **kwargs: passed to ``torch.utils.data.DataLoader``. Explicit
             arguments always win over the tuned defaults.
 
@@ -297,6 +298,10 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._token += 1
+        if self._iterator is None or not self.persistent_workers:  # workers fork now
+            _batch_sharing.start_manager_for_workers(
+                self.sharing_strategy, self.multiprocessing_context
+            )
         plan = None
         if self._volume:
             plan = self._plan()
