@@ -13,10 +13,34 @@ import errno
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from dcp_volumes._exceptions import VolumeAccessError, VolumeError, VolumeNotFoundError
+
+# Largest single write(). Linux sizes a file's page-cache folios by the write
+# that creates them; on this project's VMs a write of 2 MiB or more (2 MiB
+# folios) into new pages cost 5-10x the CPU of the same bytes in 1 MiB writes
+# (64 x 8 MiB files: 0.85-1.56 CPU-s against 0.13-0.22). Elsewhere 1 MiB
+# pieces cost only a few more system calls.
+WRITE_PIECE = 1 << 20
+
+
+def pieces(data: bytes | bytearray | memoryview) -> Iterator[memoryview]:
+    """``data`` as views of at most ``WRITE_PIECE`` bytes (no copies)."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), WRITE_PIECE):
+        yield view[start : start + WRITE_PIECE]
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview, offset: int | None = None) -> None:
+    """Write all of ``data`` to ``fd`` (at ``offset`` with ``pwrite``), in ``pieces``."""
+    for piece in pieces(data):
+        while piece:
+            done = os.write(fd, piece) if offset is None else os.pwrite(fd, piece, offset)
+            piece = piece[done:]
+            if offset is not None:
+                offset += done
 
 
 def fsync_dir(path: str) -> None:
@@ -80,10 +104,12 @@ def publish_bytes(dst: str, data: bytes, *, exclusive: bool) -> None:
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         if exclusive:
             os.link(tmp, dst)  # fails with EEXIST instead of replacing
         else:
@@ -113,7 +139,7 @@ def fill_in_parts(
         def fetch(start: int) -> int:
             end = min(size, start + part_size)
             data = read(start, end) if end > start else b""
-            os.pwrite(fd, data, start)
+            write_all(fd, data, start)
             return len(data)
 
         if len(starts) == 1:

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes._exceptions import CheckpointCorruptError
+from dcp_volumes._local_fs import pieces
 from dcp_volumes._retry import redact_url
 from dcp_volumes._streams import MemoryReader
 from dcp_volumes._volume import Volume
@@ -82,7 +83,8 @@ class HashingFile:
             self._tensors[expected[0]] = (self._size, expected[2])
             self._expected = None
         self._hash.update(view)
-        self._f.write(view)
+        for piece in pieces(view):  # see WRITE_PIECE
+            self._f.write(piece)
         self._size += len(view)
         return len(view)
 

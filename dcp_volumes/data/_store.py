@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from dcp_volumes._exceptions import CacheError
+from dcp_volumes._local_fs import write_all
 from dcp_volumes._retry import redact_url
 from dcp_volumes.data._locks import CounterLock, EntryLock
 
@@ -114,9 +115,7 @@ def write_file(path: str, data: bytes | memoryview) -> None:
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
     finally:
         os.close(fd)
 
