@@ -456,15 +456,13 @@ def paired_warm(
 
 
 def settle(args: argparse.Namespace) -> None:
-    """Let memory freed by the previous measurement go back to the host first.
+    """Start every paired cold measurement alike: writeback done, then a pause.
 
-    On this VM memory freed a moment ago is cheap to reuse for a second or
-    two; then the hypervisor has it back and each new page costs a host fault
-    again (writing 512 MiB of new files: 0.33 CPU-s 1 s after deleting as
-    many, 0.90 after 3 s, 1.31 after 6 s, 1.59 after 12 s). A cold
-    epoch that writes its files right after another row freed its copies
-    would run on recycled pages, so every paired cold measurement starts
-    after a pause: all of them on new memory, as a cache that grows does.
+    Seen with one ``write`` per 8 MiB file: memory freed a moment ago was
+    cheap to write into for a second or two (512 MiB of new files: 0.33 CPU-s
+    1 s after deleting as many, 1.59 after 12 s), so a cold epoch right after
+    another row freed its copies looked faster. Cache files are now written
+    in 1 MiB pieces (``WRITE_PIECE``), a tenth of that CPU; the pause stays.
     """
     os.sync()
     time.sleep(0.0 if args.quick else SETTLE_S)
