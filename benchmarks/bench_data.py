@@ -462,7 +462,7 @@ def settle(args: argparse.Namespace) -> None:
     cheap to write into for a second or two (512 MiB of new files: 0.33 CPU-s
     1 s after deleting as many, 1.59 after 12 s), so a cold epoch right after
     another row freed its copies looked faster. Cache files are now written
-    in 1 MiB pieces (``WRITE_PIECE``), a tenth of that CPU; the pause stays.
+    in 1 MiB pieces (``WRITE_PIECE``), often a tenth of that CPU; the pause stays.
     """
     os.sync()
     time.sleep(0.0 if args.quick else SETTLE_S)

@@ -19,10 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dcp_volumes._exceptions import VolumeAccessError, VolumeError, VolumeNotFoundError
 
 # Largest single write(). Linux sizes a file's page-cache folios by the write
-# that creates them; on this project's VMs a write of 2 MiB or more (2 MiB
-# folios) into new pages cost 5-10x the CPU of the same bytes in 1 MiB writes
-# (64 x 8 MiB files: 0.85-1.56 CPU-s against 0.13-0.22). Elsewhere 1 MiB
-# pieces cost only a few more system calls.
+# that creates them. On this project's VMs the guest hands free blocks of 2 MiB
+# and more back to the host (free page reporting), so a 2 MiB folio always
+# lands on memory the host must fault in again, while 1 MiB folios can reuse
+# the smaller free blocks the guest keeps: 64 x 8 MiB files cost 0.13-0.22
+# CPU-s in 1 MiB writes against 0.85-1.56 in larger ones when such blocks were
+# there, and the same ~1.2 when they were not. Elsewhere 1 MiB pieces cost
+# only a few more system calls.
 WRITE_PIECE = 1 << 20
 
 
