@@ -108,9 +108,6 @@ class FsspecFileCache(Dataset[torch.Tensor]):
             return to_tensor(f.read())
 
 
-PIECE = 1 << 20
-
-
 def raw_concurrent_gets(
     endpoint: str, bucket: str, keys: Sequence[str], threads: int, to_dir: str | None = None
 ) -> tuple[float, int]:
@@ -120,10 +117,12 @@ def raw_concurrent_gets(
     becoming a tensor: the least any read-through cache does on a miss (its
     cold epoch can be no faster), so this rate shows how much of the gap to
     plain GETs is the cost of keeping the bytes on local storage at all. It
-    writes in 1 MiB pieces, as ours does (``WRITE_PIECE``): one big write
-    costs more CPU per byte on some machines.
+    writes with ours' ``write_all`` (1 MiB pieces): one big write costs more
+    CPU per byte on some machines.
     """
     from _raw import boto3_client
+
+    from dcp_volumes._local_fs import write_all
 
     client = boto3_client(endpoint, threads * 2)
     client.head_bucket(Bucket=bucket)  # connect and sign once outside the timing
@@ -132,10 +131,11 @@ def raw_concurrent_gets(
         body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
         if to_dir is None:
             return len(to_tensor(body))
-        with open(os.path.join(to_dir, key.replace("/", "_")), "wb", buffering=0) as f:
-            view = memoryview(body)
-            for start in range(0, len(view), PIECE):
-                f.write(view[start : start + PIECE])
+        fd = os.open(os.path.join(to_dir, key.replace("/", "_")), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            write_all(fd, body)
+        finally:
+            os.close(fd)
         return len(body)
 
     t0 = time.perf_counter()

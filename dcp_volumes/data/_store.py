@@ -107,7 +107,7 @@ def human(nbytes: float) -> str:
 
 
 def write_file(path: str, data: bytes | memoryview) -> None:
-    """Create (or truncate) ``path`` holding ``data``: three system calls, no buffered file.
+    """Create (or truncate) ``path`` holding ``data``: raw system calls, no buffered file.
 
     Cache fills run on several threads that share one GIL; each system call
     hands the GIL over, and ``open()``'s extra calls (fstat, ioctl, lseek) made
