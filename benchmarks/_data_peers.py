@@ -122,7 +122,7 @@ def raw_concurrent_gets(
     """
     from _raw import boto3_client
 
-    from dcp_volumes._local_fs import write_all
+    from dcp_volumes._volume import write_all
 
     client = boto3_client(endpoint, threads * 2)
     client.head_bucket(Bucket=bucket)  # connect and sign once outside the timing

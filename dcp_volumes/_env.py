@@ -6,8 +6,9 @@
 | ``DCP_VOLUMES_CACHE``       | default local cache dir for training inputs      |
 | ``DCP_VOLUMES_MAX_RETRIES`` | attempts per volume call on transient errors     |
 | ``DCP_VOLUMES_STORAGE_OPTIONS`` | JSON object of fsspec options for the CLI    |
-| ``DCP_VOLUMES_S3_TRANSPORT`` | ``0``: move S3 bytes through s3fs, not botocore |
+| ``DCP_VOLUMES_BACKEND``     | ``fsspec``: S3/Azure through s3fs/adlfs, not obstore |
 | ``DCP_VOLUMES_CLIENT_START_TIMEOUT`` | seconds until a client creation is stuck (0: never) |
+| ``AWS_EC2_METADATA_DISABLED`` (botocore's) | ``true``: no credentials from instance metadata |
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ STAGING = "DCP_VOLUMES_STAGING"
 CACHE = "DCP_VOLUMES_CACHE"
 MAX_RETRIES = "DCP_VOLUMES_MAX_RETRIES"
 STORAGE_OPTIONS = "DCP_VOLUMES_STORAGE_OPTIONS"
-S3_TRANSPORT = "DCP_VOLUMES_S3_TRANSPORT"
+BACKEND = "DCP_VOLUMES_BACKEND"
 CLIENT_START_TIMEOUT = "DCP_VOLUMES_CLIENT_START_TIMEOUT"
 
 
@@ -78,6 +79,33 @@ def storage_options() -> str | None:
     return os.environ.get(STORAGE_OPTIONS) or None
 
 
-def s3_transport_enabled() -> bool:
-    """Whether S3 bulk bytes may use the botocore transport (``_s3_transport.py``)."""
-    return os.environ.get(S3_TRANSPORT, "1").strip().lower() not in ("0", "false", "no", "off")
+def backend() -> str:
+    """``"fsspec"`` to send S3 and Azure through s3fs/adlfs; ``"auto"`` (default): obstore."""
+    raw = (os.environ.get(BACKEND) or "auto").strip().lower()
+    if raw not in ("auto", "obstore", "fsspec"):
+        from dcp_volumes._exceptions import ConfigurationError
+
+        raise ConfigurationError(
+            f"{BACKEND}={raw!r} is not a backend; set it to 'fsspec' or 'auto', or unset it."
+        )
+    return raw
+
+
+# Variables through which the AWS credential chain finds credentials without
+# asking the instance-metadata service.
+_AWS_CREDENTIAL_VARIABLES = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+)
+
+
+def aws_metadata_disabled() -> bool:
+    """botocore's ``AWS_EC2_METADATA_DISABLED``: never ask the instance-metadata service."""
+    return os.environ.get("AWS_EC2_METADATA_DISABLED", "").strip().lower() == "true"
+
+
+def aws_credentials_in_environment() -> bool:
+    """Whether the environment gives the AWS credential chain something besides metadata."""
+    return any(os.environ.get(name) for name in _AWS_CREDENTIAL_VARIABLES)

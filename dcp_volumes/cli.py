@@ -181,7 +181,7 @@ def _table(rows: Sequence[Sequence[str]], out: Output, *, right: Sequence[int] =
 def _split(vol: Volume) -> tuple[Volume | None, str]:
     """The parent volume of ``vol`` and ``vol``'s last path component."""
     parent_url, _, last = vol.url.rstrip("/").rpartition("/")
-    if not parent_url or (not vol.is_local and "/" not in vol.root):
+    if not parent_url or (vol.bucket is not None and "/" not in vol.root):
         return None, last  # a bucket root has no parent to list
     return Volume(parent_url, storage_options=vol.storage_options, retry=vol.retry), last
 

@@ -45,6 +45,22 @@ if TYPE_CHECKING:
 # read when gcsfs is imported, so it must be set before anything imports it.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
+# Cloud clients without credentials fall back to an instance-metadata address
+# (169.254.169.254), which is never a target here: every such setting points
+# at a closed loopback port (9, discard: nothing listens), and botocore's own
+# switch is on. Tests and benchmarks always pass explicit credentials besides.
+_CLOSED = "127.0.0.1:9"
+for _name, _value in {
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_METADATA_ENDPOINT": f"http://{_CLOSED}",
+    "AZURE_MSI_ENDPOINT": f"http://{_CLOSED}/metadata/identity/oauth2/token",
+    "MSI_ENDPOINT": f"http://{_CLOSED}/metadata/identity/oauth2/token",
+    "IDENTITY_ENDPOINT": f"http://{_CLOSED}/metadata/identity/oauth2/token",
+    "GCE_METADATA_HOST": _CLOSED,
+    "GCE_METADATA_IP": _CLOSED,
+}.items():
+    os.environ.setdefault(_name, _value)
+
 __all__ = [
     "AZURITE_VERSION",
     "Azurite",

@@ -63,6 +63,19 @@ class _Drop(Exception):
     """Internal: reset this connection now."""
 
 
+class _Answer(Exception):
+    """Internal: answer this request with an error status and close the connection."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+# Error bodies in S3's format (Azure and GCS clients go by the status alone).
+_STATUS_TEXT = {500: ("Internal Server Error", "InternalError"),
+                503: ("Slow Down", "SlowDown"), 429: ("Too Many Requests", "SlowDown")}
+
+
 class LatencyProxy:
     """A TCP proxy on 127.0.0.1 that slows, counts and breaks HTTP/1.1 traffic.
 
@@ -111,6 +124,8 @@ class LatencyProxy:
         self.connections = 0
         self._seq = 0
         self._drops: collections.deque[tuple[int, str | None]] = collections.deque()
+        self._answers: collections.deque[tuple[int, str | None]] = collections.deque()
+        self.answered: collections.Counter[int] = collections.Counter()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
@@ -193,6 +208,14 @@ class LatencyProxy:
         with self._lock:
             self._drops.extend([(after_bytes, method)] * n)
 
+    def answer_next(self, n: int = 1, *, status: int = 503, method: str | None = None) -> None:
+        """Answer each of the next ``n`` requests with HTTP ``status`` (503 SlowDown, 500,
+        429) instead of forwarding them; ``method`` limits which requests are hit."""
+        if n < 0 or status not in _STATUS_TEXT:
+            raise ValueError(f"n must be >= 0 and status one of {sorted(_STATUS_TEXT)}")
+        with self._lock:
+            self._answers.extend([(status, method)] * n)
+
     @property
     def pending_drops(self) -> int:
         with self._lock:
@@ -219,6 +242,10 @@ class LatencyProxy:
             self.log.append((method, target))
             self._seq += 1
             drop: int | None = None
+            if self._answers and self._answers[0][1] in (None, method):
+                status = self._answers.popleft()[0]
+                self.answered[status] += 1
+                raise _Answer(status)
             if self._drops and self._drops[0][1] in (None, method):
                 drop = self._drops.popleft()[0]
             elif self.fail_every and self._seq % self.fail_every == 0:
@@ -264,6 +291,8 @@ class LatencyProxy:
             self._pump(client, upstream)
         except _Drop:
             _reset(client)
+        except _Answer as answer:
+            _answer(client, answer.status)
         except OSError:
             pass  # a peer went away; both sides are closed below
         finally:
@@ -331,6 +360,20 @@ class LatencyProxy:
                     if down_bucket:
                         down_bucket.take(len(data))
                     client.sendall(data)
+
+
+def _answer(sock: socket.socket, status: int) -> None:
+    """Send an error response and close, as a throttling or failing server would."""
+    reason, code = _STATUS_TEXT[status]
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+            f"<Message>{reason} (injected by the test proxy)</Message></Error>").encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with contextlib.suppress(OSError):
+        sock.sendall(head + body)
+        sock.shutdown(socket.SHUT_WR)
+    with contextlib.suppress(OSError):
+        sock.close()
 
 
 def _reset(sock: socket.socket) -> None:

@@ -33,7 +33,7 @@ def write_samples(url: str, storage_options: Mapping[str, Any] | None, n: int, *
                   size: int = 64) -> dict[str, bytes]:
     """Create ``n`` sample files below ``url``; returns ``{relpath: bytes}``."""
     volume = Volume(url, storage_options=storage_options)
-    if volume.is_local:
+    if volume.capabilities.local_files:
         os.makedirs(volume.root, exist_ok=True)
     files = {name_of(i): payload(i, size) for i in range(n)}
     for rel, data in files.items():

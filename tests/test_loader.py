@@ -232,19 +232,23 @@ def test_a_worker_stuck_creating_its_client_fails_fast(
     # creating its S3 client (seen in the data benchmark: SSL_CTX_new waiting on a
     # lock no thread of the worker holds). Here the creation blocks for good; the
     # watchdog must log why and stop the worker, so the loop fails, not hangs.
-    from dcp_volumes._client_watchdog import STUCK_EXIT_CODE
-    from dcp_volumes._s3_transport import S3Transport
+    import obstore.store
+    import s3fs
+
+    from dcp_volumes._volume import STUCK_EXIT_CODE
 
     url, direct = s3_bucket
     write_samples(url, direct, 8)
     ds = VolumeDataset(url, storage_options=moto_server.storage_options(),
                        cache_dir=tmp_path / "c", transform=read_id)
-    monkeypatch.setattr(S3Transport, "for_options",
-                        classmethod(lambda cls, *a, **k: time.sleep(3600)))
+    # Whichever client the forked worker creates (obstore, or s3fs after the
+    # parent used obstore), its creation blocks.
+    monkeypatch.setattr(obstore.store, "S3Store", lambda *a, **k: time.sleep(3600))
+    monkeypatch.setattr(s3fs.S3FileSystem, "__init__", lambda *a, **k: time.sleep(3600))
     monkeypatch.setenv("DCP_VOLUMES_CLIENT_START_TIMEOUT", "1")
     log_file = tmp_path / "worker.log"
     handler = logging.FileHandler(log_file)  # forked workers inherit it
-    watchdog_log = logging.getLogger("dcp_volumes._client_watchdog")
+    watchdog_log = logging.getLogger("dcp_volumes._volume._client_watchdog")
     watchdog_log.addHandler(handler)
     try:
         loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="fork")
@@ -292,3 +296,68 @@ def test_pinned_batches_on_cuda(local_data: tuple[str, str]) -> None:
     assert all(b.is_pinned() for b in batches)
     assert sorted(int(i) for b in batches for i in b) == list(range(24))
     assert loader.metrics.last is not None and loader.metrics.last["cache_misses"] == 24
+
+
+# -- fork safety with obstore (S3/Azure): workers after a save and after a listing ----------
+
+
+def _save_then_load(url: str, opts: dict[str, Any], cache: Path, transform: Any,
+                    context: str | None = None) -> tuple[list[int], Any]:
+    # The training process does I/O through obstore first (a checkpoint save and
+    # the dataset listing), then starts workers: a forked worker could not use
+    # obstore after that and would hang on its first call.
+    from dcp_volumes import VolumeWriter
+
+    dcp.save({"w": torch.arange(8)}, storage_writer=VolumeWriter(
+        url + "/ckpt", storage_options=opts), no_dist=True)
+    ds = VolumeDataset(url + "/data", storage_options=opts, cache_dir=cache,
+                       transform=transform, seed=1)
+    kwargs: dict[str, Any] = {} if context is None else {"multiprocessing_context": context}
+    loader = DataLoader(ds, batch_size=4, num_workers=2, timeout=60, **kwargs)
+    seen: list[int] = []
+    for batch in loader:
+        seen += to_list(batch)
+    return seen, loader
+
+
+@pytest.mark.timeout(180)
+def test_workers_start_safely_after_the_parent_used_obstore(
+    moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: Path
+) -> None:
+    from dcp_volumes._volume import obstore_used_here
+
+    url, direct = s3_bucket
+    write_samples(url + "/data", direct, 16)
+    seen, loader = _save_then_load(url, moto_server.storage_options(), tmp_path / "c", read_id)
+    assert obstore_used_here()
+    assert sorted(seen) == list(range(16))
+    # forkserver was chosen for the workers (the default would have been fork).
+    assert loader.multiprocessing_context is not None
+    assert loader.multiprocessing_context.get_start_method() == "forkserver"
+
+
+@pytest.mark.timeout(180)
+def test_an_unpicklable_transform_keeps_fork_and_falls_back_to_fsspec(
+    moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url, direct = s3_bucket
+    write_samples(url + "/data", direct, 12)
+    with caplog.at_level(logging.WARNING, logger="dcp_volumes"):
+        seen, loader = _save_then_load(url, moto_server.storage_options(), tmp_path / "c",
+                                       lambda path: read_id(path))
+    assert sorted(seen) == list(range(12))  # completed: no worker hung
+    assert loader.multiprocessing_context is None  # torch's default, fork
+    assert any("cannot be pickled" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.timeout(180)
+def test_explicit_fork_after_obstore_io_completes_through_fsspec(
+    moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: Path
+) -> None:
+    url, direct = s3_bucket
+    write_samples(url + "/data", direct, 12)
+    seen, loader = _save_then_load(url, moto_server.storage_options(), tmp_path / "c",
+                                   read_id, context="fork")
+    assert sorted(seen) == list(range(12))
+    assert loader.multiprocessing_context.get_start_method() == "fork"

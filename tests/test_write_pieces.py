@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dcp_volumes import FileCache
-from dcp_volumes._local_fs import WRITE_PIECE, write_all
+from dcp_volumes._volume import WRITE_PIECE, write_all
 
 
 @pytest.fixture

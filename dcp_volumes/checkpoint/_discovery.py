@@ -191,7 +191,7 @@ def scan(volume: Volume, *, manifests: ManifestCache | None = None) -> list[Chec
         step = int(parse_step(name) or 0)
         return inspect_dir(volume, name, step, by_dir[name], manifests=manifests)
 
-    if len(by_dir) == 1 or volume.is_local:
+    if len(by_dir) == 1 or volume.capabilities.local_files:
         found = [one(name) for name in by_dir]
     else:  # manifest reads are latency-bound: overlap them
         with ThreadPoolExecutor(max_workers=min(_LIST_CONCURRENCY, len(by_dir))) as pool:

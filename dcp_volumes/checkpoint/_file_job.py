@@ -30,9 +30,8 @@ from dcp_volumes._exceptions import (
     CheckpointCorruptError,
     VolumeNotFoundError,
 )
-from dcp_volumes._retry import redact_url
 from dcp_volumes._streams import FileSlice, MemoryReader
-from dcp_volumes._volume import Volume
+from dcp_volumes._volume import Volume, redact_url
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
 from dcp_volumes.checkpoint._shards import (

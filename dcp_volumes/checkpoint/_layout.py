@@ -22,8 +22,7 @@ from typing import Any
 
 import xxhash
 
-from dcp_volumes._retry import RetryPolicy
-from dcp_volumes._volume import Volume
+from dcp_volumes._volume import RetryPolicy, Volume
 
 DATA_SUFFIX = ".distcp"
 

@@ -455,7 +455,8 @@ class CheckpointManager:
         """Why the root cannot take checkpoints on this rank, or ``None``."""
         try:
             self._volume.check_root(create=self.options.create_root)
-            if self._volume.is_local and not os.access(self._volume.root, os.W_OK | os.X_OK):
+            local = self._volume.capabilities.local_files
+            if local and not os.access(self._volume.root, os.W_OK | os.X_OK):
                 raise VolumeAccessError(
                     f"The checkpoint root {self._volume.root} is not writable by this "
                     "process. Fix: change its permissions or choose another root."

@@ -1,22 +1,19 @@
 """How one rank's staged files go up: how many at once, each upload, and the check after.
 
 Throughput comes from many streams in flight (real stores cap each stream).
-On S3 upload bodies stream from the staged files (``_s3_transport.py``); other
-fsspec backends may buffer a whole small file per stream, so the shape keeps
-those buffers within a share of the rank's bytes.
+Object-store clients hold each part (a whole small file) in memory while it
+is in flight (``capabilities.buffers_uploads``), so the shape keeps those
+buffers within a share of the rank's bytes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes._exceptions import VolumeError
-from dcp_volumes._retry import redact_url
-from dcp_volumes._volume import Volume
+from dcp_volumes._volume import Volume, redact_url
 from dcp_volumes.checkpoint._manifest import check_listing
 from dcp_volumes.checkpoint._shards import WrittenItem
 
@@ -40,7 +37,7 @@ def upload_shape(
     ``concurrency`` streams busy by making files small enough that each is
     one PUT (no multipart round trips); large states keep ``file_size`` files.
     """
-    if volume.is_local:
+    if not volume.capabilities.buffers_uploads:
         return min(_MAX_FILES_IN_FLIGHT, concurrency), 1, file_size
     budget = max(concurrency * MIN_PART_SIZE, int(rank_bytes * _UPLOAD_RAM_SHARE))
     file_size = min(file_size, max(MIN_PART_SIZE, budget // concurrency))
@@ -58,21 +55,14 @@ def upload_file(
     per_file: int,
     part_size: int,
 ) -> None:
-    """Upload one closed file (upload threads); remote sizes are checked by ``verify_uploaded``."""
-    move = volume.is_local and not keep
+    """Upload one closed file (upload threads); sizes are checked by ``verify_uploaded``.
+
+    ``keep``: the staged file stays (the local tier); otherwise it is moved
+    (renamed on a mount, removed after the upload elsewhere).
+    """
     volume.put_file(
-        local, rel, part_size=part_size, concurrency=per_file, move=move, verify_size=False
+        local, rel, part_size=part_size, concurrency=per_file, move=not keep, verify_size=False
     )
-    if volume.is_local:
-        actual = os.path.getsize(volume.full_path(rel))
-        if actual != size:
-            raise VolumeError(
-                f"Wrote {size} bytes to {redact_url(volume.url_of(rel))} but it holds "
-                f"{actual}. The disk or mount dropped data; retry the save."
-            )
-    elif not keep:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(local)
     logger.debug("uploaded %s (%d bytes)", redact_url(volume.url_of(rel)), size)
 
 

@@ -38,9 +38,8 @@ from dcp_volumes._exceptions import (
     ConfigurationError,
     VolumeNotFoundError,
 )
-from dcp_volumes._retry import RetryPolicy, redact_url
 from dcp_volumes._staging import parse_size
-from dcp_volumes._volume import FileInfo, Volume
+from dcp_volumes._volume import FileInfo, RetryPolicy, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._file_job import FileJob
 from dcp_volumes.checkpoint._manifest import (
@@ -409,7 +408,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
 
     def _submit(self, pool: ThreadPoolExecutor, job: FileJob, planner: LoadPlanner) -> None:
         job.plan_direct(planner, self._saved_dtype)
-        if job.source.is_local:
+        if job.source.capabilities.local_files:
             advise_willneed(job.source.full_path(job.rel), job.spans)
             return
         job.allocate()
@@ -428,7 +427,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
 
     def _finish_job(self, pool: ThreadPoolExecutor, job: FileJob, planner: LoadPlanner) -> None:
         """Wait for a file's bytes and verify them; a bad local copy falls back to the volume."""
-        if job.source.is_local:
+        if job.source.capabilities.local_files:
             job.open_local()
         for f in job.futures:
             f.result()

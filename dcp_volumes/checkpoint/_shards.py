@@ -27,10 +27,8 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes._exceptions import CheckpointCorruptError
-from dcp_volumes._local_fs import pieces
-from dcp_volumes._retry import redact_url
 from dcp_volumes._streams import MemoryReader
-from dcp_volumes._volume import Volume
+from dcp_volumes._volume import Volume, pieces, redact_url
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
 

@@ -40,9 +40,8 @@ from dcp_volumes._exceptions import (
     VolumeExistsError,
     VolumeNotFoundError,
 )
-from dcp_volumes._retry import RetryPolicy
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
-from dcp_volumes._volume import Volume
+from dcp_volumes._volume import RetryPolicy, Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
@@ -332,6 +331,11 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                     "VolumeWriter to replace it."
                 )
             self._remove_committed()
+        elif not self.options.overwrite:
+            # A manifest without .metadata is a save that crashed before its commit;
+            # it is cleared so this save's create-only commit can land (nothing
+            # loads it: without .metadata it is not a checkpoint).
+            self._volume.delete(MANIFEST_NAME)
         return [
             dataclasses.replace(plan, storage_data=_RankFiles(_layout.rank_prefix(i)))
             for i, plan in enumerate(plans)
@@ -369,7 +373,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                 prefix_spread=self.options.prefix_spread,
                 file_size=file_size,
                 # Mount-path volumes get the file by rename: it must be on disk first.
-                fsync=self._volume.is_local or local_copy is not None,
+                fsync=self._volume.capabilities.local_files or local_copy is not None,
                 files_in_flight=files_in_flight,
                 upload=lambda local, rel, size: upload_file(
                     self._volume,
@@ -384,8 +388,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         finally:
             if not keep:
                 StagingArea.remove(save_dir)
-        if not self._volume.is_local:
-            verify_uploaded(self._volume, self._rank, results)
+        verify_uploaded(self._volume, self._rank, results)
         elapsed = max(time.monotonic() - started, 1e-9)
         logger.debug(
             "rank %d wrote %d files (%.1f MiB) to %s in %.2fs (%.0f MiB/s)",
@@ -430,17 +433,18 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                 f"uploaded ({'; '.join(problems[:5])}). Another writer may be using this "
                 "location; save again to a fresh one."
             )
-        self._volume.publish(MANIFEST_NAME, manifest.to_json())
+        # Manifest, then the commit marker, both create-only (unless overwrite): of two
+        # saves committing one location at once exactly one lands, and the manifest
+        # beside .metadata is always the committed save's own.
+        exclusive = not self.options.overwrite
         try:
-            # The commit marker, last. Without overwrite a concurrent commit must not be replaced.
-            self._volume.publish(
-                METADATA_NAME, pickle.dumps(metadata), exclusive=not self.options.overwrite
-            )
+            self._volume.publish(MANIFEST_NAME, manifest.to_json(), exclusive=exclusive)
+            self._volume.publish(METADATA_NAME, pickle.dumps(metadata), exclusive=exclusive)
         except VolumeExistsError as exc:
             raise CheckpointExistsError(
-                f"Another save committed {self._volume.display_url} while this one ran; this "
-                "save was not committed. Fix: give each save its own location or pass "
-                "overwrite=True."
+                f"Another save is committing or committed {self._volume.display_url} while "
+                "this one ran; this save was not committed. Fix: give each save its own "
+                "location or pass overwrite=True."
             ) from exc
         local_copy = self.local_copy_path
         if local_copy is not None:

@@ -24,20 +24,17 @@ import logging
 import os
 import re
 import shutil
-import threading
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import fsspec
 from fsspec.core import split_protocol
 
 from dcp_volumes import _env
 from dcp_volumes._exceptions import CacheError, ConfigurationError, DatasetChangedError, VolumeError
-from dcp_volumes._retry import redact_url
 from dcp_volumes._staging import parse_size, probe_writable
-from dcp_volumes._volume import LOCAL_PROTOCOLS, FileInfo, Volume
+from dcp_volumes._volume import LOCAL_PROTOCOLS, FileInfo, Volume, redact_url
 from dcp_volumes.data._files import CachedFile, Expected
 from dcp_volumes.data._hot import TOUCH_INTERVAL_S, HotIndex, SharedHot, matches
 from dcp_volumes.data._locks import EntryLock
@@ -70,17 +67,6 @@ __all__ = [
     "ReconcileReport",
     "default_cache_dir",
 ]
-
-
-_buffers = threading.local()
-
-
-def _thread_buffer(size: int) -> memoryview:
-    """``size`` bytes of this thread's download buffer (kept, so its pages stay mapped)."""
-    buf: bytearray | None = getattr(_buffers, "buf", None)
-    if buf is None or len(buf) < size:
-        buf = _buffers.buf = bytearray(size)
-    return memoryview(buf)[:size]
 
 
 def default_cache_dir() -> str:
@@ -211,11 +197,7 @@ class FileCache:
         if protocol in LOCAL_PROTOCOLS:
             root, rel = os.sep, os.path.abspath(os.path.expanduser(path)).lstrip(os.sep)
         else:
-            try:
-                stripped = fsspec.get_filesystem_class(protocol)._strip_protocol(url)
-            except (ImportError, ValueError):
-                stripped = path  # Volume() below raises the clear error
-            bucket, _, rel = str(stripped).strip("/").partition("/")
+            bucket, _, rel = path.strip("/").partition("/")
             root = f"{protocol}://{bucket}"
         if not rel:
             raise ConfigurationError(
@@ -466,22 +448,10 @@ class FileCache:
         if size > _SINGLE_GET_BYTES:
             volume.get_file(relpath, ref.fill, size=size)  # parallel ranged GETs
         else:
-            data: bytes | memoryview
-            if size and volume.s3 is not None:
-                # One plain GET straight into this thread's reused buffer: no bytes
-                # object per file (a fresh 8 MiB allocation costs page faults every
-                # time); a length other than the listed one comes back as the count.
-                data = _thread_buffer(size)
-                length = volume.read_into(relpath, 0, data, whole=True)
-            else:
-                # One GET for one byte more than expected: a file that grew or shrank
-                # since the listing shows up in the length (a whole-object read would
-                # cost a HEAD first on s3fs; an empty range is an error, hence the whole
-                # read for 0).
-                data = (
-                    volume.read_bytes(relpath, 0, size + 1) if size else volume.read_bytes(relpath)
-                )
-                length = len(data)
+            # One GET whose length checks the listing: a file that grew or shrank
+            # since then shows up here.
+            data = memoryview(volume.read_whole(relpath, size))
+            length = len(data)
             if length != size:
                 what = "was listed" if listed else "was reported a moment ago"
                 cls = DatasetChangedError if listed else VolumeError

@@ -177,11 +177,12 @@ class VolumeDataset(IterableDataset[Any]):
         probe = None
         if isinstance(url_or_file_list, (str, os.PathLike)):
             probe = Volume(os.fspath(url_or_file_list), storage_options=storage_options)
-        in_place = probe is not None and probe.is_local and not cache_local
+        in_place = probe is not None and probe.capabilities.local_files and not cache_local
         self.cache: FileCache | None = None
         if not in_place:
             self.cache = FileCache(cache_dir, limit=cache_limit)
-            if probe is not None and probe.is_local and _inside(self.cache.cache_dir, probe.root):
+            local = probe is not None and probe.capabilities.local_files
+            if probe is not None and local and _inside(self.cache.cache_dir, probe.root):
                 raise ConfigurationError(
                     f"The cache directory {self.cache.cache_dir} is inside the dataset "
                     f"directory {probe.root}, so the dataset would read its own cache. Fix: "
@@ -190,7 +191,7 @@ class VolumeDataset(IterableDataset[Any]):
         self.volume, self.manifest = self._list(
             url_or_file_list, storage_options, suffixes, share=share_listing
         )
-        if self.cache is not None and self.volume.is_local and not cache_local:
+        if self.cache is not None and self.volume.capabilities.local_files and not cache_local:
             self.cache = None  # a list of local files, read in place
         if self.cache is not None and self.cache.limit is not None:
             largest = max(f.size for f in self.manifest.files)

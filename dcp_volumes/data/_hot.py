@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from dcp_volumes._retry import redact_url
-from dcp_volumes._volume import FileInfo, Volume
+from dcp_volumes._volume import FileInfo, Volume, redact_url
 from dcp_volumes.data._files import CachedFile
 from dcp_volumes.data._locks import EntryLock
 from dcp_volumes.data._shared_words import SharedWords

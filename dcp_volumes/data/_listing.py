@@ -49,7 +49,7 @@ def _visible(path: str, suffixes: tuple[str, ...] | None) -> bool:
 
 def _list_prefix(volume: Volume, concurrency: int) -> list[FileInfo]:
     """All files below the volume root; top-level folders are listed in parallel."""
-    if volume.is_local or concurrency <= 1:
+    if volume.capabilities.local_files or concurrency <= 1:
         return volume.list("")
     dirs = volume.list_dirs("")
     if not dirs:

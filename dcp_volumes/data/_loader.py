@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -32,6 +33,7 @@ from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
 from dcp_volumes._exceptions import ConfigurationError, DatasetChangedError
+from dcp_volumes._volume import obstore_used_here
 from dcp_volumes.data import _batch_sharing
 from dcp_volumes.data._dataset import VolumeDataset, detect_world
 from dcp_volumes.data._metrics import LoaderMetrics, worker_stats
@@ -120,13 +122,15 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             arguments always win over the tuned defaults.
 
     Workers start with torch's default method (fork on Linux before Python
-    3.14); processes that were themselves spawned inherit "spawn", so pass
-    ``multiprocessing_context="fork"`` there for fast worker starts. A forked
-    worker inherits the parent's locks as they were at the fork: if another
-    thread was inside OpenSSL then (an HTTPS uploader, a client shutting down),
-    the worker blocks at its first TLS call. Pass
-    ``multiprocessing_context="forkserver"`` in such processes (the dataset is
-    then pickled to the workers; the stream and state are the same). Epochs:
+    3.14), except where that is unsafe: once this process has done I/O through
+    obstore (S3 and Azure volumes: a checkpoint save, a listing), a forked child
+    could not use it, so workers of a dataset on such a volume then start with
+    "forkserver" (the dataset is pickled to them; the stream and state are the
+    same). A transform that cannot be pickled keeps fork, and its workers fetch
+    through fsspec (slower; logged). Pass ``multiprocessing_context`` to choose.
+    A forked worker also inherits the parent's locks as they were at the fork:
+    if another thread was inside OpenSSL then, the worker blocks at its first
+    TLS call; "forkserver" avoids that too. Epochs:
     an exhausted epoch moves the state to the next one; ``set_epoch(e)`` with
     another epoch than the current starts ``e`` at its beginning, with the
     same epoch it keeps a restored position.
@@ -189,6 +193,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             kwargs["worker_init_fn"] = _batch_sharing.WorkerInit(
                 self.sharing_strategy, kwargs.get("worker_init_fn")
             )
+        self._context_chosen_by_user = kwargs.get("multiprocessing_context") is not None
         self._token = 0
         self._step = 0
         self.metrics = LoaderMetrics(rank=self._rank, window_s=metrics_window_s, mlflow=mlflow)
@@ -298,7 +303,8 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._token += 1
-        if self._iterator is None or not self.persistent_workers:  # workers fork now
+        if self._iterator is None or not self.persistent_workers:  # workers start now
+            self._choose_start_method()
             _batch_sharing.start_manager_for_workers(
                 self.sharing_strategy, self.multiprocessing_context
             )
@@ -309,6 +315,29 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                 plan, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor or 2
             )
         return self._deliver(super().__iter__(), plan, self._token)
+
+    def _choose_start_method(self) -> None:
+        """Forkserver instead of fork where a forked worker could not use the volume's client."""
+        if self.num_workers == 0 or not self._volume or self._context_chosen_by_user:
+            return
+        volume = self._dataset().volume
+        if volume.capabilities.survives_fork or not obstore_used_here():
+            self.multiprocessing_context = None  # torch's default (fork): fastest to start
+            return
+        try:
+            pickle.dumps(self.dataset)
+        except Exception as exc:  # what a transform may raise is open-ended
+            logger.warning(
+                "DataLoader workers are forked although this process already used obstore, "
+                "because the dataset cannot be pickled for forkserver (%s: %s); they fetch "
+                "through fsspec instead (slower). Fix: use a picklable transform (a module-"
+                "level function, not a lambda).",
+                type(exc).__name__,
+                exc,
+            )
+            self.multiprocessing_context = None
+            return
+        self.multiprocessing_context = "forkserver"
 
     def _deliver(self, inner: Iterator[Any], plan: Plan | None, token: int) -> Iterator[Any]:
         delivered = 0

@@ -32,8 +32,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 from dcp_volumes._exceptions import CacheError
-from dcp_volumes._local_fs import write_all
-from dcp_volumes._retry import redact_url
+from dcp_volumes._volume import redact_url, write_all
 from dcp_volumes.data._locks import CounterLock, EntryLock
 
 logger = logging.getLogger(__name__)

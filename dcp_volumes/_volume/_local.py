@@ -1,9 +1,10 @@
-"""Local-file side of ``Volume``: root checks, atomic placement and writes, downloads.
+"""The local backend (paths, ``file://``, network mounts) and the local-file writes it needs.
 
 A local disk or network mount has no atomic PUT, so every file lands under a
 temporary name and is renamed into place, with the fsyncs that make the rename
 durable; a download lands the same way. File operations raise plain
-``OSError``s, which ``Volume`` retries and translates.
+``OSError``s, which ``Volume`` retries and translates. ``write_all`` is also
+how the cache and the checkpoint writer write their local files.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import errno
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from dcp_volumes._exceptions import VolumeAccessError, VolumeError, VolumeNotFoundError
+from dcp_volumes._volume._backend import Capabilities, Data, FileInfo, Listing
 
 # Largest single write(). Linux sizes a file's page-cache folios by the write
 # that creates them. On this project's VMs the guest hands free blocks of 2 MiB
@@ -98,7 +100,7 @@ def place_file(src: str, dst: str, *, move: bool) -> None:
         os.remove(src)
 
 
-def publish_bytes(dst: str, data: bytes, *, exclusive: bool) -> None:
+def publish_bytes(dst: str, data: Data, *, exclusive: bool) -> None:
     """Write ``data`` to ``dst`` atomically: temp file, fsync, rename, fsync of the directory.
 
     ``exclusive=True`` links instead of renaming, so an existing ``dst`` fails
@@ -184,3 +186,93 @@ def download_atomically(
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+
+
+class LocalBackend:
+    """Files on this machine: a local disk or a mounted network filesystem."""
+
+    capabilities = Capabilities(local_files=True, atomic_create=True, buffers_uploads=False)
+
+    def check_root(self, root: str, *, create: bool) -> None:
+        if create:
+            os.makedirs(root, exist_ok=True)
+        check_dir(root, writable=create)
+
+    def head(self, path: str) -> FileInfo:
+        st = os.stat(path)
+        if not os.path.isfile(path):
+            raise IsADirectoryError(errno.EISDIR, "a directory, not a file", path)
+        return FileInfo(path=path, size=st.st_size, mtime=st.st_mtime)
+
+    def list(self, prefix: str, *, recursive: bool) -> Listing:
+        files: list[FileInfo] = []
+        dirs: list[str] = []
+        stack = [prefix]
+        while stack:
+            try:
+                entries = list(os.scandir(stack.pop()))
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # a missing prefix lists as empty
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=True):
+                    if recursive:
+                        stack.append(entry.path)
+                    else:
+                        dirs.append(entry.path)
+                elif entry.is_file(follow_symlinks=True):
+                    st = entry.stat()
+                    files.append(FileInfo(path=entry.path, size=st.st_size, mtime=st.st_mtime))
+        return Listing(files=files, dirs=dirs)
+
+    def read(self, path: str, start: int, end: int | None) -> bytes:
+        with open(path, "rb", buffering=0) as f:
+            if end is None:
+                f.seek(start)
+                return f.read()
+            return os.pread(f.fileno(), max(0, end - start), start)
+
+    def read_whole(self, path: str, expect: int) -> bytes:
+        return self.read(path, 0, None)
+
+    def read_into(self, path: str, start: int, outs: Sequence[memoryview]) -> int:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            got = os.preadv(fd, list(outs), start) if outs else 0
+        finally:
+            os.close(fd)
+        return got
+
+    def upload(
+        self, local_path: str, path: str, *, size: int, part_size: int, concurrency: int,
+        move: bool,
+    ) -> None:
+        place_file(local_path, path, move=move)
+        actual = os.path.getsize(path)
+        if actual != size:
+            raise VolumeError(
+                f"Wrote {size} bytes to {path} but it holds {actual}. The disk or mount "
+                "dropped data; retry the save."
+            )
+
+    def put(self, path: str, data: Data, *, create_only: bool) -> None:
+        publish_bytes(path, data, exclusive=create_only)
+
+    def delete(self, paths: Sequence[str]) -> None:
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+    def copy(self, src: str, dst: str) -> None:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+
+    def delete_tree(self, path: str) -> None:
+        """Remove a whole directory (one call where a store would list and delete)."""
+        shutil.rmtree(path, ignore_errors=True)
+

@@ -44,6 +44,10 @@ _SECRET_KEYS = (
     "client_secret",
     "aws_secret_access_key",
     "aws_session_token",
+    "secret_access_key",  # obstore's names
+    "session_token",
+    "sas_key",
+    "bearer_token",
 )
 # Error codes (HTTP status or service code) that mean "try again later".
 _TRANSIENT_CODES = frozenset(
@@ -79,8 +83,17 @@ _ACCESS_CODES = frozenset(
     }
 )
 _CREDENTIAL_ERRORS = frozenset(
-    {"NoCredentialsError", "PartialCredentialsError", "ClientAuthenticationError"}
+    {
+        "NoCredentialsError",
+        "PartialCredentialsError",
+        "ClientAuthenticationError",
+        "PermissionDeniedError",  # obstore
+        "UnauthenticatedError",  # obstore
+    }
 )
+# obstore's typed errors (it retried transient ones itself before raising them).
+_OBSTORE_EXISTS = frozenset({"AlreadyExistsError", "PreconditionError"})
+_OBSTORE_CONFIG = frozenset({"UnknownConfigurationKeyError", "InvalidPathError"})
 _MISSING_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound", "BucketNotFound"})
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "BlobNotFound"})
 _EXISTS_CODES = frozenset({"412", "PreconditionFailed", "BlobAlreadyExists", "ConditionNotMet"})
@@ -190,26 +203,40 @@ def _is_transient(exc: BaseException) -> bool:
     )
 
 
+def _detail(exc: BaseException, scrub: Callable[[str], str]) -> str:
+    """The error's type and first line, credentials removed (clients append pages of debug
+    output and response bodies after it)."""
+    text = str(exc).strip().split("\n", 1)[0]
+    if len(text) > 400:
+        text = text[:400] + "..."
+    return scrub(f"{type(exc).__name__}: {text}")
+
+
 def translate_error(
     exc: BaseException, op: str, where: str, scrub: Callable[[str], str]
 ) -> DcpVolumesError:
     """The ``dcp_volumes`` exception for a backend error on ``where``."""
     if isinstance(exc, DcpVolumesError):
         return exc
-    detail = scrub(f"{type(exc).__name__}: {exc}")
+    detail = _detail(exc, scrub)
     codes = _error_codes(exc)
     if codes & _MISSING_BUCKET_CODES:
         return BucketNotFoundError(
             f"Cannot {op} {where}: the bucket or container does not exist ({detail}). "
             "Fix: create it first, or correct the URL."
         )
-    if isinstance(exc, FileExistsError) or codes & _EXISTS_CODES:
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & _OBSTORE_CONFIG:
+        return ConfigurationError(
+            f"Cannot {op} {where}: the object-store client refused its settings ({detail}). "
+            "Fix: correct storage_options (the message names the setting)."
+        )
+    if isinstance(exc, FileExistsError) or codes & _EXISTS_CODES or names & _OBSTORE_EXISTS:
         return VolumeExistsError(
             f"Cannot {op} {where}: it already exists and this write must not replace it."
         )
     if isinstance(exc, FileNotFoundError) or codes & _NOT_FOUND_CODES:
         return VolumeNotFoundError(f"Cannot {op} {where}: not found ({detail}).")
-    names = {cls.__name__ for cls in type(exc).__mro__}
     if isinstance(exc, PermissionError) or codes & _ACCESS_CODES or names & _CREDENTIAL_ERRORS:
         return VolumeAccessError(
             f"Cannot {op} {where}: access denied or credentials missing/invalid ({detail}). "
@@ -241,7 +268,7 @@ def call_with_retries(
                     attempt,
                     policy.attempts,
                     delay,
-                    scrub(f"{type(exc).__name__}: {exc}"),
+                    _detail(exc, scrub),
                 )
                 time.sleep(delay)
                 continue

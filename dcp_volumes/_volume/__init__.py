@@ -1,0 +1,27 @@
+"""The volume layer: ``Volume`` and the backends behind it (local, obstore, fsspec).
+
+``checkpoint/`` and ``data/`` import from here only; which backend serves a
+URL, and how each one talks to its store, stays inside this package.
+"""
+
+from dcp_volumes._volume._backend import Capabilities, FileInfo
+from dcp_volumes._volume._client_watchdog import STUCK_EXIT_CODE
+from dcp_volumes._volume._local import WRITE_PIECE, pieces, write_all
+from dcp_volumes._volume._obstore import used_here as obstore_used_here
+from dcp_volumes._volume._retry import RetryPolicy, redact_url
+from dcp_volumes._volume._select import LOCAL_PROTOCOLS
+from dcp_volumes._volume._volume import Volume
+
+__all__ = [
+    "LOCAL_PROTOCOLS",
+    "STUCK_EXIT_CODE",
+    "WRITE_PIECE",
+    "Capabilities",
+    "FileInfo",
+    "RetryPolicy",
+    "Volume",
+    "obstore_used_here",
+    "pieces",
+    "redact_url",
+    "write_all",
+]

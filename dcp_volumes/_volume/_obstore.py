@@ -1,0 +1,243 @@
+"""The obstore backend: S3 and Azure Blob through the Rust ``object_store`` crate.
+
+One client library for the bulk bytes of both stores: multipart uploads read
+straight from the staged file, ranged reads, HEAD, listings, batch deletes,
+create-only puts and server-side copies, all with the GIL released and retried
+by the client itself (``retry_config``, set from the volume's ``RetryPolicy``).
+Stores are created lazily, one per bucket, in the process that uses them.
+
+Fork: obstore's runtime threads do not exist in a child forked after the
+parent did I/O through it, and the child hangs on its first call (tokio does
+not support fork). So the process notes its first I/O here, a forked child
+learns that it inherited a used runtime, and ``select_backend`` gives such a
+child the fsspec backend instead (``survives_fork`` is False; the DataLoader
+starts its workers with forkserver for that reason).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from dcp_volumes._exceptions import BackendNotInstalledError
+from dcp_volumes._volume._backend import Capabilities, Data, FileInfo, Listing, scatter
+from dcp_volumes._volume._client_watchdog import watch_client_start
+from dcp_volumes._volume._obstore_options import StoreSettings
+
+# The pid of this process once it did I/O through obstore; True in a child
+# forked after that (its inherited runtime cannot run there).
+_io_pid: int | None = None
+_runtime_inherited = False
+
+
+def _after_fork_in_child() -> None:
+    global _runtime_inherited, _io_pid
+    if _io_pid is not None:
+        _runtime_inherited = True
+    _io_pid = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def usable_here() -> bool:
+    """Whether obstore can run in this process (not a child forked after obstore I/O)."""
+    return not _runtime_inherited
+
+
+def used_here() -> bool:
+    """Whether this process has done I/O through obstore (a fork now would inherit it)."""
+    return _io_pid == os.getpid()
+
+
+def require() -> Any:
+    """The obstore module, or a clear error naming what to install."""
+    try:
+        import obstore
+        import obstore.exceptions
+    except ImportError as exc:
+        raise BackendNotInstalledError(
+            "S3 and Azure volumes use obstore, which is not installed. Fix: "
+            "pip install 'dcp_volumes[s3]' (or [azure]), or set DCP_VOLUMES_BACKEND=fsspec "
+            "to use s3fs/adlfs."
+        ) from exc
+    return obstore
+
+
+class ObstoreBackend:
+    """S3 or Azure Blob locations (``bucket/key``) through obstore."""
+
+    capabilities = Capabilities(
+        local_files=False, atomic_create=True, buffers_uploads=True, survives_fork=False
+    )
+
+    def __init__(self, kind: str, settings: StoreSettings) -> None:
+        self._kind = kind  # "s3" or "azure"
+        self._settings = settings
+        self._stores: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._obs = require()
+
+    # -- stores ---------------------------------------------------------------------------
+
+    def _store(self, bucket: str) -> Any:
+        store = self._stores.get(bucket)
+        if store is None:
+            with self._lock:
+                store = self._stores.get(bucket)
+                if store is None:
+                    from obstore.store import AzureStore, S3Store
+
+                    cls = S3Store if self._kind == "s3" else AzureStore
+                    with watch_client_start(self._kind.upper()):
+                        store = cls(bucket, **self._settings.kwargs())
+                    self._stores[bucket] = store
+        global _io_pid
+        _io_pid = os.getpid()
+        return store
+
+    def _split(self, path: str) -> tuple[Any, str]:
+        bucket, _, key = path.partition("/")
+        return self._store(bucket), key
+
+    # -- queries --------------------------------------------------------------------------
+
+    def check_root(self, root: str, *, create: bool) -> None:
+        self.list(root, recursive=False)
+
+    def _failed_listing(self, store: Any, key: str, bucket: str, exc: Exception) -> Exception:
+        """The error to raise for a listing that failed with obstore's generic error.
+
+        obstore reports a failed listing (a missing bucket, refused credentials)
+        only as a generic error; a HEAD in the bucket has typed errors, and "not
+        found" there means no bucket, since a failing server fails the HEAD too.
+        """
+        probe = f"{key}/.dcp-volumes-probe" if key else ".dcp-volumes-probe"
+        try:
+            self._obs.head(store, probe)
+        except FileNotFoundError:
+            return MissingBucket(bucket)
+        except self._obs.exceptions.GenericError:
+            return exc
+        except Exception as typed:  # permission, credentials: more precise than the listing's
+            return typed
+        return exc
+
+    def head(self, path: str) -> FileInfo:
+        store, key = self._split(path)
+        return _info(path, self._obs.head(store, key))
+
+    def list(self, prefix: str, *, recursive: bool) -> Listing:
+        store, key = self._split(prefix)
+        bucket = prefix.partition("/")[0]
+        try:
+            if recursive:
+                files = [
+                    _info(f"{bucket}/{meta['path']}", meta)
+                    for chunk in self._obs.list(store, prefix=key or None)
+                    for meta in chunk
+                    if not meta["path"].endswith("/")
+                ]
+                return Listing(files=files, dirs=[])
+            found = self._obs.list_with_delimiter(store, prefix=key or None)
+        except self._obs.exceptions.GenericError as exc:
+            error = self._failed_listing(store, key, bucket, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        files = [_info(f"{bucket}/{meta['path']}", meta) for meta in found["objects"]]
+        dirs = [f"{bucket}/{p.rstrip('/')}" for p in found["common_prefixes"]]
+        return Listing(files=files, dirs=dirs)
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def read(self, path: str, start: int, end: int | None) -> Data:
+        store, key = self._split(path)
+        if end is not None and end <= start:
+            return b""
+        if end is None:
+            if start == 0:
+                return self._obs.get(store, key).bytes()
+            return self._obs.get(store, key, options={"range": {"offset": start}}).bytes()
+        return self._obs.get_range(store, key, start=start, end=end)
+
+    def read_whole(self, path: str, expect: int) -> Data:
+        store, key = self._split(path)
+        return self._obs.get(store, key).bytes()
+
+    def read_into(self, path: str, start: int, outs: Sequence[memoryview]) -> int:
+        length = sum(len(o) for o in outs)
+        if not length:
+            return 0
+        data = memoryview(self.read(path, start, start + length))
+        return scatter(data, outs)
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def upload(
+        self, local_path: str, path: str, *, size: int, part_size: int, concurrency: int,
+        move: bool,
+    ) -> None:
+        store, key = self._split(path)
+        # A Path is read by obstore itself, part by part, without the GIL.
+        self._obs.put(
+            store,
+            key,
+            Path(local_path),
+            use_multipart=size > part_size,
+            chunk_size=part_size,
+            max_concurrency=max(1, concurrency),
+        )
+        if move:
+            os.remove(local_path)
+
+    def put(self, path: str, data: Data, *, create_only: bool) -> None:
+        store, key = self._split(path)
+        self._obs.put(store, key, data, mode="create" if create_only else "overwrite")
+
+    def delete(self, paths: Sequence[str]) -> None:
+        by_bucket: dict[str, list[str]] = {}
+        for path in paths:
+            bucket, _, key = path.partition("/")
+            by_bucket.setdefault(bucket, []).append(key)
+        for bucket, keys in by_bucket.items():
+            store = self._store(bucket)
+            try:
+                self._obs.delete(store, keys)
+            except FileNotFoundError:
+                # Some stores report a missing one and stop: delete the rest one by one.
+                for key in keys:
+                    with contextlib.suppress(FileNotFoundError):
+                        self._obs.delete(store, key)
+
+    def copy(self, src: str, dst: str) -> None:
+        store, src_key = self._split(src)
+        dst_bucket, _, dst_key = dst.partition("/")
+        if dst_bucket != src.partition("/")[0]:
+            raise ValueError(f"copy across buckets ({src} -> {dst}) is not supported")
+        self._obs.copy(store, src_key, dst_key, overwrite=True)
+
+
+class MissingBucket(FileNotFoundError):
+    """The bucket or container of a location does not exist (``Volume`` translates it)."""
+
+    def __init__(self, bucket: str) -> None:
+        super().__init__(f"no bucket or container {bucket!r}")
+        self.code = "NoSuchBucket"
+
+
+def _info(path: str, meta: Mapping[str, Any]) -> FileInfo:
+    modified = meta.get("last_modified")
+    etag = meta.get("e_tag")
+    return FileInfo(
+        path=path,
+        size=int(meta["size"]),
+        etag=str(etag).strip('"') if etag else None,
+        mtime=modified.timestamp() if isinstance(modified, datetime) else None,
+    )
+

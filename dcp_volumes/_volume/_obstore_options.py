@@ -1,0 +1,366 @@
+"""The ``storage_options`` users already pass (s3fs / adlfs names) as obstore store settings.
+
+Users of fsspec-based tools pass ``key``/``secret``/``client_kwargs`` (s3fs) or
+``account_name``/``account_key``/``connection_string`` (adlfs). Those are mapped
+here to obstore's config keys, and obstore's own keys (``access_key_id``,
+``endpoint``, ``client_options``, ``retry_config``, ...) pass through as they are.
+A key that is neither is a ``ConfigurationError`` naming it: a credential or an
+endpoint that was silently dropped would send the job to another store.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+from dcp_volumes import _env
+from dcp_volumes._exceptions import ConfigurationError, VolumeAccessError
+from dcp_volumes._volume._retry import RetryPolicy
+
+logger = logging.getLogger("dcp_volumes._volume")
+
+# s3fs / adlfs settings of their own client caches and event loops: they mean
+# nothing to obstore's data path, and tools pass them routinely.
+_CLIENT_CACHE_OPTIONS = frozenset(
+    {
+        "use_listings_cache",
+        "listings_expiry_time",
+        "max_paths",
+        "skip_instance_cache",
+        "default_block_size",
+        "default_fill_cache",
+        "default_cache_type",
+        "asynchronous",
+        "loop",
+        "max_concurrency",
+        "fixed_upload_size",
+        "cache_regions",
+        "version_aware",
+        "blocksize",
+    }
+)
+_CLIENT_OPTIONS = frozenset(
+    {
+        "allow_http",
+        "allow_invalid_certificates",
+        "connect_timeout",
+        "default_content_type",
+        "default_headers",
+        "http1_only",
+        "http2_keep_alive_interval",
+        "http2_keep_alive_timeout",
+        "http2_keep_alive_while_idle",
+        "http2_only",
+        "pool_idle_timeout",
+        "pool_max_idle_per_host",
+        "proxy_url",
+        "proxy_ca_certificate",
+        "proxy_excludes",
+        "root_certificate",
+        "randomize_addresses",
+        "read_timeout",
+        "timeout",
+        "user_agent",
+    }
+)
+# obstore's own S3 / Azure config keys (its ``S3Config`` / ``AzureConfig``).
+_S3_KEYS = frozenset(
+    {
+        "access_key_id",
+        "secret_access_key",
+        "session_token",
+        "bucket",
+        "checksum_algorithm",
+        "conditional_put",
+        "container_credentials_relative_uri",
+        "container_credentials_full_uri",
+        "container_authorization_token_file",
+        "copy_if_not_exists",
+        "default_region",
+        "disable_tagging",
+        "disable_bulk_delete",
+        "endpoint",
+        "imdsv1_fallback",
+        "metadata_endpoint",
+        "region",
+        "request_payer",
+        "role_arn",
+        "role_session_name",
+        "server_side_encryption",
+        "skip_signature",
+        "sse_bucket_key_enabled",
+        "sse_kms_key_id",
+        "sts_endpoint",
+        "unsigned_payload",
+        "virtual_hosted_style_request",
+        "web_identity_token_file",
+        "s3_express",
+    }
+)
+_AZURE_KEYS = frozenset(
+    {
+        "account_name",
+        "account_key",
+        "client_id",
+        "client_secret",
+        "credential_type",
+        "tenant_id",
+        "authority_host",
+        "sas_key",
+        "token",
+        "use_emulator",
+        "use_fabric_endpoint",
+        "encryption_key",
+        "endpoint",
+        "msi_endpoint",
+        "object_id",
+        "msi_resource_id",
+        "federated_token_file",
+        "use_azure_cli",
+        "skip_signature",
+        "container_name",
+        "disable_tagging",
+    }
+)
+# Options the store takes as keyword arguments of its own, not config keys.
+_STORE_ARGUMENTS = frozenset({"client_options", "retry_config", "credential_provider"})
+
+
+@dataclass
+class StoreSettings:
+    """Keyword arguments for one ``S3Store`` / ``AzureStore`` (the bucket comes later)."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    client_options: dict[str, Any] = field(default_factory=dict)
+    retry_config: dict[str, Any] = field(default_factory=dict)
+    credential_provider: Any = None
+
+    def kwargs(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"config": self.config, "client_options": self.client_options}
+        out["retry_config"] = self.retry_config
+        if self.credential_provider is not None:
+            out["credential_provider"] = self.credential_provider
+        return out
+
+
+def retry_config(policy: RetryPolicy) -> dict[str, Any]:
+    """obstore's retry settings for ``policy``: it retries each request itself, GIL released."""
+    return {
+        "max_retries": policy.attempts - 1,
+        "backoff": {
+            "init_backoff": timedelta(seconds=max(policy.base_delay_s, 0.001)),
+            "max_backoff": timedelta(seconds=max(policy.max_delay_s, 0.001)),
+            "base": 2,
+        },
+        # A bound on one request's retries, so a dead endpoint fails in bounded time.
+        "retry_timeout": timedelta(seconds=max(1.0, policy.attempts * policy.max_delay_s)),
+    }
+
+
+def s3_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSettings:
+    """``S3Store`` settings for s3fs-style (or obstore) ``options``."""
+    out = _start(options, policy)
+    opts = dict(options)
+    client_kwargs = dict(opts.pop("client_kwargs", None) or {})
+    config_kwargs = dict(opts.pop("config_kwargs", None) or {})
+    renames = {
+        "key": "access_key_id",
+        "aws_access_key_id": "access_key_id",
+        "secret": "secret_access_key",
+        "aws_secret_access_key": "secret_access_key",
+        "token": "session_token",
+        "aws_session_token": "session_token",
+        "endpoint_url": "endpoint",
+        "region_name": "region",
+        "requester_pays": "request_payer",
+    }
+    for source in (client_kwargs, opts):
+        for name in list(source):
+            if name in renames:
+                value = source.pop(name)
+                if value is not None:
+                    out.config[renames[name]] = value
+    if client_kwargs.pop("verify", True) is False:
+        out.client_options["allow_invalid_certificates"] = True
+    if client_kwargs.pop("use_ssl", True) is False or opts.pop("use_ssl", True) is False:
+        out.client_options["allow_http"] = True
+    if opts.pop("anon", False):
+        out.config["skip_signature"] = True
+    profile = opts.pop("profile", None)
+    if profile is not None:
+        out.credential_provider = _boto3_profile(profile)
+    _config_kwargs(config_kwargs, out)
+    _unmapped("client_kwargs", client_kwargs, "s3fs")
+    _rest(opts, out, _S3_KEYS, "s3fs")
+    endpoint = out.config.get("endpoint")
+    if isinstance(endpoint, str) and endpoint.startswith("http://"):
+        out.client_options.setdefault("allow_http", True)
+    if "endpoint" in out.config:
+        # A custom endpoint (MinIO, Ceph, a proxy) addresses buckets by path, as
+        # s3fs and botocore do for it; obstore would put the bucket in the host.
+        out.config.setdefault("virtual_hosted_style_request", False)
+    if "region" not in out.config and "default_region" not in out.config:
+        out.config["region"] = "us-east-1"  # requests must be signed for some region
+    _check_aws_credentials(out)
+    return out
+
+
+def _check_aws_credentials(out: StoreSettings) -> None:
+    """Refuse early where the only place left to find credentials is switched off.
+
+    With no credentials given, the AWS chain ends at the instance-metadata
+    service; botocore's ``AWS_EC2_METADATA_DISABLED=true`` says not to ask it,
+    which obstore does not read, so it is honoured here.
+    """
+    given = (
+        out.config.get("access_key_id")
+        or out.config.get("skip_signature")
+        or out.credential_provider is not None
+        or _env.aws_credentials_in_environment()
+    )
+    if not given and _env.aws_metadata_disabled():
+        raise VolumeAccessError(
+            "No AWS credentials: none in storage_options (key/secret, anon=True, profile) or "
+            "the environment (AWS_ACCESS_KEY_ID, a web identity or container credentials), "
+            "and AWS_EC2_METADATA_DISABLED=true rules out instance metadata. Fix: pass "
+            "credentials, or anon=True for a public bucket."
+        )
+
+
+def azure_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSettings:
+    """``AzureStore`` settings for adlfs-style (or obstore) ``options``."""
+    out = _start(options, policy)
+    opts = dict(options)
+    connection_string = opts.pop("connection_string", None)
+    if connection_string:
+        _connection_string(str(connection_string), out)
+    renames = {"sas_token": "sas_key", "account_host": "endpoint", "credential": None}
+    for name, target in renames.items():
+        if name in opts:
+            value = opts.pop(name)
+            if target is None:
+                raise ConfigurationError(
+                    f"storage_options['{name}'] (an azure-identity credential object) cannot be "
+                    "used with obstore. Fix: pass client_id/client_secret/tenant_id, "
+                    "account_key or sas_token, or a credential_provider "
+                    "(obstore.auth.azure.AzureCredentialProvider)."
+                )
+            if value is not None:
+                if target == "endpoint" and "://" not in str(value):
+                    value = f"https://{value}"
+                out.config[target] = value
+    if opts.pop("anon", False):
+        out.config["skip_signature"] = True
+    _rest(opts, out, _AZURE_KEYS, "adlfs")
+    endpoint = out.config.get("endpoint")
+    if isinstance(endpoint, str) and endpoint.startswith("http://"):
+        out.client_options.setdefault("allow_http", True)
+    return out
+
+
+def azure_account_from_url(netloc: str) -> tuple[str, str | None]:
+    """(container, account) of an ``abfs://container@account.dfs.core.windows.net`` netloc."""
+    container, at, host = netloc.partition("@")
+    if not at:
+        return netloc, None
+    return container, host.split(".", 1)[0] or None
+
+
+def _start(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSettings:
+    if not isinstance(options, Mapping):
+        raise ConfigurationError(
+            f"storage_options must be a mapping (a dict), not {type(options).__name__}."
+        )
+    out = StoreSettings(retry_config=retry_config(policy))
+    out.client_options.update(dict(options.get("client_options") or {}))
+    if options.get("retry_config"):
+        out.retry_config = dict(options["retry_config"])
+    out.credential_provider = options.get("credential_provider")
+    return out
+
+
+def _rest(opts: dict[str, Any], out: StoreSettings, keys: frozenset[str], peer: str) -> None:
+    """obstore's own keys pass through; s3fs/adlfs cache settings are ignored; anything else
+    is an error naming it."""
+    for name, value in opts.items():
+        if name in _STORE_ARGUMENTS:
+            continue
+        if name in _CLIENT_CACHE_OPTIONS:
+            logger.debug("storage option %r configures %s's own cache: not used", name, peer)
+            continue
+        if name in _CLIENT_OPTIONS:
+            out.client_options[name] = value
+        elif name in keys:
+            out.config[name] = value
+        else:
+            _unmapped("storage_options", {name: value}, peer)
+
+
+def _unmapped(where: str, rest: Mapping[str, Any], peer: str) -> None:
+    if rest:
+        names = ", ".join(repr(n) for n in sorted(rest))
+        raise ConfigurationError(
+            f"{where} {names} cannot be passed to the object-store client (obstore): it is "
+            f"neither a {peer} option this library maps nor one of obstore's own settings. "
+            "Fix: remove it, use obstore's name for it (see the obstore store docs), or "
+            "set DCP_VOLUMES_BACKEND=fsspec to use the fsspec client, which takes it."
+        )
+
+
+def _config_kwargs(config_kwargs: dict[str, Any], out: StoreSettings) -> None:
+    """botocore ``Config`` settings that have an obstore equivalent."""
+    s3 = dict(config_kwargs.pop("s3", None) or {})
+    style = s3.pop("addressing_style", None)
+    if style is not None:
+        out.config["virtual_hosted_style_request"] = style == "virtual"
+    _unmapped("config_kwargs['s3']", s3, "botocore")
+    for name, target in (("connect_timeout", "connect_timeout"), ("read_timeout", "timeout")):
+        if name in config_kwargs:
+            out.client_options[target] = timedelta(seconds=float(config_kwargs.pop(name)))
+    # Connection pools, botocore's own retries and checksums: obstore has its own.
+    for name in (
+        "max_pool_connections",
+        "retries",
+        "request_checksum_calculation",
+        "response_checksum_validation",
+        "signature_version",
+    ):
+        config_kwargs.pop(name, None)
+    _unmapped("config_kwargs", config_kwargs, "botocore")
+
+
+def _connection_string(text: str, out: StoreSettings) -> None:
+    """Azure's ``Key=Value;...`` connection string as config keys."""
+    parts: dict[str, str] = {}
+    for item in text.split(";"):
+        name, eq, value = item.partition("=")
+        if eq:
+            parts[name.strip().lower()] = value.strip()
+    if "accountname" in parts:
+        out.config["account_name"] = parts["accountname"]
+    if "accountkey" in parts:
+        out.config["account_key"] = parts["accountkey"]
+    if "sharedaccesssignature" in parts:
+        out.config["sas_key"] = parts["sharedaccesssignature"]
+    if "blobendpoint" in parts:
+        endpoint = parts["blobendpoint"].rstrip("/")
+        out.config["endpoint"] = endpoint
+        if urlsplit(endpoint).scheme == "http":
+            out.client_options["allow_http"] = True
+
+
+def _boto3_profile(profile: str) -> Any:
+    """Credentials of a named AWS profile (``~/.aws``), which obstore does not read itself."""
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"storage_options['profile']={profile!r} needs boto3 to read the AWS profile. "
+            "Fix: pip install 'dcp_volumes[s3]' (or boto3), or pass key/secret."
+        ) from exc
+    return Boto3CredentialProvider(boto3.Session(profile_name=profile))

@@ -1,0 +1,105 @@
+"""Which backend serves a URL's protocol, one instance per process and set of options.
+
+S3 and Azure go through obstore, GCS and every other protocol through fsspec,
+local paths and mounts through the local backend. ``DCP_VOLUMES_BACKEND=fsspec``
+sends S3 and Azure through s3fs / adlfs instead (options obstore cannot take).
+A process forked after obstore did I/O cannot use obstore (see ``_obstore.py``):
+it gets the fsspec backend, with one warning saying how to avoid the slower path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+
+from dcp_volumes import _env
+from dcp_volumes._exceptions import BackendNotInstalledError, ConfigurationError
+from dcp_volumes._volume import _obstore
+from dcp_volumes._volume._backend import Backend
+from dcp_volumes._volume._fsspec import FsspecBackend
+from dcp_volumes._volume._local import LocalBackend
+from dcp_volumes._volume._obstore_options import azure_settings, s3_settings
+from dcp_volumes._volume._retry import RetryPolicy
+
+logger = logging.getLogger("dcp_volumes._volume")
+
+LOCAL_PROTOCOLS = frozenset({"file", "local"})
+# URL protocol -> obstore store kind.
+OBSTORE_PROTOCOLS = {"s3": "s3", "s3a": "s3", "az": "azure", "abfs": "azure", "abfss": "azure"}
+
+_BACKENDS: dict[tuple[int, str, str, RetryPolicy], Backend] = {}
+_LOCK = threading.Lock()
+_LOCAL = LocalBackend()
+_warned_fork = False
+
+
+def _new_lock_in_child() -> None:
+    global _LOCK  # another thread may have held it at the fork
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
+def backend_for(protocol: str, storage_options: Mapping[str, Any], retry: RetryPolicy) -> Backend:
+    """This process's backend for ``protocol`` and ``storage_options``."""
+    if protocol in LOCAL_PROTOCOLS:
+        return _LOCAL
+    key = (os.getpid(), protocol, fsspec.utils.tokenize(storage_options), retry)
+    backend = _BACKENDS.get(key)
+    if backend is None:
+        with _LOCK:
+            backend = _BACKENDS.get(key)
+            if backend is None:
+                backend = _BACKENDS[key] = _create(protocol, storage_options, retry)
+    return backend
+
+
+def _create(protocol: str, options: Mapping[str, Any], retry: RetryPolicy) -> Backend:
+    kind = OBSTORE_PROTOCOLS.get(protocol)
+    if kind is None or _env.backend() == "fsspec":
+        return FsspecBackend(protocol, options)
+    if not _obstore.usable_here():
+        return _after_fork(protocol, options)
+    _obstore.require()  # "not installed" before any complaint about the options
+    settings = s3_settings(options, retry) if kind == "s3" else azure_settings(options, retry)
+    return _obstore.ObstoreBackend(kind, settings)
+
+
+def _after_fork(protocol: str, options: Mapping[str, Any]) -> Backend:
+    """The fsspec backend for a child forked after its parent used obstore."""
+    global _warned_fork
+    try:
+        backend = FsspecBackend(protocol, _fsspec_options(options))
+    except BackendNotInstalledError as exc:
+        raise ConfigurationError(
+            f"This process was forked after its parent did I/O through obstore, which cannot "
+            f"run in such a child (it would hang), and no fsspec client for '{protocol}://' "
+            "is installed to fall back on. Fix: start worker processes with "
+            "multiprocessing_context='forkserver' or 'spawn' (DataLoader does so by "
+            "default), or install the fsspec client (pip install 'dcp_volumes[s3]' / [azure])."
+        ) from exc
+    if not _warned_fork:
+        _warned_fork = True
+        logger.warning(
+            "process %d was forked after its parent did I/O through obstore, which cannot "
+            "run in a forked child: %s:// goes through fsspec here (slower). Start such "
+            "processes with multiprocessing_context='forkserver' or 'spawn' to keep obstore.",
+            os.getpid(),
+            protocol,
+        )
+    return backend
+
+
+def _fsspec_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` without obstore's own store arguments, which fsspec clients reject."""
+    return {
+        k: v
+        for k, v in options.items()
+        if k not in ("client_options", "retry_config", "credential_provider")
+    }
