@@ -1,6 +1,7 @@
 # Set-up and checks. `make test` works from a fresh clone: it creates .venv,
-# installs the CPU torch wheel, the package with its dev/bench extras, and
-# Azurite (npm) into .tools/, then runs pytest. Stamps make repeats fast.
+# installs the CPU torch wheel, the package with its dev/bench extras, Azurite
+# (npm) into .tools/ and Ceph radosgw (Debian packages, as root), then runs
+# pytest. Stamps make repeats fast.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -13,11 +14,12 @@ TORCH_VERSION := 2.13.0
 AZURITE_VERSION := 3.35.0
 AZURITE := .tools/node_modules/.bin/azurite-blob
 INSTALL_STAMP := $(VENV)/.dcp-volumes-installed
+RADOSGW := /usr/bin/radosgw
 PYTEST_ARGS ?=
 
 .PHONY: test lint demo setup constraints
 
-setup: $(INSTALL_STAMP) $(AZURITE)
+setup: $(INSTALL_STAMP) $(AZURITE) $(RADOSGW)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +38,11 @@ $(INSTALL_STAMP): pyproject.toml constraints.txt | $(PY)
 $(AZURITE):
 	npm install --prefix .tools --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION)
 	test -x $@
+
+# Ceph's S3 server for the conformance suite (tests/radosgw.py runs a private
+# one-node cluster on 127.0.0.1; nothing is configured system-wide).
+$(RADOSGW):
+	bash tests/install_radosgw.sh
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)

@@ -1,8 +1,7 @@
 """Seekable read-only streams over part of a file or of memory, without copies.
 
-``torch.load`` reads a checkpoint item from them, and botocore sends an
-upload body from them: both want a seekable file object, and neither should
-make the whole range one ``bytes`` first.
+``torch.load`` reads a checkpoint item from them: it wants a seekable file
+object, and the whole range should not become one ``bytes`` first.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ class RangeReader(io.RawIOBase):
         self._len = length
         self._pos = 0
 
-    def __len__(self) -> int:  # botocore takes a body's Content-Length from it
+    def __len__(self) -> int:
         return self._len
 
     def readable(self) -> bool:

@@ -5,8 +5,10 @@ Fixtures:
     azurite       (session) Azurite blob service; fails (not skips) if not installed.
     gcs_emulator  (session) gcp-storage-emulator, in memory.
     s3_bucket     (function) ("s3://<fresh bucket>", storage_options) on moto_server.
+    radosgw       (session) Ceph radosgw, a real S3 server (one mon, a memstore OSD).
     volume_url    (function, params local/file/s3/azure/gcs) (url, storage_options)
                   for a fresh, empty location.
+    conformance_url  the same params plus radosgw (the volume conformance suite).
 
 Emulators are wiped after each test that used them, so data does not pile up
 in memory over a session.
@@ -29,10 +31,16 @@ from typing import Any
 import pytest
 
 from tests.emulators import AZURITE_VERSION, Azurite, Emulator, GcsEmulator, MotoServer
+from tests.radosgw import RadosGW
 
 VolumeLocation = tuple[str, dict[str, Any]]
 
-_EMULATOR_FIXTURE = {"s3": "moto_server", "azure": "azurite", "gcs": "gcs_emulator"}
+EMULATOR_FIXTURE = {
+    "s3": "moto_server",
+    "azure": "azurite",
+    "gcs": "gcs_emulator",
+    "radosgw": "radosgw",
+}
 
 
 @pytest.fixture(scope="session")
@@ -50,6 +58,19 @@ def azurite() -> Iterator[Azurite]:
             pytrace=False,
         )
     with Azurite() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def radosgw() -> Iterator[RadosGW]:
+    """Ceph's S3 server (a real one); fails (not skips) if its packages are missing."""
+    if RadosGW.find_binaries() is None:
+        pytest.fail(
+            "Ceph radosgw is not installed. Run `make test`, which installs it "
+            "(or: bash tests/install_radosgw.sh).",
+            pytrace=False,
+        )
+    with RadosGW() as server:
         yield server
 
 
@@ -99,7 +120,28 @@ def volume_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Volum
     s3 / azure / gcs: the root of a new bucket/container (``s3://b``, ``az://c``,
     ``gs://b``) on the session's emulator; it is wiped after the test.
     """
-    kind: str = request.param
+    yield from _location(request.param, request, tmp_path)
+
+
+@pytest.fixture(
+    params=[
+        "local",
+        "file",
+        pytest.param("s3", marks=pytest.mark.emulator),
+        pytest.param("radosgw", marks=pytest.mark.emulator),
+        pytest.param("azure", marks=pytest.mark.emulator),
+        pytest.param("gcs", marks=pytest.mark.emulator),
+    ]
+)
+def conformance_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[VolumeLocation]:
+    """Like ``volume_url``, plus Ceph radosgw (a real S3 server): for the volume
+    conformance suite, which every backend must pass."""
+    yield from _location(request.param, request, tmp_path)
+
+
+def _location(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[VolumeLocation]:
     if kind in ("local", "file"):
         root = tmp_path / "volume"
         root.mkdir()
@@ -107,7 +149,7 @@ def volume_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Volum
         yield (str(root) if kind == "local" else f"file://{root}"), {}
         return
     # Lazily: only the emulators that the selected params need are started.
-    emulator: Emulator = request.getfixturevalue(_EMULATOR_FIXTURE[kind])
+    emulator: Emulator = request.getfixturevalue(EMULATOR_FIXTURE[kind])
     yield from _fresh_bucket(emulator, request)
 
 

@@ -1,4 +1,5 @@
-"""Volume conformance suite: every backend (local, file://, S3, Azure, GCS) runs the same tests."""
+"""Volume conformance suite: every backend (local, file://, moto S3, Ceph radosgw, Azure, GCS)
+runs the same tests."""
 
 from __future__ import annotations
 
@@ -24,13 +25,13 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._volume import RetryPolicy, Volume, redact_url
-from tests.conftest import unique_bucket_name
+from tests.conftest import EMULATOR_FIXTURE, unique_bucket_name
 from tests.emulators import Emulator, LatencyProxy
 
 
 @pytest.fixture
-def volume(volume_url) -> Volume:
-    url, options = volume_url
+def volume(conformance_url) -> Volume:
+    url, options = conformance_url
     vol = Volume(url, storage_options=options)
     vol.check_root(create=True)
     return vol
@@ -361,12 +362,10 @@ def test_capabilities_say_what_the_store_does(volume: Volume) -> None:
 # -- retries through a faulty link, on every object store ------------------------------------
 
 
-@pytest.fixture(params=["s3", "azure", "gcs"])
+@pytest.fixture(params=["s3", "radosgw", "azure", "gcs"])
 def faulty_volume(request: pytest.FixtureRequest) -> Iterator[tuple[Volume, LatencyProxy]]:
     """A volume on a fresh bucket of an emulator, reached through a fault-injecting proxy."""
-    emulator: Emulator = request.getfixturevalue(
-        {"s3": "moto_server", "azure": "azurite", "gcs": "gcs_emulator"}[request.param]
-    )
+    emulator: Emulator = request.getfixturevalue(EMULATOR_FIXTURE[request.param])
     url = emulator.create_bucket(unique_bucket_name(request))
     try:
         with LatencyProxy.in_front_of(emulator) as proxy:

@@ -1,8 +1,9 @@
 """Client CPU per small GET: dcp_volumes' S3 path against a plain boto3 ``get_object``.
 
 Sequential GETs of the same objects from moto's server (a separate process),
-timed by this thread's CPU clock, so the server's work is not counted: what
-one GET costs the process that makes it. Alternates the two a few rounds.
+timed by this process's CPU clock (all its threads: obstore works in threads
+of its own), so the server's work is not counted: what one GET costs the
+process that makes it. Alternates the two a few rounds.
 
     python benchmarks/probes/get_cpu.py [--files 300] [--kib 100] [--rounds 3]
 """
@@ -54,9 +55,9 @@ def main() -> None:
         for r in range(args.rounds):
             order = [("dcp_volumes", ours), ("boto3", boto3)]
             for name, fn in order if r % 2 == 0 else order[::-1]:
-                started = time.thread_time()
+                started = time.process_time()
                 fn()
-                cpu[name].append((time.thread_time() - started) / len(keys) * 1e6)
+                cpu[name].append((time.process_time() - started) / len(keys) * 1e6)
         for name, values in cpu.items():
             print(f"{name:12s} client CPU per GET: median {statistics.median(values):5.0f} us "
                   f"(rounds {', '.join(f'{v:.0f}' for v in values)})")

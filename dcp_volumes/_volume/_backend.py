@@ -55,16 +55,12 @@ class Capabilities:
         survives_fork: a process forked after this backend did I/O can still use
             it (in a new client). False for obstore: its runtime's threads do
             not exist in the child, which then hangs on its first call.
-        whole_reads_cheap: a read of a whole object costs no more than a range;
-            some servers read the whole object for every ranged GET, and range
-            readers then prefer fewer, larger ranges.
     """
 
     local_files: bool
     atomic_create: bool
     buffers_uploads: bool
     survives_fork: bool = True
-    whole_reads_cheap: bool = True
 
 
 class Backend(Protocol):
