@@ -192,7 +192,7 @@ def s3_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSetting
         out.config["skip_signature"] = True
     profile = opts.pop("profile", None)
     if profile is not None:
-        out.credential_provider = _boto3_profile(profile)
+        out.credential_provider = _boto3_chain(profile)
     _config_kwargs(config_kwargs, out)
     _unmapped("client_kwargs", client_kwargs, "s3fs")
     _rest(opts, out, _S3_KEYS, "s3fs")
@@ -222,6 +222,12 @@ def _check_aws_credentials(out: StoreSettings) -> None:
         or out.credential_provider is not None
         or _env.aws_credentials_in_environment()
     )
+    if not given and _boto3_installed():
+        # The full AWS chain as users know it from the SDKs (AWS_PROFILE, the shared
+        # credentials and config files, SSO, then instance metadata); obstore's own
+        # chain reads only environment variables and metadata.
+        out.credential_provider = _boto3_chain(None)
+        return
     if not given and _env.aws_metadata_disabled():
         raise VolumeAccessError(
             "No AWS credentials: none in storage_options (key/secret, anon=True, profile) or "
@@ -353,14 +359,30 @@ def _connection_string(text: str, out: StoreSettings) -> None:
             out.client_options["allow_http"] = True
 
 
-def _boto3_profile(profile: str) -> Any:
-    """Credentials of a named AWS profile (``~/.aws``), which obstore does not read itself."""
+def _boto3_installed() -> bool:
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _boto3_chain(profile: str | None) -> Any:
+    """obstore credentials from boto3's chain (for ``profile``, or the default one)."""
     try:
         import boto3
         from obstore.auth.boto3 import Boto3CredentialProvider
     except ImportError as exc:
         raise ConfigurationError(
             f"storage_options['profile']={profile!r} needs boto3 to read the AWS profile. "
-            "Fix: pip install 'dcp_volumes[s3]' (or boto3), or pass key/secret."
+            "Fix: pip install 'dcp_volumes[fsspec-clients]' (or boto3), or pass key/secret."
         ) from exc
-    return Boto3CredentialProvider(boto3.Session(profile_name=profile))
+    try:
+        return Boto3CredentialProvider(boto3.Session(profile_name=profile))
+    except ValueError as exc:  # what the provider raises when the chain found nothing
+        where = f"the AWS profile {profile!r}" if profile else "the AWS credential chain"
+        raise VolumeAccessError(
+            f"No AWS credentials: none in storage_options (key/secret, anon=True) and "
+            f"{where} (environment, ~/.aws files, SSO, instance metadata) found none. "
+            "Fix: pass credentials, configure the profile, or anon=True for a public bucket."
+        ) from exc

@@ -1,0 +1,98 @@
+"""storage_options users already pass (s3fs / adlfs names) become obstore settings, or a clear
+error naming the option; nothing is silently dropped."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from dcp_volumes._exceptions import ConfigurationError
+from dcp_volumes._volume import RetryPolicy, Volume
+from dcp_volumes._volume._obstore_options import azure_settings, s3_settings
+
+POLICY = RetryPolicy(attempts=3, base_delay_s=0.5, max_delay_s=4.0)
+
+
+def test_s3fs_names_map_to_obstore_keys() -> None:
+    out = s3_settings(
+        {
+            "key": "AKIAEXAMPLE",
+            "secret": "s3cr3t-value",
+            "token": "session",
+            "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000", "region_name": "eu-west-1"},
+            "config_kwargs": {"s3": {"addressing_style": "virtual"}, "connect_timeout": 5},
+            "requester_pays": True,
+            "use_listings_cache": False,  # s3fs's own cache: ignored
+        },
+        POLICY,
+    )
+    assert out.config["access_key_id"] == "AKIAEXAMPLE"
+    assert out.config["secret_access_key"] == "s3cr3t-value"
+    assert out.config["session_token"] == "session"
+    assert out.config["endpoint"] == "http://127.0.0.1:9000"
+    assert out.config["region"] == "eu-west-1"
+    assert out.config["virtual_hosted_style_request"] is True
+    assert out.config["request_payer"] is True
+    assert out.client_options["allow_http"] is True  # an http:// endpoint
+    assert out.client_options["connect_timeout"] == timedelta(seconds=5)
+    assert "use_listings_cache" not in out.config
+
+
+def test_retry_policy_becomes_obstores_retry_config() -> None:
+    out = s3_settings({"key": "k", "secret": "secret-1"}, POLICY)
+    assert out.retry_config["max_retries"] == 2
+    assert out.retry_config["backoff"]["init_backoff"] == timedelta(seconds=0.5)
+    assert out.retry_config["backoff"]["max_backoff"] == timedelta(seconds=4.0)
+    assert out.config["region"] == "us-east-1"  # signed for some region
+    assert "virtual_hosted_style_request" not in out.config  # AWS itself: its default
+
+
+def test_obstore_keys_pass_through_and_a_custom_endpoint_uses_path_style() -> None:
+    out = s3_settings(
+        {"access_key_id": "k", "secret_access_key": "secret-2", "endpoint": "https://minio:9000",
+         "client_options": {"timeout": "30s"}, "skip_signature": False},
+        POLICY,
+    )
+    assert out.config["endpoint"] == "https://minio:9000"
+    assert out.config["virtual_hosted_style_request"] is False
+    assert out.client_options == {"timeout": "30s"}
+    assert "allow_http" not in out.client_options
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"key": "k", "secret": "secret-3", "acl": "private"}, "'acl'"),
+        ({"key": "k", "secret": "secret-3", "client_kwargs": {"verify_ssl": 1}}, "'verify_ssl'"),
+        ({"key": "k", "secret": "secret-3", "config_kwargs": {"proxies": {}}}, "'proxies'"),
+    ],
+)
+def test_an_unmappable_option_is_an_error_naming_it(options: dict, named: str) -> None:
+    with pytest.raises(ConfigurationError, match=named) as err:
+        s3_settings(options, POLICY)
+    assert "secret-3" not in str(err.value)
+    assert "DCP_VOLUMES_BACKEND=fsspec" in str(err.value)
+
+
+def test_adlfs_names_and_connection_strings_map() -> None:
+    out = azure_settings(
+        {"connection_string": "DefaultEndpointsProtocol=http;AccountName=acct;"
+                              "AccountKey=a2V5;BlobEndpoint=http://127.0.0.1:10000/acct;"},
+        POLICY,
+    )
+    assert out.config == {"account_name": "acct", "account_key": "a2V5",
+                          "endpoint": "http://127.0.0.1:10000/acct"}
+    assert out.client_options["allow_http"] is True
+    out = azure_settings({"account_name": "acct", "sas_token": "sv=1&sig=x", "anon": False},
+                         POLICY)
+    assert out.config == {"account_name": "acct", "sas_key": "sv=1&sig=x"}
+    with pytest.raises(ConfigurationError, match="credential_provider"):
+        azure_settings({"account_name": "acct", "credential": object()}, POLICY)
+
+
+def test_abfs_urls_name_the_account() -> None:
+    vol = Volume("abfss://data@myacct.dfs.core.windows.net/run1/step-1")
+    assert vol.root == "data/run1/step-1"
+    assert vol.storage_options["account_name"] == "myacct"
+    assert vol.url == "abfss://data/run1/step-1"
