@@ -103,15 +103,12 @@ def s3_bucket(moto_server: MotoServer, request: pytest.FixtureRequest) -> Iterat
     yield from _fresh_bucket(moto_server, request)
 
 
-@pytest.fixture(
-    params=[
-        "local",
-        "file",
-        pytest.param("s3", marks=pytest.mark.emulator),
-        pytest.param("azure", marks=pytest.mark.emulator),
-        pytest.param("gcs", marks=pytest.mark.emulator),
-    ]
-)
+def _kinds(*remote: str) -> list[Any]:
+    """Fixture params: the two local forms, then the emulators named (marked ``emulator``)."""
+    return ["local", "file", *(pytest.param(k, marks=pytest.mark.emulator) for k in remote)]
+
+
+@pytest.fixture(params=_kinds("s3", "azure", "gcs"))
 def volume_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[VolumeLocation]:
     """A fresh, empty volume location as ``(url, storage_options)``.
 
@@ -123,16 +120,7 @@ def volume_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Volum
     yield from _location(request.param, request, tmp_path)
 
 
-@pytest.fixture(
-    params=[
-        "local",
-        "file",
-        pytest.param("s3", marks=pytest.mark.emulator),
-        pytest.param("radosgw", marks=pytest.mark.emulator),
-        pytest.param("azure", marks=pytest.mark.emulator),
-        pytest.param("gcs", marks=pytest.mark.emulator),
-    ]
-)
+@pytest.fixture(params=_kinds("s3", "radosgw", "azure", "gcs"))
 def conformance_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[VolumeLocation]:
     """Like ``volume_url``, plus Ceph radosgw (a real S3 server): for the volume
     conformance suite, which every backend must pass."""

@@ -69,6 +69,7 @@ __all__ = [
     "GcsEmulator",
     "LatencyProxy",
     "MotoServer",
+    "S3Api",
     "free_port",
     "repo_root",
 ]
@@ -219,6 +220,57 @@ class Emulator:
         raise NotImplementedError
 
 
+class S3Api:
+    """The S3 half of an emulator's surface: fsspec options, AWS_* variables, a boto3 client.
+
+    Subclasses set ``access_key``, ``secret_key`` and ``region`` and are ``Emulator``s.
+    """
+
+    access_key: ClassVar[str]
+    secret_key: ClassVar[str]
+    region: str
+    endpoint: str
+    _boto: Any
+
+    def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
+        # No region_name in client_kwargs: bucket creation would then fail with an
+        # invalid location constraint (see shared/EMULATORS.md).
+        return {
+            "key": self.access_key,
+            "secret": self.secret_key,
+            "client_kwargs": {"endpoint_url": endpoint or self.endpoint},
+        }
+
+    def env(self, endpoint: str | None = None) -> dict[str, str]:
+        """AWS_* variables for boto3, s3torchconnector and the AWS CLI."""
+        return {
+            "AWS_ENDPOINT_URL": endpoint or self.endpoint,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": self.region,
+        }
+
+    def boto3_client(self) -> Any:
+        """A cached boto3 S3 client on this server (thread-safe), path-style addressing."""
+        if self._boto is None:
+            import boto3
+            from botocore.config import Config
+
+            self._boto = boto3.client(
+                "s3",
+                endpoint_url=self.endpoint,
+                aws_access_key_id=self.access_key,
+                aws_secret_access_key=self.secret_key,
+                region_name=self.region,
+                config=Config(s3={"addressing_style": "path"}),
+            )
+        return self._boto
+
+    def create_bucket(self, name: str) -> str:
+        self.boto3_client().create_bucket(Bucket=name)
+        return self.url(name)  # type: ignore[attr-defined]  # Emulator's
+
+
 class _ProcessEmulator(Emulator):
     """An emulator running as a child process, logging to a file."""
 
@@ -325,7 +377,7 @@ class _ProcessEmulator(Emulator):
 # ---------------------------------------------------------------------------
 
 
-class MotoServer(_ProcessEmulator):
+class MotoServer(S3Api, _ProcessEmulator):
     """moto's S3 server, in this process ("thread") or as a child ("process").
 
     "thread" starts in ~5 ms (after a ~0.4 s moto import) but shares the GIL
@@ -342,6 +394,8 @@ class MotoServer(_ProcessEmulator):
     scheme = "s3"
     protocol = "s3"
     name = "moto"
+    access_key = _AWS_KEY
+    secret_key = _AWS_SECRET
 
     def __init__(
         self,
@@ -428,42 +482,6 @@ class MotoServer(_ProcessEmulator):
         if status != 200:
             raise EmulatorError(f"moto recorder {what} answered HTTP {status}")
         return body
-
-    def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
-        # No region_name in client_kwargs: moto then rejects bucket creation with
-        # an invalid location constraint (see shared/EMULATORS.md).
-        return {
-            "key": _AWS_KEY,
-            "secret": _AWS_SECRET,
-            "client_kwargs": {"endpoint_url": endpoint or self.endpoint},
-        }
-
-    def env(self, endpoint: str | None = None) -> dict[str, str]:
-        """AWS_* variables for boto3, s3torchconnector and the AWS CLI."""
-        return {
-            "AWS_ENDPOINT_URL": endpoint or self.endpoint,
-            "AWS_ACCESS_KEY_ID": _AWS_KEY,
-            "AWS_SECRET_ACCESS_KEY": _AWS_SECRET,
-            "AWS_DEFAULT_REGION": self.region,
-        }
-
-    def boto3_client(self) -> Any:
-        """A cached boto3 S3 client on this server (thread-safe)."""
-        if self._boto is None:
-            import boto3
-
-            self._boto = boto3.client(
-                "s3",
-                endpoint_url=self.endpoint,
-                aws_access_key_id=_AWS_KEY,
-                aws_secret_access_key=_AWS_SECRET,
-                region_name=self.region,
-            )
-        return self._boto
-
-    def create_bucket(self, name: str) -> str:
-        self.boto3_client().create_bucket(Bucket=name)
-        return self.url(name)
 
     def reset(self) -> None:
         status, _ = _http("POST", f"{self.endpoint}/moto-api/reset")

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .emulators import Emulator, EmulatorError, free_port
+from .emulators import Emulator, EmulatorError, S3Api, free_port
 
 __all__ = ["INSTALL_COMMAND", "RadosGW"]
 
@@ -86,7 +86,7 @@ class _Daemon:
     out_path: Path  # stdout/stderr; the daemon's own log is <workdir>/<name>.log
 
 
-class RadosGW(Emulator):
+class RadosGW(S3Api, Emulator):
     """A private single-node Ceph cluster serving S3 through radosgw on 127.0.0.1.
 
     ``memstore_bytes`` is the OSD's capacity, 2 GiB by default. Memstore does not
@@ -102,6 +102,8 @@ class RadosGW(Emulator):
     scheme = "s3"
     protocol = "s3"
     name = "radosgw"
+    access_key = _RGW_KEY
+    secret_key = _RGW_SECRET
     ready_timeout_s = 120.0  # rgw waits for its pools; a loaded CI box is slow
 
     def __init__(
@@ -489,45 +491,6 @@ class RadosGW(Emulator):
         s3.delete_bucket(Bucket=bucket)
 
     # -- clients -------------------------------------------------------------
-    def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
-        # No region_name in client_kwargs: bucket creation would then fail with an
-        # invalid location constraint (see shared/EMULATORS.md).
-        return {
-            "key": _RGW_KEY,
-            "secret": _RGW_SECRET,
-            "client_kwargs": {"endpoint_url": endpoint or self.endpoint},
-        }
-
-    def env(self, endpoint: str | None = None) -> dict[str, str]:
-        """AWS_* variables for boto3, s3torchconnector and the AWS CLI."""
-        return {
-            "AWS_ENDPOINT_URL": endpoint or self.endpoint,
-            "AWS_ACCESS_KEY_ID": _RGW_KEY,
-            "AWS_SECRET_ACCESS_KEY": _RGW_SECRET,
-            "AWS_DEFAULT_REGION": self.region,
-        }
-
-    def boto3_client(self) -> Any:
-        """A cached boto3 S3 client on this server (thread-safe)."""
-        if self._boto is None:
-            import boto3
-            from botocore.config import Config
-
-            self._boto = boto3.client(
-                "s3",
-                endpoint_url=self.endpoint,
-                aws_access_key_id=_RGW_KEY,
-                aws_secret_access_key=_RGW_SECRET,
-                region_name=self.region,
-                config=Config(s3={"addressing_style": "path"}),
-            )
-        return self._boto
-
-    # -- data ----------------------------------------------------------------
-    def create_bucket(self, name: str) -> str:
-        self.boto3_client().create_bucket(Bucket=name)
-        return self.url(name)
-
     def collect_garbage(self) -> None:
         """Free the RAM of deleted objects now instead of at rgw's next GC pass."""
         self._run(["radosgw-admin", "gc", "process", "--include-all"])

@@ -132,7 +132,10 @@ def _check(root: str, options: dict[str, Any], keep_last: int, tally: Tally,
         tally.complete_checked += 1
         try:
             diff = differences(_load(info.url, options), state_for(info.step, size=_SIZE))
-        except Exception as exc:  # a "complete" checkpoint that cannot load is partial
+        except BaseException as exc:  # a "complete" checkpoint that cannot load is partial
+            # (DCP raises CheckpointException, a BaseException)
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             diff = [f"load failed: {type(exc).__name__}: {exc}"]
         if diff:
             tally.partial_reported_complete += 1
@@ -156,6 +159,20 @@ def _check(root: str, options: dict[str, Any], keep_last: int, tally: Tally,
         tally.went_backwards += 1
         tally.failures.append(f"newest complete went from {newest_before} to {step}")
     return step
+
+
+def _settle(volume: Volume, timeout_s: float = 10.0) -> None:
+    """Wait until the store stops changing: requests the killed child had already sent
+    (a batch delete of retention, an upload's last part) are still carried out by the
+    server after the kill, and a check must not race them."""
+    deadline = time.monotonic() + timeout_s
+    before = volume.list()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = volume.list()
+        if now == before:
+            return
+        before = now
 
 
 def run_trials(
@@ -202,6 +219,7 @@ def run_trials(
                         f"{child.exitcode}) before it was killed; see its stderr")
         child.kill()  # SIGKILL: no handler, no cleanup, no flush
         child.join()
+        _settle(volume)
         events = [first, *_drain(recv)]
         recv.close()
         tally.trials += 1
