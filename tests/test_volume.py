@@ -277,6 +277,8 @@ def test_ranged_reads_into_memory_and_buffers(volume: Volume) -> None:
     assert volume.read_bytes("r.bin", len(data) - 5) == data[-5:]
     assert volume.read_bytes("r.bin", 10, len(data) + 100) == data[10:]  # clipped at the end
     assert volume.read_bytes("r.bin", 7, 7) == b""
+    assert volume.read_bytes("r.bin", len(data), len(data) + 10) == b""  # past the end
+    assert volume.read_bytes("r.bin", len(data) + 5) == b""
     first, second = bytearray(100), bytearray(300)
     got = volume.read_into("r.bin", 5000, [memoryview(first), memoryview(second)])
     assert got == 400 and bytes(first) + bytes(second) == data[5000:5400]
