@@ -19,7 +19,6 @@ checkpoints have no manifest: ``.metadata`` alone makes them complete.
 from __future__ import annotations
 
 import logging
-import pickle
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcp_volumes._exceptions import CheckpointCorruptError, CheckpointNotFoundError
-from dcp_volumes._volume import FileInfo, Volume
+from dcp_volumes._volume import FileInfo, Volume, redact_url
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -35,6 +34,7 @@ from dcp_volumes.checkpoint._manifest import (
     check_listing,
     verify_checksums,
 )
+from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -247,8 +247,9 @@ def choose_checkpoint(
 def read_metadata(volume: Volume) -> Any:
     """The DCP ``Metadata`` object of the checkpoint at ``volume``.
 
-    ``.metadata`` is a pickle, as DCP writes it: load checkpoints only from
-    volumes you trust, exactly as with ``dcp.load``.
+    ``.metadata`` is a pickle, as DCP writes it; it is unpickled with an
+    allow-list of DCP's metadata types (``_metadata_pickle.py``), so a hostile
+    checkpoint cannot run code when it is listed or inspected.
     """
     if not volume.exists(METADATA_NAME):
         raise CheckpointNotFoundError(
@@ -256,13 +257,7 @@ def read_metadata(volume: Volume) -> Any:
             "checkpoint. Fix: pass the URL of a checkpoint directory (see `dcp-volumes ls`)."
         )
     data = volume.read_bytes(METADATA_NAME)
-    try:
-        return pickle.loads(data)
-    except Exception as exc:
-        raise CheckpointCorruptError(
-            f"{volume.url_of(METADATA_NAME)} cannot be unpickled ({type(exc).__name__}: {exc}). "
-            "It is damaged or was written by an incompatible torch version."
-        ) from exc
+    return loads_metadata(data, redact_url(volume.url_of(METADATA_NAME)))
 
 
 def check_storage_refs(volume: Volume, metadata: Any, listing: Sequence[FileInfo]) -> list[str]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +48,7 @@ from dcp_volumes.checkpoint._manifest import (
     checksum_file,
     read_manifest,
 )
+from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
 from dcp_volumes.checkpoint._shards import advise_willneed
 
 try:
@@ -190,14 +190,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             raise
         except VolumeNotFoundError:
             raise self._not_found(name) from None
-        try:
-            metadata = pickle.loads(data)
-        except Exception as exc:
-            raise CheckpointCorruptError(
-                f"{redact_url(self._volume.url_of(name))} cannot be unpickled ({exc}). The "
-                "checkpoint is damaged or was written by an incompatible torch; load an older "
-                "checkpoint."
-            ) from exc
+        metadata = loads_metadata(data, redact_url(self._volume.url_of(name)))
         if not isinstance(metadata, Metadata):
             raise CheckpointCorruptError(
                 f"{redact_url(self._volume.url_of(name))} holds a {type(metadata).__name__}, "
