@@ -27,6 +27,7 @@ from typing import Any
 
 from dcp_volumes._exceptions import CheckpointCorruptError, CheckpointNotFoundError
 from dcp_volumes._volume import FileInfo, Volume, redact_url
+from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -271,6 +272,7 @@ def check_storage_refs(volume: Volume, metadata: Any, listing: Sequence[FileInfo
         rel = getattr(info, "relative_path", None)
         if rel is None:
             continue
+        rel = _layout.inside(str(rel), f"{volume.display_url}/{METADATA_NAME}")
         end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
         needed[rel] = max(needed.get(rel, 0), end)
     problems = []

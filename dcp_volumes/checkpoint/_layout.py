@@ -22,6 +22,7 @@ from typing import Any
 
 import xxhash
 
+from dcp_volumes._exceptions import CheckpointCorruptError
 from dcp_volumes._volume import RetryPolicy, Volume
 
 DATA_SUFFIX = ".distcp"
@@ -165,3 +166,27 @@ class CheckpointLocation:
             self._volume = Volume(
                 checkpoint_id, storage_options=self._storage_options, retry=self._retry
             )
+
+
+def inside(rel: str, where: str) -> str:
+    """``rel`` (a file name from ``.metadata`` or the manifest) if it names a file inside
+    the checkpoint; ``CheckpointCorruptError`` otherwise.
+
+    Checkpoints may come from someone else: a name with ``..``, an absolute path,
+    a drive or a backslash would read (or verify, or delete) a file outside it.
+    """
+    parts = rel.split("/")
+    if (
+        not rel
+        or rel.startswith("/")
+        or "\\" in rel
+        or ":" in parts[0]
+        or any(p in ("", ".", "..") for p in parts)
+        or "\x00" in rel
+    ):
+        raise CheckpointCorruptError(
+            f"{where} names the file {rel!r}, which is not inside the checkpoint (an absolute "
+            "path, '..' or an empty part). The checkpoint was tampered with or damaged; it is "
+            "not loaded."
+        )
+    return rel

@@ -23,6 +23,7 @@ import xxhash
 
 from dcp_volumes._exceptions import BucketNotFoundError, CheckpointCorruptError, VolumeNotFoundError
 from dcp_volumes._volume import FileInfo, Volume
+from dcp_volumes.checkpoint import _layout
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,8 @@ class Manifest:
                 )
                 for name, rec in doc["files"].items()
             }
+            for name in files:
+                _layout.inside(name, f"the manifest {where}")
             return cls(
                 files=files,
                 algorithm=str(doc.get("algorithm", ALGORITHM)),

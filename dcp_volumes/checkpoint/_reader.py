@@ -317,7 +317,8 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                     f"{req.storage_index.fqn} is not in the storage index of "
                     f"{self._volume.display_url}'s .metadata; the checkpoint is damaged."
                 ) from None
-            per_file.setdefault(info.relative_path, []).append((req, info))
+            rel = _layout.inside(info.relative_path, f"{self._volume.display_url}/.metadata")
+            per_file.setdefault(rel, []).append((req, info))
         manifest = self._manifest
         jobs = []
         for rel, reqs in sorted(per_file.items()):

@@ -1,5 +1,8 @@
-"""``.metadata`` from someone else's bucket cannot run code: the restricted unpickler admits
-DCP's metadata types only, for the reader, the manager's discovery and the CLI alike."""
+"""Checkpoints from someone else cannot run code or reach outside themselves.
+
+``.metadata`` is unpickled with an allow-list of DCP's metadata types (reader, the
+manager's discovery and the CLI alike), and every file name in ``.metadata`` and the
+manifest must resolve inside the checkpoint."""
 
 from __future__ import annotations
 
@@ -75,3 +78,40 @@ def test_discovery_and_the_cli_refuse_it_too(tmp_path: Path) -> None:
     done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "could run code" in done.stderr
     assert not marker.exists()
+
+
+# -- every file name from .metadata and the manifest resolves inside the checkpoint --------
+
+
+def _stock_checkpoint_naming(ck: Path, name: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(4.0)}, storage_writer=FileSystemWriter(ck), no_dist=True)
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    for info in md.storage_data.values():
+        info.relative_path = name
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.parametrize("name", ["../outside.distcp", "/etc/passwd", "a/../../x.distcp", ""])
+def test_a_metadata_path_outside_the_checkpoint_is_refused(tmp_path: Path, name: str) -> None:
+    ck = tmp_path / "ck"
+    _stock_checkpoint_naming(ck, name)
+    (tmp_path / "outside.distcp").write_bytes((ck / "__0_0.distcp").read_bytes())
+    with pytest.raises(BaseException, match="not inside the checkpoint"):
+        dcp.load({"w": torch.zeros(4)}, storage_reader=VolumeReader(ck), no_dist=True)
+
+
+def test_a_manifest_naming_files_outside_is_refused(tmp_path: Path) -> None:
+    import json
+
+    ck = tmp_path / "ck"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(4.0)}, storage_writer=VolumeWriter(ck), no_dist=True)
+    manifest = next(p for p in ck.iterdir() if "manifest" in p.name)
+    doc = json.loads(manifest.read_bytes())
+    doc["files"]["../../victim"] = next(iter(doc["files"].values()))
+    manifest.write_text(json.dumps(doc))
+    with pytest.raises(BaseException, match="not inside the checkpoint"):
+        dcp.load({"w": torch.zeros(4)}, storage_reader=VolumeReader(ck), no_dist=True)
