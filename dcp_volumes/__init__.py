@@ -19,6 +19,7 @@ from dcp_volumes._exceptions import (
     VolumeError,
     VolumeExistsError,
     VolumeNotFoundError,
+    storage_error,
 )
 
 if _typing.TYPE_CHECKING:
@@ -81,4 +82,5 @@ __all__ = [
     "VolumeReader",
     "VolumeWriter",
     "__version__",
+    "storage_error",
 ]

@@ -67,3 +67,39 @@ class CacheError(DcpVolumesError, OSError):
 
 class DatasetChangedError(DcpVolumesError):
     """The data on the volume differs from what a saved loader state was built on."""
+
+
+def storage_error(exc: BaseException) -> DcpVolumesError | None:
+    """The dcp_volumes error behind ``exc``, or ``None`` if there is none.
+
+    DCP wraps every storage error of every rank in ``CheckpointException``,
+    which derives from ``BaseException``: ``except DcpVolumesError`` around a
+    direct ``dcp.save``/``dcp.load`` never fires. This finds the typed error
+    inside (in the failures of each rank, and along ``__cause__``/``__context__``)::
+
+        try:
+            dcp.load(state, storage_reader=VolumeReader(url))
+        except BaseException as exc:
+            raise storage_error(exc) or exc
+
+    ``CheckpointManager`` does this itself.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        cur = todo.pop(0)
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if isinstance(cur, DcpVolumesError):
+            return cur
+        failures = getattr(cur, "failures", None)  # torch's CheckpointException
+        if isinstance(failures, dict):
+            for _, wrapped in sorted(failures.items(), key=lambda kv: str(kv[0])):
+                inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+        for nxt in (cur.__cause__, cur.__context__):
+            if nxt is not None:
+                todo.append(nxt)
+    return None

@@ -28,6 +28,8 @@ EXPECTED = {
     "VolumeExistsError",
     "VolumeNotFoundError",
     "BackendNotInstalledError",
+    # the typed error behind DCP's CheckpointException (a BaseException)
+    "storage_error",
     "__version__",
 }
 

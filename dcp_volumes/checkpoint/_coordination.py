@@ -11,14 +11,16 @@ raises before anything is written.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
 
 from dcp_volumes import _env
-from dcp_volumes._exceptions import CheckpointError
+from dcp_volumes._exceptions import CheckpointError, DcpVolumesError, storage_error
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,22 @@ _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 def summary(exc: BaseException) -> str:
     """``Type: first line of the message`` (bounded), for logs and cross-rank reports."""
     return f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+
+
+@contextlib.contextmanager
+def typed_errors(what: str) -> Iterator[None]:
+    """Raise the dcp_volumes error inside DCP's ``CheckpointException`` (a
+    ``BaseException`` that ``except DcpVolumesError`` would miss); any other failure
+    of DCP becomes a ``CheckpointError`` naming ``what``."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, DcpVolumesError):
+        raise
+    except BaseException as exc:
+        typed = storage_error(exc)
+        if typed is not None:
+            raise typed from exc
+        raise CheckpointError(f"Could not {what}: {summary(exc)}") from exc
 
 
 class Coordinator:

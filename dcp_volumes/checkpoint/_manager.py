@@ -54,7 +54,7 @@ from dcp_volumes._exceptions import (
     VolumeError,
 )
 from dcp_volumes._volume import RetryPolicy, Volume
-from dcp_volumes.checkpoint._coordination import Coordinator, Prestaged, summary
+from dcp_volumes.checkpoint._coordination import Coordinator, Prestaged, summary, typed_errors
 from dcp_volumes.checkpoint._discovery import (
     CheckpointInfo,
     ManifestCache,
@@ -263,8 +263,9 @@ class CheckpointManager:
             logger.info("checkpoint step %d staged; uploading to %s", step, url)
         else:
             try:
-                dcp.save(plain, checkpoint_id=url, storage_writer=writer,
-                         process_group=pg, no_dist=no_dist)
+                with typed_errors(f"save step {step} to {url}"):
+                    dcp.save(plain, checkpoint_id=url, storage_writer=writer,
+                             process_group=pg, no_dist=no_dist)
             except Exception:
                 self._drop_local(name)
                 raise
@@ -376,8 +377,9 @@ class CheckpointManager:
         )
         logger.info("restoring step %d from %s%s", chosen_step, url,
                     f" (local copy in {local})" if local else "")
-        dcp.load(state, checkpoint_id=url, storage_reader=reader,
-                 process_group=self._coord.group, no_dist=not self._coord.distributed)
+        with typed_errors(f"restore {url}"):
+            dcp.load(state, checkpoint_id=url, storage_reader=reader,
+                     process_group=self._coord.group, no_dist=not self._coord.distributed)
         return chosen_step
 
     # -- waiting, errors, agreement ------------------------------------------------------

@@ -278,15 +278,18 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
 
     def _not_found(self, name: str) -> CheckpointNotFoundError:
         where = self._volume.display_url
+        # DCP asks for the rank-local marker only after .metadata failed: name the
+        # file a save writes, so the message points at the right one.
+        marker = METADATA_NAME if name == METADATA_NAME else f"{METADATA_NAME} (nor {name})"
         present = self._volume.list()
         if present:
             return CheckpointNotFoundError(
                 f"The checkpoint at {where} is incomplete: {len(present)} files are there but "
-                f"not {name}, the marker a save writes last. A save crashed or is still "
+                f"not {marker}, the marker a save writes last. A save crashed or is still "
                 "running. Fix: wait for the save to finish, or load an older checkpoint."
             )
         return CheckpointNotFoundError(
-            f"No checkpoint at {where}: nothing is there (no {name}). Fix: check the path or "
+            f"No checkpoint at {where}: nothing is there (no {marker}). Fix: check the path or "
             "URL and storage_options, or save a checkpoint there first."
         )
 

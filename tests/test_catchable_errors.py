@@ -1,0 +1,71 @@
+"""Errors a user can catch: DCP wraps storage errors in CheckpointException (a BaseException,
+which ``except DcpVolumesError`` misses); ``storage_error`` finds ours inside, and
+CheckpointManager raises the typed error itself. Messages name the real file."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_volumes import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointManager,
+    DcpVolumesError,
+    VolumeReader,
+    VolumeWriter,
+    storage_error,
+)
+
+
+def _damaged_checkpoint(ck: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(64.0)}, storage_writer=VolumeWriter(ck), no_dist=True)
+    data = ck / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF  # same size, other bytes: only the checksum can tell
+    data.write_bytes(bytes(raw))
+
+
+def _load(ck: Path, n: int = 64) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"w": torch.zeros(n)}, storage_reader=VolumeReader(ck), no_dist=True)
+
+
+def test_storage_error_finds_the_typed_error_inside_dcps_exception(tmp_path: Path) -> None:
+    _damaged_checkpoint(tmp_path / "ck")
+    with pytest.raises(BaseException) as err:
+        _load(tmp_path / "ck")
+    assert not isinstance(err.value, DcpVolumesError)  # DCP's CheckpointException
+    typed = storage_error(err.value)
+    assert isinstance(typed, CheckpointCorruptError) and "__0_0.distcp" in str(typed)
+    assert storage_error(ValueError("unrelated")) is None
+
+
+def test_a_missing_marker_is_named_as_the_file_a_save_writes(tmp_path: Path) -> None:
+    # DCP tries .metadata, then the rank-local __0.metadata, and keeps only both
+    # messages: each must point at .metadata, not only at the fallback's name.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BaseException) as err:
+        _load(tmp_path / "empty")
+    text = str(err.value)
+    assert "no .metadata)" in text and "no .metadata (nor __0.metadata)" in text
+
+
+def test_the_manager_raises_the_typed_error(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    _damaged_checkpoint(root / "step-00000004")
+    with CheckpointManager(root, async_save=False) as mgr, pytest.raises(
+        CheckpointCorruptError, match="checksum"
+    ):
+        mgr.restore({"w": torch.zeros(64)})  # an ordinary except clause catches it
+    with CheckpointManager(root, async_save=False) as mgr, pytest.raises(
+        CheckpointError, match="restore"
+    ):
+        mgr.restore({"w": torch.zeros(7)})  # a shape DCP itself refuses
