@@ -8,6 +8,7 @@
 | ``DCP_VOLUMES_STORAGE_OPTIONS`` | JSON object of fsspec options for the CLI    |
 | ``DCP_VOLUMES_BACKEND``     | ``fsspec``: S3/Azure through s3fs/adlfs, not obstore |
 | ``DCP_VOLUMES_CLIENT_START_TIMEOUT`` | seconds until a client creation is stuck (0: never) |
+| ``DCP_VOLUMES_EXIT_TIMEOUT`` | seconds a save in flight may take once the interpreter exits |
 | ``AWS_EC2_METADATA_DISABLED`` (botocore's) | ``true``: no credentials from instance metadata |
 """
 
@@ -21,6 +22,7 @@ MAX_RETRIES = "DCP_VOLUMES_MAX_RETRIES"
 STORAGE_OPTIONS = "DCP_VOLUMES_STORAGE_OPTIONS"
 BACKEND = "DCP_VOLUMES_BACKEND"
 CLIENT_START_TIMEOUT = "DCP_VOLUMES_CLIENT_START_TIMEOUT"
+EXIT_TIMEOUT = "DCP_VOLUMES_EXIT_TIMEOUT"
 
 
 def staging_dir() -> str | None:
@@ -62,6 +64,22 @@ def client_start_timeout(default: float = 120.0) -> float:
         raise ConfigurationError(
             f"{CLIENT_START_TIMEOUT}={raw!r} is not a number of seconds; set it to e.g. 120, "
             "0 to turn the watchdog off, or unset it."
+        ) from None
+
+
+def exit_timeout(default: float = 600.0) -> float:
+    """Seconds a save in flight may still take once the interpreter exits (0: no bound)."""
+    raw = os.environ.get(EXIT_TIMEOUT)
+    if not raw:
+        return default
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        from dcp_volumes._exceptions import ConfigurationError
+
+        raise ConfigurationError(
+            f"{EXIT_TIMEOUT}={raw!r} is not a number of seconds; set it to e.g. 600, "
+            "0 for no bound, or unset it."
         ) from None
 
 

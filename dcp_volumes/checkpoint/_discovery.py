@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcp_volumes._exceptions import CheckpointCorruptError, CheckpointNotFoundError
+from dcp_volumes._exit_safe import map_all
 from dcp_volumes._volume import FileInfo, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
@@ -196,7 +197,7 @@ def scan(volume: Volume, *, manifests: ManifestCache | None = None) -> list[Chec
         found = [one(name) for name in by_dir]
     else:  # manifest reads are latency-bound: overlap them
         with ThreadPoolExecutor(max_workers=min(_LIST_CONCURRENCY, len(by_dir))) as pool:
-            found = list(pool.map(one, by_dir))
+            found = map_all(pool, one, by_dir)
     return sorted((f for f in found if f is not None), key=sort_key)
 
 

@@ -52,6 +52,7 @@ from dcp_volumes._exceptions import (
     DcpVolumesError,
     VolumeAccessError,
     VolumeError,
+    storage_error,
 )
 from dcp_volumes._volume import RetryPolicy, Volume
 from dcp_volumes.checkpoint._coordination import Coordinator, Prestaged, summary, typed_errors
@@ -310,9 +311,10 @@ class CheckpointManager:
             upload.result()
         except BaseException as exc:
             self._drop_local(name)
-            logger.error("checkpoint step %d was NOT saved to %s: %s", step, url, summary(exc))
+            why = summary(storage_error(exc) or exc)  # ours, not DCP's wrapper
+            logger.error("checkpoint step %d was NOT saved to %s: %s", step, url, why)
             raise CheckpointError(
-                f"The background save of step {step} to {url} failed: {summary(exc)}. No "
+                f"The background save of step {step} to {url} failed: {why}. No "
                 f"{METADATA_NAME} was written, so the previous checkpoint is still the latest."
             ) from exc
         logger.info("checkpoint step %d committed at %s", step, url)

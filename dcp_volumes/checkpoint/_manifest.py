@@ -22,6 +22,7 @@ from typing import Any
 import xxhash
 
 from dcp_volumes._exceptions import BucketNotFoundError, CheckpointCorruptError, VolumeNotFoundError
+from dcp_volumes._exit_safe import map_all
 from dcp_volumes._volume import FileInfo, Volume
 from dcp_volumes.checkpoint import _layout
 
@@ -218,4 +219,4 @@ def verify_checksums(
         return None
 
     with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
-        return [p for p in pool.map(check, wanted) if p]
+        return [p for p in map_all(pool, check, wanted) if p]

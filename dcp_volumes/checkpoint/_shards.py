@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes._exceptions import CheckpointCorruptError
+from dcp_volumes._exit_safe import submit
 from dcp_volumes._streams import MemoryReader
 from dcp_volumes._volume import Volume, pieces, redact_url
 from dcp_volumes.checkpoint import _layout
@@ -171,7 +172,7 @@ def write_and_upload(
                 )
             )
         pending.clear()
-        uploads.append(pool.submit(upload, current.path, rel, record.size))
+        uploads.append(submit(pool, upload, current.path, rel, record.size))
         state["file"] = None
 
     with ThreadPoolExecutor(max_workers=files_in_flight, thread_name_prefix="dcpv-upload") as pool:
