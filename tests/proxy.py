@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import random
 import re
 import select
 import socket
@@ -89,6 +90,10 @@ class LatencyProxy:
             (``200e6`` = 200 Mbit/s).
         fail_every: reset the connection on every N-th request (before it
             reaches the server).
+        fault_rate: the share of requests (0..1) that get a fault, drawn with
+            ``seed``: a 503 SlowDown or a 500 answer, a reset before the request
+            reaches the server, or a response cut part-way (``fault_kinds``
+            chooses among "503", "500", "reset", "cut"). ``faults`` counts them.
 
     ``requests`` counts every request seen, dropped ones included, by
     ``(method, path)`` with the path percent-decoded and the query removed:
@@ -105,6 +110,9 @@ class LatencyProxy:
         latency_s: float = 0.0,
         bandwidth_bps: float | None = None,
         fail_every: int | None = None,
+        fault_rate: float = 0.0,
+        fault_kinds: tuple[str, ...] = ("503", "500", "reset", "cut"),
+        seed: int = 0,
     ) -> None:
         if latency_s < 0:
             raise ValueError("latency_s must be >= 0")
@@ -116,6 +124,12 @@ class LatencyProxy:
         self.latency_s = latency_s
         self.bandwidth_bps = bandwidth_bps
         self.fail_every = fail_every
+        if not 0.0 <= fault_rate <= 1.0 or set(fault_kinds) - {"503", "500", "reset", "cut"}:
+            raise ValueError("fault_rate must be in [0, 1]; fault_kinds of 503/500/reset/cut")
+        self.fault_rate = fault_rate
+        self.fault_kinds = tuple(fault_kinds)
+        self._rng = random.Random(seed)
+        self.faults: collections.Counter[str] = collections.Counter()
         self.host = "127.0.0.1"
         self.port = 0
         self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -250,6 +264,13 @@ class LatencyProxy:
                 drop = self._drops.popleft()[0]
             elif self.fail_every and self._seq % self.fail_every == 0:
                 drop = 0
+            elif self.fault_rate and self._rng.random() < self.fault_rate:
+                kind = self._rng.choice(self.fault_kinds)
+                self.faults[kind] += 1
+                if kind in ("503", "500"):
+                    raise _Answer(int(kind))
+                # A cut lands after the headers and a little of the body.
+                drop = 0 if kind == "reset" else self._rng.randint(200, 4096)
             if drop is not None:
                 self.dropped[key] += 1
         return drop
