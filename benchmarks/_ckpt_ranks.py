@@ -13,20 +13,26 @@ Save methods:
                     floor of any staging copy; the blocking target is relative to it.
 ``local_fs``        stock ``FileSystemWriter`` to local disk (thread_count=8,
                     sync_files=False): DCP serialisation without a network.
-``raw_put``         the same bytes as parallel PUTs of chunk objects (boto3).
-``raw_multipart``   the same bytes as one parallel multipart upload (boto3).
+``raw_put``         the same bytes as parallel PUTs of chunk objects (boto3 /
+                    azure-storage-blob).
+``raw_multipart``   the same bytes as one object uploaded in parallel parts (S3
+                    multipart upload / Azure stage_block + commit_block_list).
                     The link floor is the faster of the two.
 ``fsspec_t1/_t8``   ``dcp.save`` with stock ``FsspecWriter`` (thread_count 1 / 8).
 ``fsspec_async``    ``dcp.async_save`` with ``FsspecWriter`` (thread_count=8).
 ``s3tc``            ``dcp.save`` with s3torchconnector's ``S3StorageWriter``
-                    (thread_count=8).
+                    (thread_count=8; S3 only).
 ``vw_sync/_async``  ``dcp.save`` / ``dcp.async_save`` with ``VolumeWriter``,
                     one writer reused across saves (its staging buffers too).
 
 ``load`` runs the readers: parallel whole-object GETs of the raw chunks,
 parallel ranged GETs of the raw multipart object (the download floor is the
-faster), ``FsspecReader``, s3torchconnector's ``S3StorageReader`` and
-``VolumeReader``, the last three on the same checkpoint.
+faster), ``FsspecReader``, s3torchconnector's ``S3StorageReader`` (S3 only)
+and ``VolumeReader``, the last three on the same checkpoint.
+
+The store is the job's ``scheme`` (``s3://`` on moto, ``az://`` on Azurite):
+the peers' fsspec client follows from the URL (s3fs / adlfs), the raw
+transfers from ``_raw.raw_store``.
 """
 
 from __future__ import annotations
@@ -45,12 +51,13 @@ import numpy as np
 from _common import MiB, RssSampler, current_rss, max_rss_lifetime, release_free_memory
 from _raw import (
     ByteSource,
-    boto3_client,
+    RawStore,
     chunk_size,
     get_chunks,
     get_ranges,
     put_chunks,
     put_multipart,
+    raw_store,
 )
 
 SAVE_METHODS = (
@@ -75,6 +82,8 @@ LOAD_METHODS = (
     "vw_reader",
     "vw_reader_f32",
 )
+# Methods of s3torchconnector, which speaks S3 only.
+S3_ONLY = frozenset({"s3tc", "s3tc_reader"})
 RAW_SAVES = ("raw_put", "raw_multipart")
 RAW_LOADS = ("raw_get", "raw_ranged")
 ASYNC_METHODS = frozenset({"fsspec_async", "vw_async", "vw_async_f32"})
@@ -92,6 +101,7 @@ class Job:
     """Everything a rank needs; pickled to the spawned ranks."""
 
     link: str
+    scheme: str  # the store's URL scheme: "s3" (moto) or "az" (Azurite)
     methods: tuple[str, ...]
     size_bytes: int
     tensor_bytes: int
@@ -100,16 +110,28 @@ class Job:
     prefix: str  # key prefix of this link's objects, e.g. "remote"
     endpoint: str  # what clients talk to (the proxy on the remote link)
     direct_endpoint: str  # the server itself, for housekeeping outside the timings
-    storage_options: dict[str, Any]
+    storage_options: dict[str, Any]  # for ``endpoint``
+    direct_storage_options: dict[str, Any]  # for ``direct_endpoint``
     isolated: bool  # one fresh pair of processes per method (ru_maxrss is then exact)
     vw_options: dict[str, Any] = field(default_factory=dict)  # extra VolumeWriter options
     load_repeats: int = 2
     load_source: str | None = None  # checkpoint URL the DCP readers load
     keep: tuple[str, ...] = field(default=())  # methods whose last save the loads need
 
+    @property
+    def loads(self) -> tuple[str, ...]:
+        """The readers that apply to this store."""
+        s3 = self.scheme == "s3"
+        return tuple(m for m in LOAD_METHODS if s3 or m not in S3_ONLY)
+
+    def raw(self, pool: int, *, direct: bool = False) -> RawStore:
+        """The store's own SDK on the link (or, ``direct``, on the server itself)."""
+        options = self.direct_storage_options if direct else self.storage_options
+        return raw_store(self.scheme, options, self.bucket, pool)
+
 
 def url(job: Job, *parts: str) -> str:
-    return f"s3://{job.bucket}/" + "/".join((job.prefix, *parts))
+    return f"{job.scheme}://{job.bucket}/" + "/".join((job.prefix, *parts))
 
 
 def save_url(job: Job, method: str, i: int) -> str:
@@ -163,20 +185,10 @@ def s3tc_config() -> Any:
     return S3ClientConfig(force_path_style=True)
 
 
-def purge(job: Job, prefix: str, keep_last: bool, client: Any = None) -> None:
+def purge(job: Job, prefix: str, keep_last: bool, store: RawStore | None = None) -> None:
     """Delete a method's objects (keeping its last save when the loads need it)."""
-    client = client or boto3_client(job.direct_endpoint, 4)
-    keep = f"{prefix}/save{job.repeats - 1}/" if keep_last else None
-    token: dict[str, Any] = {}
-    while True:
-        page = client.list_objects_v2(Bucket=job.bucket, Prefix=prefix + "/", **token)
-        keys = [o["Key"] for o in page.get("Contents", [])]
-        doomed = [{"Key": k} for k in keys if keep is None or not k.startswith(keep)]
-        for i in range(0, len(doomed), 1000):
-            client.delete_objects(Bucket=job.bucket, Delete={"Objects": doomed[i : i + 1000]})
-        if not page.get("IsTruncated"):
-            return
-        token = {"ContinuationToken": page["NextContinuationToken"]}
+    store = store or job.raw(4, direct=True)
+    store.delete_prefix(prefix, f"{prefix}/save{job.repeats - 1}/" if keep_last else None)
 
 
 def _failures() -> tuple[type[BaseException], ...]:
@@ -242,7 +254,7 @@ class Saver:
             for dst, src in zip(self.dst, state_tensors(state), strict=True):
                 dst.copy_(src)  # preallocated and warm, as reused staging buffers are
         elif method in RAW_SAVES:
-            self.client = boto3_client(job.endpoint, UPLOAD_STREAMS * 2)
+            self.store = job.raw(UPLOAD_STREAMS * 2)
             self.pool = ThreadPoolExecutor(UPLOAD_STREAMS)
             self.src = byte_source(state)
             self.chunk = chunk_size(self.src.total, UPLOAD_STREAMS)
@@ -279,10 +291,10 @@ class Saver:
             _dcp_sync(self.state, w)
         elif m == "raw_put":
             prefix = raw_prefix(job, m, self.rank, i)
-            put_chunks(self.client, self.pool, job.bucket, prefix, self.src, self.chunk)
+            put_chunks(self.store, self.pool, prefix, self.src, self.chunk)
         elif m == "raw_multipart":
             key = raw_prefix(job, m, self.rank, i) + ".bin"
-            put_multipart(self.client, self.pool, job.bucket, key, self.src, self.chunk)
+            put_multipart(self.store, self.pool, key, self.src, self.chunk)
         elif m in ("fsspec_t1", "fsspec_t8", "fsspec_async"):
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
@@ -332,7 +344,7 @@ def run_save_method(
     """``job.repeats`` saves with one method: times and memory peak of each."""
     # Rank 0 drops each previous save between saves; its client exists before the
     # baseline, so its memory is not counted as the method's.
-    cleaner = boto3_client(job.direct_endpoint, 4) if rank == 0 else None
+    cleaner = job.raw(4, direct=True) if rank == 0 else None
     release_free_memory()
     barrier()
     # Taken before the method allocates anything: its writer, buffers and
@@ -350,7 +362,7 @@ def run_save_method(
                 # as it grows), and the page cache starts clean (on this VM's slow
                 # disk, writeback left by one save would throttle the next one's
                 # writes; checkpoints of a real job are minutes apart).
-                purge(job, f"{job.prefix}/{method}/save{i - 1}", keep_last=False, client=cleaner)
+                purge(job, f"{job.prefix}/{method}/save{i - 1}", keep_last=False, store=cleaner)
                 os.sync()
             barrier()
             sampler.reset()
@@ -415,7 +427,7 @@ def _raw_loads(
 ) -> list[dict[str, Any]]:
     src = byte_source(state)
     size = chunk_size(src.total, UPLOAD_STREAMS)
-    client = boto3_client(job.endpoint, DOWNLOAD_STREAMS * 2)
+    store = job.raw(DOWNLOAD_STREAMS * 2)
     buf = bytearray(src.total)
     runs = []
     with ThreadPoolExecutor(DOWNLOAD_STREAMS) as pool:
@@ -425,12 +437,12 @@ def _raw_loads(
             t0 = time.perf_counter()
             if name == "raw_get":
                 prefix = raw_prefix(job, "raw_put", rank, job.repeats - 1)
-                get_chunks(client, pool, job.bucket, prefix, buf, size)
+                get_chunks(store, pool, prefix, buf, size)
             else:
                 key = raw_prefix(job, "raw_multipart", rank, job.repeats - 1) + ".bin"
                 # As many ranges as streams, as a reader that fills its streams would.
                 per = max(MiB, -(-src.total // DOWNLOAD_STREAMS))
-                get_ranges(client, pool, job.bucket, key, buf, per)
+                get_ranges(store, pool, key, buf, per)
             runs.append({"e2e_s": time.perf_counter() - t0, "verified": src.equals(buf)})
     return runs
 
@@ -442,7 +454,7 @@ def run_loads(
 
     expected = fingerprint(state)
     out: dict[str, Any] = {}
-    for name in LOAD_METHODS:
+    for name in job.loads:
         runs: list[dict[str, Any]] = []
         error = None
         try:
@@ -479,9 +491,9 @@ def run_loads(
 def _import_everything() -> None:
     """Import every library a method may use before any RSS baseline is taken.
 
-    s3fs/aiobotocore, boto3 and s3torchconnector each add tens of MiB of code
-    and tables to a process once; charged to the first method that imports
-    them, that would swamp small-state figures.
+    s3fs/aiobotocore, boto3, s3torchconnector, adlfs and the Azure SDK each
+    add tens of MiB of code and tables to a process once; charged to the first
+    method that imports them, that would swamp small-state figures.
     """
     import contextlib
     import importlib
@@ -493,6 +505,9 @@ def _import_everything() -> None:
         "boto3",
         "s3torchconnector",
         "s3torchconnector.dcp",
+        "adlfs",
+        "azure.storage.blob",
+        "obstore",
         "dcp_volumes",
     ):
         with contextlib.suppress(ImportError):
@@ -514,11 +529,12 @@ def rank_main(rank: int, world_size: int, jobs: tuple[Job, ...]) -> list[dict[st
     for job in jobs:
         if state is None or state_bytes(state) != job.size_bytes:
             state = make_state(rank, job.size_bytes, job.tensor_bytes)
-        # s3torchconnector takes its endpoint from the environment only.
-        os.environ["AWS_ENDPOINT_URL"] = job.endpoint
-        os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        if job.scheme == "s3":
+            # s3torchconnector takes its endpoint from the environment only.
+            os.environ["AWS_ENDPOINT_URL"] = job.endpoint
+            os.environ.setdefault("AWS_ACCESS_KEY_ID", job.storage_options["key"])
+            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", job.storage_options["secret"])
+            os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
         results: dict[str, Any] = {"state_bytes": state_bytes(state), "methods": {}}
         with RssSampler() as sampler:
             for method in job.methods:

@@ -13,10 +13,14 @@ import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from fsspec.core import split_protocol
 from torch.utils.data import Dataset
+
+if TYPE_CHECKING:
+    from _raw import RawStore
 
 
 def to_tensor(data: bytes | bytearray) -> torch.Tensor:
@@ -48,23 +52,31 @@ class LocalFiles(Dataset[torch.Tensor]):
         return read_local(self.paths[i])
 
 
+def _protocol(urls: Sequence[str]) -> str:
+    """The fsspec protocol of the URLs ("s3" -> s3fs, "az" -> adlfs)."""
+    return (split_protocol(urls[0])[0] or "file") if urls else "file"
+
+
 class _PerProcessFs:
     """An fsspec filesystem created lazily in each worker process (never shared over fork)."""
 
-    def __init__(self, storage_options: dict[str, Any]) -> None:
+    def __init__(self, protocol: str, storage_options: dict[str, Any]) -> None:
+        self.protocol = protocol
         self.storage_options = storage_options
         self._fs: Any = None
         self._pid = -1
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"storage_options": self.storage_options, "_fs": None, "_pid": -1}
+        return {**self.__dict__, "_fs": None, "_pid": -1}
 
     @property
     def fs(self) -> Any:
         if self._fs is None or self._pid != os.getpid():
             import fsspec
 
-            self._fs = fsspec.filesystem("s3", skip_instance_cache=True, **self.storage_options)
+            self._fs = fsspec.filesystem(
+                self.protocol, skip_instance_cache=True, **self.storage_options
+            )
             self._pid = os.getpid()
         return self._fs
 
@@ -74,7 +86,7 @@ class NaiveFsspec(Dataset[torch.Tensor]):
 
     def __init__(self, urls: Sequence[str], storage_options: dict[str, Any]) -> None:
         self.urls = list(urls)
-        self._fs = _PerProcessFs(storage_options)
+        self._fs = _PerProcessFs(_protocol(self.urls), storage_options)
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -90,6 +102,7 @@ class FsspecFileCache(Dataset[torch.Tensor]):
         self, urls: Sequence[str], storage_options: dict[str, Any], cache_dir: str
     ) -> None:
         self.urls = list(urls)
+        self.protocol = _protocol(self.urls)
         self.storage_options = storage_options
         self.cache_dir = cache_dir
 
@@ -102,16 +115,19 @@ class FsspecFileCache(Dataset[torch.Tensor]):
         with fsspec.open(
             "filecache::" + self.urls[i],
             mode="rb",
-            s3=self.storage_options,
             filecache={"cache_storage": self.cache_dir},
+            **{self.protocol: self.storage_options},
         ) as f:
             return to_tensor(f.read())
 
 
 def raw_concurrent_gets(
-    endpoint: str, bucket: str, keys: Sequence[str], threads: int, to_dir: str | None = None
+    store: RawStore, keys: Sequence[str], threads: int, to_dir: str | None = None
 ) -> tuple[float, int]:
     """GET every key once with a thread pool; returns (seconds, bytes).
+
+    ``store`` is the store's own SDK (``_raw.raw_store``: boto3 or
+    azure-storage-blob) with a connection pool of at least ``threads``.
 
     With ``to_dir``, each body is written to a new file there instead of
     becoming a tensor: the least any read-through cache does on a miss (its
@@ -120,15 +136,12 @@ def raw_concurrent_gets(
     writes with ours' ``write_all`` (1 MiB pieces): one big write costs more
     CPU per byte on some machines.
     """
-    from _raw import boto3_client
-
     from dcp_volumes._volume import write_all
 
-    client = boto3_client(endpoint, threads * 2)
-    client.head_bucket(Bucket=bucket)  # connect and sign once outside the timing
+    store.connect()  # connect and sign once outside the timing
 
     def get(key: str) -> int:
-        body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+        body = store.get(key)
         if to_dir is None:
             return len(to_tensor(body))
         fd = os.open(os.path.join(to_dir, key.replace("/", "_")), os.O_WRONLY | os.O_CREAT, 0o644)

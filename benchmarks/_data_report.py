@@ -33,6 +33,28 @@ def _rate(res: dict[str, Any] | None, i: int) -> float:
 # Output
 # ---------------------------------------------------------------------------
 
+STARTUP_LABELS = {
+    "default": "dcp_volumes.DataLoader, its default after obstore I/O",
+    "fork": 'multiprocessing_context="fork"',
+}
+
+
+def startup_table(res: dict[str, Any]) -> str:
+    """The workers' start-up: seconds to the first batch per start method."""
+    fork = res["median_s"]["fork"]
+    rows = [
+        [
+            STARTUP_LABELS[name],
+            res["start_method"][name],
+            median,
+            ", ".join(f"{s:.2f}" for s in res["rounds_s"][name]),
+            median / fork if fork > 0 else math.nan,
+        ]
+        for name, median in res["median_s"].items()
+    ]
+    headers = ["loader", "start method", "first batch s (median)", "rounds s", "x fork"]
+    return format_table(headers, rows)
+
 
 def _ms(e: dict[str, Any] | None) -> str:
     if not e or not e["fetch_seconds"]:
@@ -131,7 +153,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
             title = f"{any_row['files']} x {size_s} files, {link}"
             panels.append((exp_name, title, rows))
     comp = exps.get("compute")
-    n = len(panels) + (1 if comp else 0)
+    startup = report.get("worker_startup")
+    n = len(panels) + (1 if comp else 0) + (1 if startup else 0)
     cols = 3
     rows_n = max(1, -(-n // cols))
     fig, axes = plt.subplots(rows_n, cols, figsize=(6.2 * cols, 4.2 * rows_n), squeeze=False)
@@ -161,9 +184,27 @@ def plot(report: dict[str, Any], path: Path) -> None:
             "ms per batch (lower is better)",
             log=False,
         )
+    if startup:
+        ax = flat[n - 1]
+        names = list(startup["median_s"])
+        ax.barh(
+            range(len(names)),
+            [startup["median_s"][k] for k in names],
+            color=["tab:green" if k == "default" else "tab:gray" for k in names],
+        )
+        ax.set_yticks(
+            range(len(names)),
+            [f"{STARTUP_LABELS[k]}\n({startup['start_method'][k]})" for k in names],
+            fontsize=8,
+        )
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds to the first batch (median, lower is better)", fontsize=8)
+        ax.set_title(
+            f"worker start-up: fresh loader, {startup['workers']} workers, warm cache", fontsize=9
+        )
     for ax in flat[n:]:
         ax.axis("off")
-    fig.suptitle(report["command"], fontsize=9)
+    fig.suptitle(f"{report['config']['target']}: {report['command']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,4 +1,4 @@
-"""Raw S3 transfers with boto3: the link floors the benchmarks compare against.
+"""Raw object-store transfers with each store's own SDK: the link floors of the benchmarks.
 
 No serialisation, no framework: the same bytes moved over the same endpoint
 with parallel streams, in the ways that are fastest on the server at hand.
@@ -6,24 +6,65 @@ Two shapes each way, because servers differ in which they do best (moto, for
 one, joins multipart parts and slices ranged GETs in Python, reading the whole
 object for every range):
 
-* upload: parallel PUTs of chunk objects, or one parallel multipart upload;
+* upload: parallel PUTs of chunk objects, or one object uploaded in parallel
+  parts (S3 multipart upload; Azure ``stage_block`` + ``commit_block_list``);
 * download: parallel whole-object GETs of the chunks, or parallel ranged GETs
-  of the one multipart object.
+  of the one object.
+
+S3 goes through boto3 (``S3Raw``), Azure Blob through azure-storage-blob
+(``AzureRaw``); both stand behind ``RawStore``, so the loops here run
+unchanged on either (``raw_store`` picks one by URL scheme).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 from _common import MiB
 
 S3_MIN_PART = 5 * MiB
+# One request per GET on Azure too (its SDK splits larger reads into chunks).
+AZURE_SINGLE_GET = 64 * MiB
+# Bytes per read of a response body (azure-core reads 4 KiB at a time by default).
+AZURE_READ_BLOCK = 256 * 1024
+AZURE_DELETE_BATCH = 256  # the most blobs one Blob Batch request may delete
 
 
-def boto3_client(endpoint: str, pool: int) -> Any:
+class Multipart(Protocol):
+    """One object uploaded in parts: ``part`` may run on several threads at once."""
+
+    def part(self, index: int, body: bytes) -> Any: ...
+
+    def complete(self, parts: list[Any]) -> None: ...
+
+
+class RawStore(Protocol):
+    """One bucket or container, through the store's own SDK (thread-safe)."""
+
+    def connect(self) -> None:
+        """One cheap request, so connecting and signing happen outside a timing."""
+
+    def put(self, key: str, body: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def get_range(self, key: str, start: int, length: int) -> bytes: ...
+
+    def multipart(self, key: str) -> Multipart: ...
+
+    def delete_prefix(self, prefix: str, keep: str | None = None) -> None:
+        """Delete every object under ``prefix`` + "/", except those under ``keep``."""
+
+
+# ---------------------------------------------------------------------------
+# S3: boto3
+# ---------------------------------------------------------------------------
+
+
+def boto3_client(endpoint: str, pool: int, *, key: str = "testing", secret: str = "testing") -> Any:
     """A boto3 S3 client for the emulator at ``endpoint`` with ``pool`` connections."""
     import boto3
     from botocore.config import Config
@@ -38,11 +79,167 @@ def boto3_client(endpoint: str, pool: int) -> Any:
     return boto3.client(
         "s3",
         endpoint_url=endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
+        aws_access_key_id=key,
+        aws_secret_access_key=secret,
         region_name="us-east-1",
         config=config,
     )
+
+
+class _S3Multipart:
+    def __init__(self, client: Any, bucket: str, key: str) -> None:
+        self.client, self.bucket, self.key = client, bucket, key
+        self.upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+
+    def part(self, index: int, body: bytes) -> dict[str, Any]:
+        number = index + 1
+        etag = self.client.upload_part(
+            Bucket=self.bucket, Key=self.key, PartNumber=number, UploadId=self.upload_id, Body=body
+        )["ETag"]
+        return {"PartNumber": number, "ETag": etag}
+
+    def complete(self, parts: list[Any]) -> None:
+        self.client.complete_multipart_upload(
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self.upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+
+
+class S3Raw:
+    """A bucket through boto3."""
+
+    def __init__(self, client: Any, bucket: str) -> None:
+        self.client, self.bucket = client, bucket
+
+    def connect(self) -> None:
+        self.client.head_bucket(Bucket=self.bucket)
+
+    def put(self, key: str, body: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=body)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read())
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        rng = f"bytes={start}-{start + length - 1}"
+        return bytes(self.client.get_object(Bucket=self.bucket, Key=key, Range=rng)["Body"].read())
+
+    def multipart(self, key: str) -> Multipart:
+        return _S3Multipart(self.client, self.bucket, key)
+
+    def delete_prefix(self, prefix: str, keep: str | None = None) -> None:
+        token: dict[str, Any] = {}
+        while True:
+            page = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix + "/", **token)
+            keys = [o["Key"] for o in page.get("Contents", [])]
+            doomed = [{"Key": k} for k in keys if keep is None or not k.startswith(keep)]
+            for i in range(0, len(doomed), 1000):
+                self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": doomed[i : i + 1000]}
+                )
+            if not page.get("IsTruncated"):
+                return
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+
+# ---------------------------------------------------------------------------
+# Azure Blob: azure-storage-blob
+# ---------------------------------------------------------------------------
+
+
+def azure_container_client(connection_string: str, container: str, pool: int) -> Any:
+    """A container client with ``pool`` pooled connections (requests keeps 10 by default)."""
+    import requests
+    from azure.core.pipeline.transport import RequestsTransport
+    from azure.storage.blob import BlobServiceClient
+    from urllib3.util.retry import Retry
+
+    session = requests.Session()
+    session.trust_env = False  # no proxy from the environment between us and the emulator
+    # The SDK's own retry policy retries; urllib3 must not retry underneath it.
+    no_retries = Retry(total=False, redirect=False, raise_on_status=False)
+    adapter = requests.adapters.HTTPAdapter(
+        pool_connections=2, pool_maxsize=pool, max_retries=no_retries
+    )
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    transport = RequestsTransport(
+        session=session, session_owner=True, connection_data_block_size=AZURE_READ_BLOCK
+    )
+    service = BlobServiceClient.from_connection_string(
+        connection_string, transport=transport, max_single_get_size=AZURE_SINGLE_GET
+    )
+    return service.get_container_client(container)
+
+
+class _AzureBlocks:
+    def __init__(self, blob: Any) -> None:
+        self.blob = blob
+
+    def part(self, index: int, body: bytes) -> Any:
+        from azure.storage.blob import BlobBlock
+
+        block_id = f"{index:06d}"  # one length for all: Azure requires it
+        self.blob.stage_block(block_id, body, length=len(body))
+        return BlobBlock(block_id=block_id)
+
+    def complete(self, parts: list[Any]) -> None:
+        self.blob.commit_block_list(parts)
+
+
+class AzureRaw:
+    """A container through azure-storage-blob."""
+
+    def __init__(self, container: Any) -> None:
+        self.container = container
+
+    def connect(self) -> None:
+        self.container.get_container_properties()
+
+    def put(self, key: str, body: bytes) -> None:
+        self.container.upload_blob(key, body, length=len(body), overwrite=True)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.container.download_blob(key).readall())
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        return bytes(self.container.download_blob(key, offset=start, length=length).readall())
+
+    def multipart(self, key: str) -> Multipart:
+        return _AzureBlocks(self.container.get_blob_client(key))
+
+    def delete_prefix(self, prefix: str, keep: str | None = None) -> None:
+        names = [
+            b.name
+            for b in self.container.list_blobs(name_starts_with=prefix + "/")
+            if keep is None or not b.name.startswith(keep)
+        ]
+        for i in range(0, len(names), AZURE_DELETE_BATCH):
+            self.container.delete_blobs(*names[i : i + AZURE_DELETE_BATCH])
+
+
+def raw_store(scheme: str, storage_options: Mapping[str, Any], bucket: str, pool: int) -> RawStore:
+    """The raw client of ``bucket`` for a URL scheme, from the emulator's ``storage_options``.
+
+    The credentials are the ones every other method gets (explicit, never a
+    lookup that could end at an instance-metadata address).
+    """
+    if scheme == "s3":
+        endpoint = storage_options["client_kwargs"]["endpoint_url"]
+        client = boto3_client(
+            endpoint, pool, key=storage_options["key"], secret=storage_options["secret"]
+        )
+        return S3Raw(client, bucket)
+    if scheme == "az":
+        return AzureRaw(azure_container_client(storage_options["connection_string"], bucket, pool))
+    raise ValueError(f"no raw client for {scheme}://")
+
+
+# ---------------------------------------------------------------------------
+# The transfers
+# ---------------------------------------------------------------------------
 
 
 def spans(total: int, size: int) -> list[tuple[int, int]]:
@@ -67,16 +264,14 @@ class ByteSource:
             pos += len(v)
         self.total = pos
 
-    def read(self, start: int, length: int) -> bytearray:
-        # One copy into a bytearray, which boto3 sends as it is.
-        out = bytearray(length)
-        pos = 0
+    def read(self, start: int, length: int) -> bytes:
+        # One copy, into bytes: both SDKs send bytes as they are (Azure's takes nothing else).
+        pieces = []
         for view, base in zip(self.views, self.offsets, strict=True):
             lo, hi = max(start, base), min(start + length, base + len(view))
             if lo < hi:
-                out[pos : pos + hi - lo] = view[lo - base : hi - base]
-                pos += hi - lo
-        return out
+                pieces.append(view[lo - base : hi - base])
+        return b"".join(pieces)
 
     def equals(self, buf: bytearray) -> bool:
         if len(buf) != self.total:
@@ -91,50 +286,40 @@ def chunk_key(prefix: str, index: int) -> str:
 
 
 def put_chunks(
-    client: Any, pool: ThreadPoolExecutor, bucket: str, prefix: str, src: ByteSource, size: int
+    store: RawStore, pool: ThreadPoolExecutor, prefix: str, src: ByteSource, size: int
 ) -> None:
     """Upload ``src`` as chunk objects under ``prefix``, several PUTs at once."""
 
     def put(item: tuple[int, tuple[int, int]]) -> None:
         index, (start, length) = item
-        client.put_object(Bucket=bucket, Key=chunk_key(prefix, index), Body=src.read(start, length))
+        store.put(chunk_key(prefix, index), src.read(start, length))
 
     list(pool.map(put, enumerate(spans(src.total, size))))
 
 
 def put_multipart(
-    client: Any, pool: ThreadPoolExecutor, bucket: str, key: str, src: ByteSource, size: int
+    store: RawStore, pool: ThreadPoolExecutor, key: str, src: ByteSource, size: int
 ) -> None:
     """Upload ``src`` as one object, its parts several at once."""
     parts = spans(src.total, size)
-    upload_id = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    upload = store.multipart(key)
 
-    def put(number: int) -> dict[str, Any]:
-        start, length = parts[number - 1]
-        etag = client.upload_part(
-            Bucket=bucket,
-            Key=key,
-            PartNumber=number,
-            UploadId=upload_id,
-            Body=src.read(start, length),
-        )["ETag"]
-        return {"PartNumber": number, "ETag": etag}
+    def put(index: int) -> Any:
+        start, length = parts[index]
+        return upload.part(index, src.read(start, length))
 
-    done = list(pool.map(put, range(1, len(parts) + 1)))
-    client.complete_multipart_upload(
-        Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
-    )
+    upload.complete(list(pool.map(put, range(len(parts)))))
 
 
 def get_chunks(
-    client: Any, pool: ThreadPoolExecutor, bucket: str, prefix: str, out: bytearray, size: int
+    store: RawStore, pool: ThreadPoolExecutor, prefix: str, out: bytearray, size: int
 ) -> None:
     """Download the chunk objects under ``prefix`` into ``out``, several GETs at once."""
     view = memoryview(out)
 
     def get(item: tuple[int, tuple[int, int]]) -> None:
         index, (start, length) = item
-        data = client.get_object(Bucket=bucket, Key=chunk_key(prefix, index))["Body"].read()
+        data = store.get(chunk_key(prefix, index))
         if len(data) != length:
             raise OSError(f"chunk {index}: got {len(data)} bytes, expected {length}")
         view[start : start + length] = data
@@ -143,16 +328,14 @@ def get_chunks(
 
 
 def get_ranges(
-    client: Any, pool: ThreadPoolExecutor, bucket: str, key: str, out: bytearray, size: int
+    store: RawStore, pool: ThreadPoolExecutor, key: str, out: bytearray, size: int
 ) -> None:
     """Download object ``key`` into ``out`` as ranged GETs of ``size`` bytes, several at once."""
     view = memoryview(out)
 
     def get(span: tuple[int, int]) -> None:
         start, length = span
-        data = client.get_object(
-            Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
-        )["Body"].read()
+        data = store.get_range(key, start, length)
         if len(data) != length:
             raise OSError(f"range at {start}: got {len(data)} bytes, expected {length}")
         view[start : start + length] = data

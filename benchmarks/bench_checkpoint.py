@@ -1,16 +1,19 @@
 """Checkpoint benchmark: VolumeWriter/VolumeReader against the stock DCP writers and the link.
 
-Two gloo ranks, each with its own ``--size-mib`` of state, save to moto's S3
-server (a separate process) side by side in one run:
+Two gloo ranks, each with its own ``--size-mib`` of state, save to an
+object-store emulator (a separate process) side by side in one run:
+``--target moto`` (S3, the default) or ``--target azurite`` (Azure Blob).
 
 * the floors: ``memcpy`` into preallocated tensors (for blocking time) and the
-  raw parallel multipart upload of the same bytes (for end-to-end time);
-* the peers: ``dcp.save`` with ``FsspecWriter`` (thread_count 1 and 8),
-  ``dcp.async_save`` with ``FsspecWriter``, s3torchconnector's
-  ``S3StorageWriter``, and ``FileSystemWriter`` to local disk for reference;
+  raw parallel uploads of the same bytes with the store's own SDK (boto3 /
+  azure-storage-blob; for end-to-end time);
+* the peers: ``dcp.save`` with ``FsspecWriter`` (s3fs / adlfs; thread_count 1
+  and 8), ``dcp.async_save`` with ``FsspecWriter``, s3torchconnector's
+  ``S3StorageWriter`` (S3 only), and ``FileSystemWriter`` to local disk for
+  reference;
 * ours: ``dcp.save`` and ``dcp.async_save`` with ``VolumeWriter``;
-* loads: raw parallel ranged download, ``FsspecReader``, ``S3StorageReader``
-  and ``VolumeReader``, all reading the same checkpoint.
+* loads: raw parallel downloads, ``FsspecReader``, ``S3StorageReader`` (S3
+  only) and ``VolumeReader``, all reading the same checkpoint.
 
 Each configuration saves ``--repeats`` times; the first save and the steady
 state (median of the 2nd and later saves) are reported. Both links run by
@@ -23,9 +26,10 @@ Usage::
     python benchmarks/bench_checkpoint.py            # full run, both links
     python benchmarks/bench_checkpoint.py --quick    # smoke test (< 60 s)
     python benchmarks/bench_checkpoint.py --link remote --size-mib 64
+    python benchmarks/bench_checkpoint.py --target azurite [--quick]
 
 Writes benchmarks/results/checkpoint.json and checkpoint.png (``--quick``:
-checkpoint_quick.*).
+checkpoint_quick.*; ``--target azurite``: checkpoint_azurite[_quick].*).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from _ckpt_ranks import (
     LOAD_METHODS,
     RAW_LOADS,
     RAW_SAVES,
+    S3_ONLY,
     SAVE_METHODS,
     Job,
     rank_main,
@@ -61,6 +66,7 @@ from _common import (
     results_path,
     write_json,
 )
+from _targets import TARGETS, Target, add_target_argument, serve
 
 LABELS = {
     "memcpy": "memcpy into preallocated tensors",
@@ -82,6 +88,12 @@ LABELS = {
     "vw_reader": "dcp.load VolumeReader",
     "vw_reader_f32": "dcp.load VolumeReader, 32 MiB files (not default)",
 }
+# Where the store's own words differ from S3's.
+AZURE_LABELS = {
+    "raw_put": "raw parallel PUTs of chunk blobs",
+    "raw_multipart": "raw parallel block upload (stage_block + commit)",
+    "raw_get": "raw parallel GETs of the chunk blobs",
+}
 PEERS = ("fsspec_t1", "fsspec_t8", "fsspec_async", "s3tc")
 
 # The targets of the issue, in one place.
@@ -102,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="tiny smoke run: 16 MiB per rank, 1 save, one pair of processes",
     )
+    add_target_argument(p)
     p.add_argument(
         "--link",
         choices=("both", "loopback", "remote"),
@@ -114,8 +127,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-repeats", type=int, default=None, help="loads per reader (default 2)")
     p.add_argument(
         "--methods",
-        default=",".join(SAVE_METHODS) + ",load",
-        help="comma-separated subset of: " + ", ".join((*SAVE_METHODS, "load")),
+        default=None,
+        help="comma-separated subset of: "
+        + ", ".join((*SAVE_METHODS, "load"))
+        + " (default: all that apply to the target; s3tc is S3 only)",
     )
     p.add_argument(
         "--vw-file-size",
@@ -134,10 +149,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.load_repeats = args.load_repeats or (1 if args.quick else 2)
     args.shared_processes = args.shared_processes or args.quick
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    args.target = TARGETS[args.target]
+    if args.methods is None:
+        applies = args.target.s3torchconnector
+        methods = tuple(m for m in (*SAVE_METHODS, "load") if applies or m not in S3_ONLY)
+    else:
+        methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     unknown = set(methods) - set(SAVE_METHODS) - {"load"}
     if unknown:
         p.error(f"unknown methods: {sorted(unknown)}")
+    if not args.target.s3torchconnector and S3_ONLY & set(methods):
+        p.error(f"s3torchconnector speaks S3 only: drop {sorted(S3_ONLY & set(methods))}")
     args.methods = methods
     if args.size_mib < 1 or args.tensor_mib < 1 or args.repeats < 1:
         p.error("--size-mib, --tensor-mib and --repeats must be >= 1")
@@ -153,6 +175,7 @@ def make_job(args: argparse.Namespace, server: Any, link: str, endpoint: str) ->
     source_method = "vw_sync" if "vw_sync" in args.methods else "fsspec_t8"
     job = Job(
         link=link,
+        scheme=args.target.scheme,
         methods=args.methods,
         size_bytes=args.size_mib * MiB,
         tensor_bytes=args.tensor_mib * MiB,
@@ -162,6 +185,7 @@ def make_job(args: argparse.Namespace, server: Any, link: str, endpoint: str) ->
         endpoint=endpoint,
         direct_endpoint=server.endpoint,
         storage_options=server.storage_options(endpoint),
+        direct_storage_options=server.storage_options(),
         isolated=not args.shared_processes,
         vw_options={"file_size": args.vw_file_size} if args.vw_file_size else {},
         load_repeats=args.load_repeats,
@@ -203,7 +227,9 @@ def run_links(args: argparse.Namespace, server: Any, links: tuple[str, ...]) -> 
                 f"[{names}] done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True
             )
     return {
-        j.link: summarise(merged[j.link], j.link, j.load_source or "", j.keep[-1] if j.keep else "")
+        j.link: summarise(
+            merged[j.link], j.link, j.load_source or "", j.keep[-1] if j.keep else "", args.target
+        )
         for j in jobs
     }
 
@@ -220,8 +246,9 @@ def _steady(values: list[float]) -> float:
 
 
 def summarise(
-    ranks: list[dict[str, Any]], link: str, load_source: str, source_method: str
+    ranks: list[dict[str, Any]], link: str, load_source: str, source_method: str, target: Target
 ) -> dict[str, Any]:
+    labels = {**LABELS, **(AZURE_LABELS if target.scheme == "az" else {})}
     state = int(ranks[0]["state_bytes"])
     total = state * len(ranks)
     saves: dict[str, Any] = {}
@@ -237,7 +264,7 @@ def summarise(
         peaks += [p["lifetime_peak_extra"] for p in per_rank if p["lifetime_peak_extra"]]
         peak = max(peaks) if peaks else math.nan
         saves[method] = {
-            "label": LABELS[method],
+            "label": labels[method],
             "error": error,
             "blocking_s": blocking,
             "e2e_s": e2e,
@@ -252,13 +279,13 @@ def summarise(
     loads: dict[str, Any] = {}
     load_parts = [r["methods"].get("load") for r in ranks]
     if all(p is not None for p in load_parts):
-        for reader in LOAD_METHODS:
+        for reader in (m for m in LOAD_METHODS if m in load_parts[0]):
             per_rank = [p[reader] for p in load_parts]
             error = next((p["error"] for p in per_rank if p["error"]), None)
             n = min(len(p["runs"]) for p in per_rank)
             secs = [max(p["runs"][i]["e2e_s"] for p in per_rank) for i in range(n)]
             loads[reader] = {
-                "label": LABELS[reader],
+                "label": labels[reader],
                 "error": error,
                 "seconds": secs,
                 "first_s": secs[0] if secs else math.nan,
@@ -268,6 +295,7 @@ def summarise(
                 and n > 0,
             }
     out = {
+        "target": target.name,
         "link": link,
         "state_bytes_per_rank": state,
         "world_size": len(ranks),
@@ -458,7 +486,9 @@ def plot(report: dict[str, Any], path: Any) -> None:
         ax.invert_yaxis()
         ax.set_xlabel("seconds (steady state, lower is better)")
         mib = res["state_bytes_per_rank"] / MiB
-        ax.set_title(f"save, {link} link: {res['world_size']} ranks x {mib:.0f} MiB")
+        ax.set_title(
+            f"save to {res['target']}, {link} link: {res['world_size']} ranks x {mib:.0f} MiB"
+        )
         ax.legend(loc="upper right", fontsize=8, framealpha=0.9)
         ax = axes[row][1]
         rnames = [r for r, s in res["loads"].items() if s["seconds"]]
@@ -473,8 +503,8 @@ def plot(report: dict[str, Any], path: Any) -> None:
         ax.set_yticks(range(len(rnames)), [res["loads"][r]["label"] for r in rnames])
         ax.invert_yaxis()
         ax.set_xlabel("seconds (lower is better)")
-        ax.set_title(f"load, {link} link")
-    fig.suptitle(report["command"], fontsize=9)
+        ax.set_title(f"load from {res['target']}, {link} link")
+    fig.suptitle(f"{report['config']['target']}: {report['command']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -482,8 +512,7 @@ def plot(report: dict[str, Any], path: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tests.emulators import MotoServer
-
+    target: Target = args.target
     links = ("loopback", "remote") if args.link == "both" else (args.link,)
     command = "python benchmarks/bench_checkpoint.py " + " ".join(
         sys.argv[1:] if argv is None else argv
@@ -492,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "checkpoint",
         "command": command.strip(),
         "config": {
+            "target": target.name,
             "world_size": WORLD_SIZE,
             "size_mib_per_rank": args.size_mib,
             "tensor_mib": args.tensor_mib,
@@ -501,18 +531,17 @@ def main(argv: list[str] | None = None) -> int:
             "isolated_processes_per_method": not args.shared_processes,
             "volume_writer_options": {"file_size": args.vw_file_size} if args.vw_file_size else {},
             "remote_link": {"latency_s": REMOTE_LATENCY_S, "bandwidth_bps": REMOTE_BANDWIDTH_BPS},
-            "server": "moto_server (separate process)",
+            "server": target.server_label,
         },
         "machine": machine_info(),
         "links": {},
     }
     t_start = time.perf_counter()
-    with MotoServer(mode="process") as server:
-        server.create_bucket(BUCKET)
+    with serve(target, BUCKET) as server:
         report["links"] = run_links(args, server, links)
     report["wall_s"] = time.perf_counter() - t_start
     report["machine"]["load_average_end"] = load_average()
-    stem = "checkpoint_quick" if args.quick else "checkpoint"
+    stem = target.stem("checkpoint") + ("_quick" if args.quick else "")
     if args.vw_file_size:
         stem += f"_file_size_{args.vw_file_size.lower()}"
     json_path = write_json(f"{stem}.json", report)
@@ -528,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )
         print(
-            f"\n## {link} link{extra}: {res['world_size']} ranks x {mib:.0f} MiB, "
+            f"\n## {target.name} ({target.scheme}://), {link} link{extra}: "
+            f"{res['world_size']} ranks x {mib:.0f} MiB, "
             f"steady state of {args.repeats} saves\n"
         )
         print(save_table(res))

@@ -1,15 +1,18 @@
 """Data benchmark: VolumeDataset + DataLoader against the usual ways of reading training files.
 
-Side by side in one run, over the same files on moto's S3 server (a separate
-process), every loader with batch_size=16 and 2 workers (stock loaders with
+Side by side in one run, over the same files on an object-store emulator (a
+separate process: ``--target moto``, S3, the default, or ``--target azurite``,
+Azure Blob), every loader with batch_size=16 and 2 workers (stock loaders with
 persistent workers and prefetch_factor=4, as ours defaults to):
 
 * ``local``     the same files in a local directory, a plain map-style Dataset;
-* ``naive``     a map-style Dataset that reads each file through fsspec every time;
+* ``naive``     a map-style Dataset that reads each file through fsspec (s3fs /
+  adlfs) every time;
 * ``filecache`` the same through fsspec's ``filecache::`` (download once, then local);
-* ``s3tc``      s3torchconnector's ``S3MapDataset``;
+* ``s3tc``      s3torchconnector's ``S3MapDataset`` (S3 only);
 * ``ours``      ``VolumeDataset`` + ``dcp_volumes.DataLoader`` (fresh cache: epoch 1 cold);
-* ``raw``       raw concurrent GETs of every file with a thread pool (no DataLoader);
+* ``raw``       raw concurrent GETs of every file with a thread pool and the
+  store's own SDK (boto3 / azure-storage-blob; no DataLoader);
 * ``raw_to_files`` (paired cold rounds only) the same GETs, each body written to a
   new local file: the least a read-through cache does, so its ceiling.
 
@@ -23,12 +26,19 @@ Experiments (each prints a table):
 3. the cold epoch behind a remote-like link (a proxy adding 20 ms before each
    request and capping each connection at 200 Mbit/s), on a subset.
 
+Then, on loopback, the workers' start-up: ``iter(loader)`` to the first batch
+of a fresh ``dcp_volumes.DataLoader`` (warm cache), with the start method it
+picks once the process has done I/O through obstore (forkserver) against
+``multiprocessing_context="fork"``.
+
 Usage::
 
     python benchmarks/bench_data.py            # full run (< ~10 min)
     python benchmarks/bench_data.py --quick    # smoke test (< 60 s)
+    python benchmarks/bench_data.py --target azurite [--quick]
 
-Writes benchmarks/results/data.json and data.png (``--quick``: data_quick.*).
+Writes benchmarks/results/data.json and data.png (``--quick``: data_quick.*;
+``--target azurite``: data_azurite[_quick].*).
 """
 
 from __future__ import annotations
@@ -62,11 +72,14 @@ from _common import (
     results_path,
     write_json,
 )
-from _data_report import _epoch, _rate, plot, table
+from _data_report import _epoch, _rate, plot, startup_table, table
+from _raw import raw_store
+from _targets import TARGETS, Target, add_target_argument, serve
 
 T = TypeVar("T")
 BUCKET = "data"
 ROWS = ("local", "naive", "filecache", "s3tc", "ours", "raw")
+S3_ONLY_ROWS = frozenset({"s3tc"})
 WARM_VS_LOCAL = 0.9
 COLD_VS_RAW = 0.8
 COLD_VS_NAIVE_REMOTE = 3.0
@@ -76,6 +89,9 @@ NEAR_ZERO_SHARE = 0.1
 WORKER_TIMEOUT_S = 120.0
 # Pause before each paired cold measurement (see ``settle``).
 SETTLE_S = 6.0
+# Fresh loaders per start method in the start-up table (the median is shown).
+STARTUP_ROUNDS = 3
+STARTUP_FILES = 256  # more than the workers' first prefetch window (2 x 4 batches x 16)
 
 
 def retry_stuck(what: str, run: Callable[[], T]) -> T:
@@ -102,6 +118,7 @@ def retry_stuck(what: str, run: Callable[[], T]) -> T:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny smoke run (< 60 s)")
+    add_target_argument(p)
     p.add_argument("--link", choices=("both", "loopback", "remote"), default="both")
     p.add_argument("--small-files", type=int, default=None, help="default 2000 (quick 64)")
     p.add_argument("--small-kib", type=int, default=100)
@@ -147,6 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="warm epochs per side in each paired warm round (default 3, quick 1)",
     )
     args = p.parse_args(argv)
+    args.target = TARGETS[args.target]
     q = args.quick
     args.small_files = args.small_files or (64 if q else 2000)
     args.large_files = args.large_files or (16 if q else 64)
@@ -172,12 +190,17 @@ class FileSet:
     keys: tuple[str, ...]
     size: int
     local_dir: str
+    scheme: str  # the store's URL scheme ("s3", "az")
 
     def subset(self, n: int) -> FileSet:
-        return FileSet(self.name, self.keys[:n], self.size, self.local_dir)
+        return FileSet(self.name, self.keys[:n], self.size, self.local_dir, self.scheme)
 
     def urls(self) -> list[str]:
-        return [f"s3://{BUCKET}/{k}" for k in self.keys]
+        return [f"{self.scheme}://{BUCKET}/{k}" for k in self.keys]
+
+    @property
+    def prefix_url(self) -> str:
+        return f"{self.scheme}://{BUCKET}/{self.name}/"
 
     def local_paths(self) -> list[str]:
         return [str(Path(self.local_dir) / k) for k in self.keys]
@@ -187,26 +210,27 @@ class FileSet:
         return self.size * len(self.keys)
 
 
-def make_files(server: Any, root: Path, name: str, count: int, size: int) -> FileSet:
+def make_files(
+    server: Any, target: Target, root: Path, name: str, count: int, size: int
+) -> FileSet:
     """Upload ``count`` distinct files of ``size`` bytes and write the same files locally."""
     import numpy as np
-    from _raw import boto3_client
 
     base = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8).tobytes()
     keys = tuple(f"{name}/f{i:05d}.bin" for i in range(count))
-    client = boto3_client(server.endpoint, 32)
+    store = raw_store(target.scheme, server.storage_options(), BUCKET, 32)
     local = root / "local"
 
     def one(i: int) -> None:
         data = i.to_bytes(8, "little") + base[8:]
-        client.put_object(Bucket=BUCKET, Key=keys[i], Body=data)
+        store.put(keys[i], data)
         path = local / keys[i]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
 
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(one, range(count)))
-    return FileSet(name, keys, size, str(local))
+    return FileSet(name, keys, size, str(local), target.scheme)
 
 
 # ---------------------------------------------------------------------------
@@ -222,7 +246,11 @@ def make_loader(
     args: argparse.Namespace,
     tmp: Path,
     full_set: bool,
+    *,
+    cache_dir: str | None = None,
+    context: str | None = None,
 ) -> Iterator[Any]:
+    """A loader of ``row``; ours may get a given (warm) ``cache_dir`` and start method."""
     import torch
     from _data_peers import (
         FsspecFileCache,
@@ -233,12 +261,13 @@ def make_loader(
     )
     from torch.utils.data import DataLoader as TorchLoader
 
-    cache_dir = tempfile.mkdtemp(prefix=f"{row}-cache-", dir=tmp)
+    spent_cache = cache_dir is None  # emptied afterwards (a given one stays warm)
+    cache_dir = cache_dir or tempfile.mkdtemp(prefix=f"{row}-cache-", dir=tmp)
     loader: Any
     if row == "ours":
         from dcp_volumes import DataLoader, VolumeDataset
 
-        source: Any = f"s3://{BUCKET}/{files.name}/" if full_set else files.urls()
+        source: Any = files.prefix_url if full_set else files.urls()
         ds = VolumeDataset(
             source,
             cache_dir=cache_dir,
@@ -247,8 +276,14 @@ def make_loader(
             shuffle=True,
             seed=0,
         )
+        # None: the loader's own choice (forkserver once this process used obstore).
+        chosen: dict[str, Any] = {} if context is None else {"multiprocessing_context": context}
         loader = DataLoader(
-            ds, batch_size=args.batch_size, num_workers=args.workers, timeout=WORKER_TIMEOUT_S
+            ds,
+            batch_size=args.batch_size,
+            num_workers=args.workers,
+            timeout=WORKER_TIMEOUT_S,
+            **chosen,
         )
     else:
         if row == "local":
@@ -287,7 +322,8 @@ def make_loader(
             iterator._shutdown_workers()
         del loader
         gc.collect()
-        _empty_files(cache_dir)
+        if spent_cache:
+            _empty_files(cache_dir)
 
 
 def _empty_files(root: str) -> None:
@@ -331,6 +367,21 @@ def run_epochs(loader: Any, epochs: int, compute_s: float) -> list[dict[str, Any
     return out
 
 
+def raw_gets(
+    files: FileSet, storage_options: dict[str, Any], threads: int, to_dir: str | None = None
+) -> tuple[float, int]:
+    """``raw_concurrent_gets`` of the files through the store's own SDK (``_raw.raw_store``)."""
+    from _data_peers import raw_concurrent_gets
+
+    store = raw_store(files.scheme, storage_options, BUCKET, threads * 2)
+    return raw_concurrent_gets(store, files.keys, threads, to_dir)
+
+
+def rows_for(target: Target, rows: tuple[str, ...]) -> tuple[str, ...]:
+    """The rows that apply to the target (s3torchconnector speaks S3 only)."""
+    return tuple(r for r in rows if target.s3torchconnector or r not in S3_ONLY_ROWS)
+
+
 def run_row(
     row: str,
     files: FileSet,
@@ -343,8 +394,6 @@ def run_row(
     compute_s: float,
     full_set: bool,
 ) -> dict[str, Any]:
-    from _data_peers import raw_concurrent_gets
-
     result: dict[str, Any] = {
         "row": row,
         "compute_s": compute_s,
@@ -356,7 +405,7 @@ def run_row(
     t0 = time.perf_counter()
     try:
         if row == "raw":
-            secs, nbytes = raw_concurrent_gets(endpoint, BUCKET, files.keys, args.raw_threads)
+            secs, nbytes = raw_gets(files, server.storage_options(endpoint), args.raw_threads)
             result["epochs"] = [
                 {"seconds": secs, "samples": len(files.keys), "bytes": nbytes, "fetch_seconds": []}
             ]
@@ -470,7 +519,6 @@ def settle(args: argparse.Namespace) -> None:
 
 def paired_cold(
     files: FileSet,
-    endpoint: str,
     storage_options: dict[str, Any],
     args: argparse.Namespace,
     tmp: Path,
@@ -484,12 +532,11 @@ def paired_cold(
     Returns the paired results ``cold_vs_raw`` (the target),
     ``raw_to_files_vs_raw`` and ``cold_vs_raw_to_files``.
     """
-    from _data_peers import raw_concurrent_gets
 
     def raw(to_files: bool) -> float:
         settle(args)
         out = tempfile.mkdtemp(prefix="raw-files-", dir=tmp) if to_files else None
-        secs, _ = raw_concurrent_gets(endpoint, BUCKET, files.keys, args.raw_threads, out)
+        secs, _ = raw_gets(files, storage_options, args.raw_threads, out)
         if out is not None:
             _empty_files(out)
         return len(files.keys) / secs
@@ -518,6 +565,69 @@ def paired_cold(
     }
 
 
+def worker_startup(
+    files: FileSet, storage_options: dict[str, Any], args: argparse.Namespace, tmp: Path
+) -> dict[str, Any]:
+    """Seconds from ``iter(loader)`` to the first batch of a fresh ``DataLoader``, warm cache.
+
+    What every new loader costs before training can start (once per loader:
+    its workers persist). Ours picks forkserver once this process has done
+    I/O through obstore (a forked child could not use it): each worker is then
+    a fresh process that unpickles the dataset and imports what it needs.
+    Against ``multiprocessing_context="fork"``: forked workers start from this
+    process's memory (they could not use obstore, but a warm cache never asks
+    the store). ``STARTUP_ROUNDS`` rounds of both, alternating which goes first
+    (the forkserver itself is up already after the experiments, as in a job
+    after its first loader).
+    """
+    from dcp_volumes import VolumeDataset
+    from dcp_volumes._volume import obstore_used_here
+
+    cache_dir = tempfile.mkdtemp(prefix="startup-cache-", dir=tmp)
+    # Fill the cache here, through obstore, under the keys the workers look up
+    # (the dataset's own volume and listing): no loader of its own to start.
+    ds = VolumeDataset(files.urls(), cache_dir=cache_dir, storage_options=storage_options)
+    cache = ds.cache
+    if cache is None:
+        raise RuntimeError("the dataset has no cache")
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda f: cache.fetch_from(ds.volume, f.path, expected=f), ds.manifest.files))
+
+    def first_batch(context: str | None) -> tuple[float, str]:
+        with make_loader(
+            "ours", files, storage_options, args, tmp, False, cache_dir=cache_dir, context=context
+        ) as loader:
+            t0 = time.perf_counter()
+            next(iter(loader))
+            seconds = time.perf_counter() - t0
+            ctx = loader.multiprocessing_context
+            return seconds, ctx.get_start_method() if ctx is not None else "fork (torch default)"
+
+    rounds: dict[str, list[float]] = {"default": [], "fork": []}
+    methods: dict[str, str] = {}
+    for r in range(STARTUP_ROUNDS):
+        for name in ("default", "fork") if r % 2 == 0 else ("fork", "default"):
+            seconds, methods[name] = retry_stuck(
+                f"start-up {name}", partial(first_batch, None if name == "default" else "fork")
+            )
+            rounds[name].append(seconds)
+    out = {
+        "files": len(files.keys),
+        "workers": args.workers,
+        "obstore_used_in_this_process": obstore_used_here(),
+        "start_method": methods,
+        "rounds_s": rounds,
+        "median_s": {k: statistics.median(v) for k, v in rounds.items()},
+    }
+    print(
+        "  start-up: "
+        + ", ".join(f"{k} ({methods[k]}) {v:.2f} s" for k, v in out["median_s"].items()),
+        file=sys.stderr,
+        flush=True,
+    )
+    return out
+
+
 # ---------------------------------------------------------------------------
 # Experiments
 # ---------------------------------------------------------------------------
@@ -541,14 +651,14 @@ def run_all(args: argparse.Namespace, server: Any, sets: dict[str, FileSet], tmp
                     compute_s=0.0,
                     full_set=True,
                 )
-                for row in ROWS
+                for row in rows_for(args.target, ROWS)
             }
         print("paired rounds, loopback (the targets' medians)", file=sys.stderr)
         opts = server.storage_options(server.endpoint)
         exp["paired"] = {
             name: {
                 "warm_vs_local": paired_warm(files, opts, args, tmp),
-                **paired_cold(files, server.endpoint, opts, args, tmp, True),
+                **paired_cold(files, opts, args, tmp, True),
             }
             for name, files in sets.items()
         }
@@ -572,7 +682,7 @@ def run_all(args: argparse.Namespace, server: Any, sets: dict[str, FileSet], tmp
                 compute_s=compute_s,
                 full_set=False,
             )
-            for row in ("naive", "filecache", "s3tc", "ours")
+            for row in rows_for(args.target, ("naive", "filecache", "s3tc", "ours"))
         }
         # A step longer than ours' cold per-batch fetch time (from experiment 1):
         # the prefetch should then hide the fetch entirely.
@@ -615,12 +725,12 @@ def run_all(args: argparse.Namespace, server: Any, sets: dict[str, FileSet], tmp
                         compute_s=0.0,
                         full_set=False,
                     )
-                    for row in ("naive", "filecache", "s3tc", "ours", "raw")
+                    for row in rows_for(args.target, ("naive", "filecache", "s3tc", "ours", "raw"))
                 }
             print("paired rounds, remote (the targets' medians)", file=sys.stderr)
             opts = server.storage_options(endpoint)
             exp["paired"] = {
-                name: paired_cold(sets[name].subset(n), endpoint, opts, args, tmp, False)
+                name: paired_cold(sets[name].subset(n), opts, args, tmp, False)
                 for name, n in (("small", args.remote_small), ("large", args.remote_large))
             }
             experiments["remote"] = exp
@@ -693,8 +803,7 @@ def check_targets(experiments: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tests.emulators import MotoServer
-
+    target: Target = args.target
     command = "python benchmarks/bench_data.py " + " ".join(sys.argv[1:] if argv is None else argv)
     report: dict[str, Any] = {
         "benchmark": "data",
@@ -720,6 +829,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "machine": machine_info(),
     }
+    report["config"]["target"] = target.name
+    report["config"]["server"] = target.server_label
     report["config"]["remote_link"] = {
         "latency_s": REMOTE_LATENCY_S,
         "bandwidth_bps": REMOTE_BANDWIDTH_BPS,
@@ -727,24 +838,31 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="dcpv-bench-data-"))
     try:
-        with MotoServer(mode="process") as server:
-            server.create_bucket(BUCKET)
-            # s3torchconnector's client (in the loader workers) reads credentials from
-            # the environment; the endpoint is passed explicitly per run.
-            os.environ.update({k: v for k, v in server.env().items() if k != "AWS_ENDPOINT_URL"})
+        with serve(target, BUCKET) as server:
+            if target.s3torchconnector:
+                # s3torchconnector's client (in the loader workers) reads credentials from
+                # the environment; the endpoint is passed explicitly per run.
+                env = server.env()
+                os.environ.update({k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"})
             os.environ.setdefault("DCP_VOLUMES_CLIENT_START_TIMEOUT", "30")
+            small, large = args.small_kib * 1024, args.large_mib * MiB
             sets = {
-                "small": make_files(server, tmp, "small", args.small_files, args.small_kib * 1024),
-                "large": make_files(server, tmp, "large", args.large_files, args.large_mib * MiB),
+                "small": make_files(server, target, tmp, "small", args.small_files, small),
+                "large": make_files(server, target, tmp, "large", args.large_files, large),
             }
             print(f"uploaded the files in {time.perf_counter() - t_start:.1f} s", file=sys.stderr)
             report["experiments"] = run_all(args, server, sets, tmp)
+            print("worker start-up: first batch of a fresh loader, warm cache", file=sys.stderr)
+            startup_files = sets["small"].subset(STARTUP_FILES)
+            report["worker_startup"] = worker_startup(
+                startup_files, server.storage_options(), args, tmp
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report["targets"] = check_targets(report["experiments"])
     report["wall_s"] = time.perf_counter() - t_start
     report["machine"]["load_average_end"] = load_average()
-    stem = "data_quick" if args.quick else "data"
+    stem = target.stem("data") + ("_quick" if args.quick else "")
     json_path = write_json(f"{stem}.json", report)
     png_path = results_path(f"{stem}.png")
     plot(report, png_path)
@@ -761,7 +879,10 @@ def main(argv: list[str] | None = None) -> int:
             any_row = next(iter(rows.values()))
             size = any_row["file_bytes"]
             size_s = f"{size / MiB:.0f} MiB" if size >= MiB else f"{size / 1024:.0f} KiB"
-            print(f"\n## {titles[exp_name]}: {any_row['files']} x {size_s} files\n")
+            print(
+                f"\n## {target.name} ({target.scheme}://), {titles[exp_name]}: "
+                f"{any_row['files']} x {size_s} files\n"
+            )
             print(table(rows))
     paired_rows = [
         [
@@ -776,6 +897,12 @@ def main(argv: list[str] | None = None) -> int:
     if paired_rows:
         print("\n## paired rounds (ours / peer per round, alternating order)\n")
         print(format_table(["comparison", "rounds", "median"], paired_rows))
+    startup = report["worker_startup"]
+    print(
+        f"\n## worker start-up, loopback: iter(loader) to the first batch, fresh DataLoader, "
+        f"{startup['workers']} workers, warm cache, median of {STARTUP_ROUNDS}\n"
+    )
+    print(startup_table(startup))
     print("\n## targets\n")
     print(
         format_table(

@@ -35,6 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import torch  # noqa: E402
 from _data_peers import LocalFiles, raw_concurrent_gets, read_local  # noqa: E402
+from _raw import raw_store  # noqa: E402
 
 from dcp_volumes import DataLoader, VolumeDataset  # noqa: E402
 from tests.emulators import MotoServer  # noqa: E402
@@ -99,7 +100,8 @@ def main() -> int:
             row["local"] = measure(lambda: list(loader))
             for name, out in (("raw", None), ("raw_to_files", tempfile.mkdtemp(dir=work))):
                 row[name] = measure(
-                    lambda out=out: raw_concurrent_gets(server.endpoint, "probe", keys, 16, out))
+                    lambda out=out: raw_concurrent_gets(
+                        raw_store("s3", server.storage_options(), "probe", 32), keys, 16, out))
             ds = VolumeDataset("s3://probe/d", storage_options=server.storage_options(),
                                cache_dir=tempfile.mkdtemp(dir=work), transform=read_local)
             ours = DataLoader(ds, batch_size=16, num_workers=2)  # workers start in the timing
