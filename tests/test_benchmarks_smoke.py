@@ -16,20 +16,22 @@ from typing import Any
 
 import pytest
 
-from tests.emulators import repo_root
+from tests.emulators import Azurite, repo_root
 
 BENCH_DIR = repo_root() / "benchmarks"
 BENCHES = sorted(p.name for p in BENCH_DIR.glob("bench_*.py"))
 # The JSON each of ours writes in --quick mode (others: exit code and output only).
 QUICK_JSON = {"bench_checkpoint.py": "checkpoint_quick.json", "bench_data.py": "data_quick.json"}
+AZURITE_JSON = {"bench_checkpoint.py": "checkpoint_azurite_quick.json",
+                "bench_data.py": "data_azurite_quick.json"}
 
 pytestmark = pytest.mark.slow
 
 
-def _run_quick(name: str, out: Path) -> subprocess.CompletedProcess[str]:
+def _run_quick(name: str, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DCP_VOLUMES_BENCH_RESULTS": str(out)}
     return subprocess.run(
-        [sys.executable, str(BENCH_DIR / name), "--quick"],
+        [sys.executable, str(BENCH_DIR / name), "--quick", *extra],
         cwd=repo_root(),
         env=env,
         capture_output=True,
@@ -38,8 +40,8 @@ def _run_quick(name: str, out: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _load(out: Path, name: str) -> dict[str, Any]:
-    path = out / QUICK_JSON[name]
+def _load(out: Path, filename: str) -> dict[str, Any]:
+    path = out / filename
     assert path.exists(), f"{name} --quick wrote no {path.name}"
     assert path.with_suffix(".png").stat().st_size > 10_000, "the plot is missing or empty"
     return json.loads(path.read_text())
@@ -58,19 +60,44 @@ def test_quick_run(name: str, tmp_path: Path) -> None:
     )
     assert "|" in proc.stdout, "no table printed"
     if name == "bench_checkpoint.py":
-        _check_checkpoint(_load(tmp_path, name))
+        _check_checkpoint(_load(tmp_path, QUICK_JSON[name]))
     elif name == "bench_data.py":
-        _check_data(_load(tmp_path, name))
+        _check_data(_load(tmp_path, QUICK_JSON[name]))
 
 
-def _check_checkpoint(report: dict[str, Any]) -> None:
+@pytest.mark.emulator
+@pytest.mark.parametrize("name", sorted(AZURITE_JSON))
+def test_quick_run_azurite(name: str, tmp_path: Path) -> None:
+    if Azurite.find_binary() is None:
+        pytest.fail("azurite-blob is not installed (make test installs it into .tools/)")
+    proc = _run_quick(name, tmp_path, "--target", "azurite")
+    assert proc.returncode == 0, (
+        f"{name} --quick --target azurite exited {proc.returncode}\n--- stdout ---\n"
+        f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
+    )
+    assert "|" in proc.stdout, "no table printed"
+    report = _load(tmp_path, AZURITE_JSON[name])
+    assert report["config"]["target"] == "azurite"
+    if name == "bench_checkpoint.py":
+        _check_checkpoint(report, s3=False)
+    else:
+        _check_data(report)
+        for exp in report["experiments"].values():
+            for rows in exp["sets"].values():
+                assert "s3tc" not in rows  # s3torchconnector speaks S3 only
+
+
+def _check_checkpoint(report: dict[str, Any], *, s3: bool = True) -> None:
     assert set(report["links"]) == {"loopback", "remote"}
     for link, res in report["links"].items():
         for method, s in res["saves"].items():
             assert not s["error"], f"{link}/{method} failed: {s['error']}"
             assert s["e2e_s"] and all(t > 0 for t in s["e2e_s"]), (link, method)
             assert 0 < s["steady_blocking_s"] <= s["steady_e2e_s"] + 1e-6, (link, method)
-        assert {"vw_sync", "vw_async", "raw_put", "fsspec_t8", "s3tc"} <= set(res["saves"])
+        expected = {"vw_sync", "vw_async", "raw_put", "raw_multipart", "fsspec_t8"}
+        assert expected | ({"s3tc"} if s3 else set()) <= set(res["saves"])
+        if not s3:
+            assert "s3tc" not in res["saves"] and "s3tc_reader" not in res["loads"]
         for reader, s in res["loads"].items():
             assert not s["error"], f"{link}/{reader} failed: {s['error']}"
             # Every load is checked against the saved values: nothing passes unread.
@@ -102,3 +129,7 @@ def _check_data(report: dict[str, Any]) -> None:
                 rounds = paired[key]["rounds"]
                 assert rounds and all(r["ratio"] > 0 for r in rounds), (exp_name, set_name, key)
     assert report["targets"], "no target was evaluated"
+    startup = report["worker_startup"]
+    assert startup["start_method"] == {"default": "forkserver", "fork": "fork"}
+    for method, rounds in startup["rounds_s"].items():
+        assert len(rounds) == 3 and all(t > 0 for t in rounds), method
