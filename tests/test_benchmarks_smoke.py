@@ -42,7 +42,7 @@ def _run_quick(name: str, out: Path, *extra: str) -> subprocess.CompletedProcess
 
 def _load(out: Path, filename: str) -> dict[str, Any]:
     path = out / filename
-    assert path.exists(), f"{name} --quick wrote no {path.name}"
+    assert path.exists(), f"the --quick run wrote no {path.name}"
     assert path.with_suffix(".png").stat().st_size > 10_000, "the plot is missing or empty"
     return json.loads(path.read_text())
 
