@@ -17,11 +17,11 @@ starts its workers with forkserver for that reason).
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from dcp_volumes._exceptions import BackendNotInstalledError
@@ -191,15 +191,20 @@ class ObstoreBackend:
         move: bool,
     ) -> None:
         store, key = self._split(path)
-        # A Path is read by obstore itself, part by part, without the GIL.
-        self._obs.put(
-            store,
-            key,
-            Path(local_path),
-            use_multipart=size > part_size,
-            chunk_size=part_size,
-            max_concurrency=max(1, concurrency),
-        )
+        # The file is mapped and handed over as a buffer, which obstore sends
+        # without a copy: read from a path, every part would be a fresh
+        # allocation in one of its runtime's threads, and glibc keeps such
+        # memory in per-thread arenas (an async save's peak RSS grew to 2.1x
+        # the state that way instead of 1.1x).
+        with open(local_path, "rb") as f, _mapped(f, size) as body:
+            self._obs.put(
+                store,
+                key,
+                body,
+                use_multipart=size > part_size,
+                chunk_size=part_size,
+                max_concurrency=max(1, concurrency),
+            )
         if move:
             os.remove(local_path)
 
@@ -228,6 +233,20 @@ class ObstoreBackend:
         if dst_bucket != src.partition("/")[0]:
             raise ValueError(f"copy across buckets ({src} -> {dst}) is not supported")
         self._obs.copy(store, src_key, dst_key, overwrite=True)
+
+
+@contextlib.contextmanager
+def _mapped(f: Any, size: int) -> Iterator[Data]:
+    """The bytes of the open file ``f`` as a read-only memory map (``b""`` when empty)."""
+    if size == 0:
+        yield b""
+        return
+    with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)
+        try:
+            yield view
+        finally:
+            view.release()
 
 
 class MissingBucket(FileNotFoundError):
