@@ -380,6 +380,9 @@ class CheckpointManager:
         logger.info("restoring step %d from %s%s", chosen_step, url,
                     f" (local copy in {local})" if local else "")
         with typed_errors(f"restore {url}"):
+            # Read .metadata here first: where DCP fails on it, it keeps only the
+            # message (its AssertionError joins the texts), not our typed error.
+            reader.read_metadata()
             dcp.load(state, checkpoint_id=url, storage_reader=reader,
                      process_group=self._coord.group, no_dist=not self._coord.distributed)
         return chosen_step
