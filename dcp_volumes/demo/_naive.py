@@ -119,7 +119,7 @@ class NaiveSetup:
         return sorted(steps)
 
     def _plain(self, state: TrainState) -> dict[str, Any]:
-        model = state.model.module  # type: ignore[union-attr]
+        model = state.model
         rngs: list[Any] = [None] * self.world
         dist.all_gather_object(rngs, capture_rngs())  # every rank's generators, on rank 0
         return {"model": model.state_dict(), "optim": state.optim.state_dict(),
@@ -152,7 +152,7 @@ class NaiveSetup:
                                self._name(step), exc)
                 self.injector.events.write("torn", step=step, error=repr(exc)[:200])
                 continue
-            state.model.module.load_state_dict(plain["model"])  # type: ignore[union-attr]
+            state.model.load_state_dict(plain["model"])
             state.optim.load_state_dict(plain["optim"])
             state.sched.load_state_dict(plain["sched"])
             state.step = int(plain["step"])

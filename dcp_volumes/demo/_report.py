@@ -1,6 +1,6 @@
 """From the ranks' event logs to the goodput report, the checks and the table.
 
-Accounting (all from rank 0's clock; ranks run in lockstep under DDP):
+Accounting (from rank 0's clock; the gradient all-reduce keeps ranks in lockstep):
 
 * ``startup``: launch -> the first batch of the first attempt in hand;
 * ``restart``: a kill -> the first batch of the next attempt in hand
@@ -232,7 +232,9 @@ def _stall(spans: list[list[float]]) -> float:
 def _count_saves(stats: RunStats, att: Attempt,
                  by_rank: Mapping[int, Mapping[int, dict[str, Any]]]) -> None:
     saves = [e for e in att.steps if e["save"]]
-    stats.saves += len(saves)
+    kill = att.kill
+    hit = kill is not None and kill["crash"]["kind"] in ("upload", "commit")
+    stats.saves += len(saves) + int(hit)  # a save the kill interrupted was taken too
     stats.save_blocking += [_stall([r[e["step"]]["save"] for r in by_rank.values()
                                     if e["step"] in r]) for e in saves]
     save_t0 = {e["step"]: e["save"][0] for e in saves}
@@ -299,8 +301,9 @@ def projection(s: RunStats, cfg: DemoConfig) -> dict[str, float]:
 
 @dataclass
 class Check:
-    """One PASS/FAIL line."""
+    """One PASS/FAIL line; ``key`` names it for scripts (``--json``)."""
 
+    key: str
     name: str
     ok: bool
     detail: str
@@ -328,7 +331,7 @@ def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
     checks = []
     fired = sorted(int(c.crash.get("index", -1)) for c in crashed.crashes)
     checks.append(Check(
-        "every planned crash happened, torchrun restarted the job each time",
+        "crashes", "every planned crash happened, torchrun restarted the job each time",
         fired == [c.index for c in planned],
         f"{len(fired)} of {len(planned)} crashes, {len(crashed.worlds)} attempts"))
     if cfg.shrink:
@@ -337,21 +340,21 @@ def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
                 f"{cfg.nodes[0]} ranks at step {change[1] if change else '?'}, as this job did")
         ok = (crashed.worlds[-1] == cfg.nodes[0] and ref.world_change is not None
               and change is not None and ref.world_change[1] == change[1])
-        checks.append(Check("the last restart came back on fewer ranks", ok,
+        checks.append(Check("shrink", "the last restart came back on fewer ranks", ok,
                             f"worlds {' -> '.join(map(str, crashed.worlds))}"))
     else:
         what = "weights bit-identical to an uninterrupted run"
-    checks.append(Check(f"final {what}", crashed.digest is not None
+    checks.append(Check("weights", f"final {what}", crashed.digest is not None
                         and crashed.digest == ref.digest,
                         f"sha256 {str(crashed.digest)[:12]} vs {str(ref.digest)[:12]}"))
     same = crashed.samples == ref.samples and len(crashed.samples) == cfg.steps
     mism = sorted(s for s in set(crashed.samples) | set(ref.samples)
                   if crashed.samples.get(s) != ref.samples.get(s))
-    checks.append(Check("delivered sample sequence identical to the reference", same,
+    checks.append(Check("samples", "delivered sample sequence identical to the reference", same,
                         f"{len(crashed.samples)} steps x {cfg.global_batch} samples"
                         + (f"; differs at steps {mism[:5]}" if mism else "")))
     ok, detail = _epoch_check(crashed.samples, cfg)
-    checks.append(Check("each sample of an epoch exactly once", ok, detail))
+    checks.append(Check("epochs", "each sample of an epoch exactly once", ok, detail))
     # A restore must load a step that was saved and is not older than the newest commit
     # seen (a commit's log line can be lost in a kill, so a newer one is fine: the
     # bit-identical weights show what it held). The save a crash hit must be skipped.
@@ -375,7 +378,7 @@ def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
         where = "in the commit window (all shards, no .metadata)" if kind == "commit" \
             else "mid-upload"
         detail += f"; step {step}, killed {where}, {'skipped' if ok_skip else 'TAKEN'}"
-    checks.append(Check("no checkpoint taken for complete that was not",
+    checks.append(Check("complete", "no checkpoint taken for complete that was not",
                         not bad_restores and all(ok for *_, ok in skipped), detail))
     over = []
     for c in crashed.crashes:
@@ -384,16 +387,18 @@ def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
         if c.steps_lost > allowed:
             over.append((c.steps_lost, allowed))
     checks.append(Check(
-        "work lost per crash <= one save interval + the save in flight", not over,
+        "lost", "work lost per crash <= one save interval + the save in flight", not over,
         "steps lost: " + ", ".join(str(c.steps_lost) for c in crashed.crashes)
         + f" (interval {cfg.save_every})" + (f"; over: {over}" if over else "")))
     blk = crashed.blocking / crashed.compute if crashed.compute else 1.0
-    checks.append(Check("checkpoint blocking <= 2% of compute", blk <= 0.02, f"{blk:.2%}"))
+    checks.append(Check("blocking", "checkpoint blocking <= 2% of compute", blk <= 0.02,
+                        f"{blk:.2%}"))
     inp = crashed.input_wait / crashed.compute if crashed.compute else 1.0
-    checks.append(Check("input wait <= 5% of compute", inp <= 0.05, f"{inp:.2%}"))
+    checks.append(Check("input", "input wait <= 5% of compute", inp <= 0.05, f"{inp:.2%}"))
     g, g0 = crashed.goodput_ex_restart, ref.goodput_ex_restart
     checks.append(Check(
-        "goodput (restart set apart) >= 95% of the crash-free run's", g >= 0.95 * g0,
+        "goodput", "goodput (restart set apart) >= 95% of the crash-free run's",
+        g0 > 0 and g >= 0.95 * g0,
         f"{g:.1%} vs {g0:.1%} ({g / g0:.1%} of it)" if g0 else "no reference"))
     return checks
 

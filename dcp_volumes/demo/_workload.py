@@ -62,12 +62,12 @@ def load_sample(local_path: str, rng: torch.Generator) -> tuple[torch.Tensor, in
 
 
 def build_model(hidden: int) -> torch.nn.Module:
-    """A small CNN with a wide head (the head makes the checkpoint a few tens of MiB)."""
+    """A small CNN; ``hidden`` (the head's width) sets most of the checkpoint's size."""
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
         torch.nn.Flatten(),
-        torch.nn.Linear(32 * 8 * 8, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(64 * 8 * 8, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
         torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
         torch.nn.Linear(hidden, CLASSES),
     )
