@@ -58,8 +58,8 @@ def _assert_correct(proc: subprocess.CompletedProcess[str], doc: dict[str, Any] 
     for key in TIMING:  # measured and reported, whatever the verdict
         assert key in checks and checks[key]["detail"]
     for name, run in doc["runs"].items():
-        parts = (run["compute"] + run["blocking"] + run["input_wait"] + run["lost"]
-                 + run["restart"] + run["startup"])
+        parts = (run["compute"] + run["blocking"] + run["final_wait"] + run["input_wait"]
+                 + run["lost"] + run["restart"] + run["startup"])
         assert run["wall"] > 0 and 0 < run["goodput"] <= run["goodput_ex_restart"] <= 1, name
         # The parts never add up to more than the wall time (other = the remainder).
         assert parts <= run["wall"] + 0.05, (name, parts, run["wall"])

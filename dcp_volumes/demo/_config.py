@@ -89,7 +89,7 @@ class DemoConfig:
     quick: bool = False
     files: int = 1024
     global_batch: int = 32
-    hidden: int = 256
+    hidden: int = 128
     keep_last: int = 2
     volume: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)

@@ -172,8 +172,10 @@ class SavePhases(logging.Handler):
             self.injector.on_file_uploaded()
         elif msg.startswith(_RANK_WROTE):
             self.injector.on_rank_wrote()
-        elif msg.startswith(_COMMITTED) and record.args:
-            self.injector.on_committed(int(record.args[0]))  # type: ignore[index]
+        elif msg.startswith(_COMMITTED) and isinstance(record.args, tuple) and record.args:
+            step = record.args[0]
+            if isinstance(step, int):
+                self.injector.on_committed(step)
 
     @classmethod
     def install(cls, injector: CrashInjector) -> SavePhases:

@@ -31,11 +31,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dcp_volumes._exceptions import ConfigurationError, DcpVolumesError, VolumeError
 from dcp_volumes._volume import Volume
 from dcp_volumes.demo._config import Crash, DemoConfig, plan_crashes
+
+if TYPE_CHECKING:
+    from dcp_volumes.demo._report import Report
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +137,9 @@ def claim(volume: Volume, cfg: DemoConfig) -> None:
             )
         for prefix in PREFIXES:
             volume.delete_prefix(prefix)
+    config = dict(cfg.to_json(), volume=volume.display_url)
     marker = {"tool": "dcp-volumes demo", "created": time.time(),
-              "prefixes": list(PREFIXES), "config": cfg.to_json()}
+              "prefixes": list(PREFIXES), "config": config}
     volume.publish(MARKER, json.dumps(marker, indent=1).encode())
 
 
@@ -243,10 +247,15 @@ def _agent_cmd(leg: Leg, node: int, port: int, run_id: str, restarts: int,
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """End what is left of the sessions started for these agents.
+
+    After a normal exit nothing is; after a node loss, or a timeout, loader
+    workers of killed ranks may still be winding down, and they must not
+    compete with the next job for the CPUs.
+    """
     for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)  # the session we started for this agent
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)  # the session started for this agent
     for p in procs:
         p.wait()
 
@@ -326,8 +335,15 @@ def _shrink_step(job: JobRecord) -> int | None:
 # -- the whole demo ------------------------------------------------------------------------
 
 
-def run_demo(cfg: DemoConfig, say: Say, *, progress: bool = True) -> Any:
-    """Run the demo and return its ``Report`` (``ok`` when every check passed)."""
+def run_demo(cfg: DemoConfig, say: Say, *, progress: bool = True) -> Report:
+    """Run the demo and return its ``Report`` (``ok`` when every check passed).
+
+    Raises:
+        ConfigurationError: the location holds files that are not a demo run's, or
+            an earlier run without ``--fresh``.
+        VolumeError: the volume cannot be reached or used.
+        DcpVolumesError: a job failed or took too long (its logs are named).
+    """
     from dcp_volumes.demo._report import build_report
 
     started = time.time()

@@ -48,7 +48,7 @@ def plot_timeline(jobs: Mapping[str, JobRecord], runs: Mapping[str, RunStats], p
     for ax, name in zip(axes[:, 0], order, strict=True):
         _panel(ax, jobs[name], runs[name])
     axes[-1, 0].set_xlabel("seconds since the job was launched")
-    handles = [Patch(color=c, label=k) for k, c in _COLORS.items()]
+    handles: list[Any] = [Patch(color=c, label=k) for k, c in _COLORS.items()]
     handles.append(plt.Line2D([], [], marker="X", color="#d62728", linestyle="", markersize=10,
                               label="SIGKILL"))
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8,
@@ -102,7 +102,7 @@ def _panel(ax: Any, job: JobRecord, stats: RunStats) -> None:
                 lost = [e for e in steps if e["step"] > keep_to]
                 if lost and kill is not None:
                     lost_windows.append((lost[0]["t0"], kill["t"]))
-            if kill is not None and evs is att.ranks.get(kill_rank(att)):
+            if kill is not None and r == _kill_rank(att):
                 ax.plot([kill["t"] - t0], [y], marker="X", color="#d62728", markersize=11)
     for a, b in lost_windows:
         for y in range(len(ranks)):
@@ -116,7 +116,7 @@ def _panel(ax: Any, job: JobRecord, stats: RunStats) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
-def kill_rank(att: Any) -> int | None:
+def _kill_rank(att: Any) -> int | None:
     """The rank whose process recorded the attempt's kill."""
     for r, evs in att.ranks.items():
         if any(e["ev"] == "kill" for e in evs):

@@ -10,10 +10,12 @@ Accounting (from rank 0's clock; the gradient all-reduce keeps ranks in lockstep
 * ``lost``: from the end of the last step that the next attempt kept (the
   step it resumed from) to the kill: work that was done and then redone;
 * for the steps that were kept: ``compute`` (batch in hand -> optimizer
-  step done), ``checkpoint blocking`` (how long each save call, and the final
-  wait for the last save, held the job up: from the last rank entering it to
-  the last rank leaving it, see ``_stall``) and ``input wait`` (the loader's
-  ``fetch_seconds``; the measured wait for the naive loader);
+  step done), ``checkpoint blocking`` (how long each save call held the job
+  up: from the last rank entering it to the last rank leaving it, see
+  ``_stall``) and ``input wait`` (the loader's ``fetch_seconds``; the
+  measured wait for the naive loader);
+* ``final wait``: the end of the job waiting for its last save to be on the
+  volume (once per job, like the start-up; not a stall of training);
 * ``other``: the rest of the wall time (rank skew: ranks that wait inside a
   save for a late rank; the loop's own bookkeeping).
 
@@ -116,6 +118,7 @@ class RunStats:
     wall: float = 0.0
     compute: float = 0.0
     blocking: float = 0.0
+    final_wait: float = 0.0
     input_wait: float = 0.0
     lost: float = 0.0
     restart: float = 0.0
@@ -135,8 +138,8 @@ class RunStats:
 
     @property
     def other(self) -> float:
-        return self.wall - (self.compute + self.blocking + self.input_wait + self.lost
-                            + self.restart + self.startup)
+        return self.wall - (self.compute + self.blocking + self.final_wait + self.input_wait
+                            + self.lost + self.restart + self.startup)
 
     @property
     def goodput(self) -> float:
@@ -189,7 +192,7 @@ def analyse(job: JobRecord) -> RunStats:
             if nxt is None:
                 ends = [e for evs in att.ranks.values() for e in evs if e["ev"] == "end"]
                 if att.of("end"):
-                    stats.blocking += _stall([e["final_wait"] for e in ends])
+                    stats.final_wait += _stall([e["final_wait"] for e in ends])
                     stats.wall += att.of("end")[0]["t"] - launch
                     stats.digest = att.of("end")[0]["digest"]
                 continue
@@ -363,7 +366,7 @@ def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
                         r not in saves or (seen and r < max(seen))))]
     skipped = []
     for c in crashed.crashes:
-        kind, step = c.crash.get("kind"), c.crash.get("step")
+        kind, step = c.crash.get("kind"), int(c.crash.get("step", 0))
         if kind in ("upload", "commit"):
             ok_skip = (c.resumed_from or 0) < step
             if kind == "commit":
@@ -453,6 +456,7 @@ def render_table(runs: Mapping[str, RunStats], proj: Mapping[str, dict[str, floa
     row("wall time", lambda s: f"{s.wall:7.1f} s")
     row("  compute", lambda s: _pct(s.compute, s.wall))
     row("  checkpoint blocking", lambda s: _pct(s.blocking, s.wall))
+    row("  end of job: the last save's upload", lambda s: _pct(s.final_wait, s.wall))
     row("  input wait (fetch_seconds)", lambda s: _pct(s.input_wait, s.wall))
     row("  work lost and redone", lambda s: _pct(s.lost, s.wall))
     row("  restart (kill -> first batch)", lambda s: _pct(s.restart, s.wall))
@@ -467,6 +471,8 @@ def render_table(runs: Mapping[str, RunStats], proj: Mapping[str, dict[str, floa
         lambda s: f"{_mean(s.save_end_to_end):.3f} / {max(s.save_end_to_end, default=0):.3f} s")
     row("steps lost per crash",
         lambda s: ", ".join(str(c.steps_lost) for c in s.crashes) or "-")
+    if any(s.torn_restores for s in runs.values()):
+        row("torn checkpoints met by a restore", lambda s: str(s.torn_restores))
     row("restart per crash, mean",
         lambda s: f"{_mean([c.restart_s for c in s.crashes]):.1f} s" if s.crashes else "-")
     rows.append((f"long run: goodput model, {cfg.failures_per_day:g} failures/day",
@@ -484,7 +490,7 @@ def render_table(runs: Mapping[str, RunStats], proj: Mapping[str, dict[str, floa
     return "\n".join(lines)
 
 
-def command_line(cfg: DemoConfig) -> str:
+def command_line(cfg: DemoConfig, volume: str | None = None) -> str:
     """The command that reproduces this configuration."""
     default = DemoConfig()
     parts = ["dcp-volumes demo"]
@@ -496,7 +502,7 @@ def command_line(cfg: DemoConfig) -> str:
         if getattr(cfg, flag):
             parts.append(f"--{flag}")
     if cfg.volume:
-        parts.append(f"--volume {cfg.volume}")
+        parts.append(f"--volume {volume or cfg.volume}")
     return " ".join(parts)
 
 
@@ -512,12 +518,14 @@ def build_report(cfg: DemoConfig, jobs: Mapping[str, JobRecord], workdir: str, v
     try:
         from dcp_volumes.demo._plot import plot_timeline
 
-        plot_timeline(jobs, runs, plot_path, title=command_line(cfg))
+        plot_timeline(jobs, runs, os.path.join(workdir, "timeline.png"),
+                      title=command_line(cfg, volume))
     except ImportError:
         plot_path = None  # matplotlib is not installed
     json_path = os.path.join(workdir, "report.json")
     report = Report(ok=all(c.ok for c in checks), checks=checks, runs=runs, projections=proj,
-                    table=table, command=command_line(cfg), volume=volume, workdir=workdir,
+                    table=table, command=command_line(cfg, volume), volume=volume,
+                    workdir=workdir,
                     json_path=json_path, plot_path=plot_path, seconds=time.time() - started)
     with open(json_path, "w") as f:
         json.dump(report.to_json(), f, indent=1, default=str)

@@ -1,9 +1,10 @@
 """The demo's training job: synthetic images, their augmentation, the model.
 
-Samples are CIFAR-like records, one file each: a label byte followed by a
-3x32x32 uint8 image (3,073 bytes). The image is a class-dependent pattern
-plus noise, so the loss falls and a wrong resume shows up in the weights.
-Both setups (the library's and the naive one) train exactly this.
+Samples are Tiny-ImageNet-sized records, one file each: a label byte
+followed by a 3x64x64 uint8 image (12,289 bytes). The image is a
+class-dependent pattern plus noise, so the loss falls and a wrong resume
+shows up in the weights. Both setups (the library's and the naive one) train
+exactly this.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 CLASSES = 10
-SIDE = 32
+SIDE = 64
 RECORD_BYTES = 1 + 3 * SIDE * SIDE
 
 
@@ -47,9 +48,9 @@ def decode(data: bytes) -> tuple[torch.Tensor, int]:
 
 
 def augment(image: torch.Tensor, rng: torch.Generator | None) -> torch.Tensor:
-    """Random crop (4-pixel padding) and horizontal flip, drawn from ``rng``."""
-    padded = torch.nn.functional.pad(image, (4, 4, 4, 4), mode="reflect")
-    dx, dy, flip = torch.randint(0, 9, (3,), generator=rng).tolist()
+    """Random crop (8-pixel padding) and horizontal flip, drawn from ``rng``."""
+    padded = torch.nn.functional.pad(image, (8, 8, 8, 8), mode="reflect")
+    dx, dy, flip = torch.randint(0, 17, (3,), generator=rng).tolist()
     out = padded[:, dy : dy + SIDE, dx : dx + SIDE]
     return out.flip(2) if flip % 2 else out
 
@@ -62,12 +63,15 @@ def load_sample(local_path: str, rng: torch.Generator) -> tuple[torch.Tensor, in
 
 
 def build_model(hidden: int) -> torch.nn.Module:
-    """A small CNN; ``hidden`` (the head's width) sets most of the checkpoint's size."""
+    """A small CNN (three conv blocks, then an MLP head of width ``hidden``)."""
+
+    def block(cin: int, cout: int) -> list[torch.nn.Module]:
+        return [torch.nn.Conv2d(cin, cout, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2)]
+
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        torch.nn.Flatten(),
-        torch.nn.Linear(64 * 8 * 8, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+        *block(3, 64), *block(64, 128), *block(128, 256),  # 64x64 -> 8x8
+        torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(),
+        torch.nn.Linear(256 * 4 * 4, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
         torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1),
         torch.nn.Linear(hidden, CLASSES),
     )
