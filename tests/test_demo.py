@@ -177,6 +177,33 @@ def test_a_location_with_other_files_is_refused_and_kept(tmp_path: Path) -> None
     assert mine.read_bytes() == b"precious"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_ends_the_ranks_it_started(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "dcp_volumes.cli", "demo", "--no-progress", "--quick",
+           "--steps", "400", "--workdir", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "out" / "runs" / "dcp_volumes"
+    pids: list[int] = []
+    deadline = time.monotonic() + 150
+    while len(pids) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        pids = [json.loads(p.read_text().splitlines()[0])["pid"]
+                for p in run_dir.glob("events-*.jsonl") if p.read_text().strip()]
+    assert len(pids) == 2, proc.stderr.read() if proc.poll() is not None else "no rank started"
+    proc.terminate()
+    assert proc.wait(timeout=60) == 130
+    assert "interrupted" in (proc.stderr.read() if proc.stderr else "")
+    time.sleep(1)
+    assert not [pid for pid in pids if _alive(pid)]
+
+
 def test_claim_fresh_deletes_only_what_a_demo_created(tmp_path: Path) -> None:
     root = tmp_path / "volume"
     volume = Volume(str(root))

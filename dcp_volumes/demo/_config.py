@@ -81,13 +81,13 @@ class DemoConfig:
     """The settings of one ``dcp-volumes demo`` run (see ``add_arguments`` for meanings)."""
 
     nproc: int = 2
-    steps: int = 1200
-    save_every: int = 20
+    steps: int = 480
+    save_every: int = 6
     crashes: int = 3
     seed: int = 0
     shrink: bool = False
     quick: bool = False
-    files: int = 1024
+    files: int = 512
     global_batch: int = 32
     hidden: int = 128
     keep_last: int = 2

@@ -246,18 +246,47 @@ def _agent_cmd(leg: Leg, node: int, port: int, run_id: str, restarts: int,
             "-m", "dcp_volumes.demo", "rank", spec_path]
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """End what is left of the sessions started for these agents.
+def _stop(procs: list[subprocess.Popen[bytes]], run_dir: str) -> None:
+    """End what is left of a job's processes (nothing, after a normal exit).
 
-    After a normal exit nothing is; after a node loss, or a timeout, loader
-    workers of killed ranks may still be winding down, and they must not
-    compete with the next job for the CPUs.
+    torchrun starts each rank in a session of its own, so ending an agent's
+    session does not reach its ranks: a running agent is asked first (SIGTERM:
+    it stops its ranks and exits), then any rank this job recorded that is
+    still alive is killed with its session (its loader workers). After a node
+    loss, loader workers of killed ranks may still be winding down too; they
+    must not compete with the next job for the CPUs.
     """
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + 15
+    for p in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
     for p in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, signal.SIGKILL)  # the session started for this agent
-    for p in procs:
         p.wait()
+    for pid in _rank_pids(run_dir):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _rank_pids(run_dir: str) -> list[int]:
+    """Ranks of this job that are still alive (by the pids their events recorded)."""
+    from dcp_volumes.demo._events import read_events
+
+    alive = []
+    for evs in read_events(run_dir):
+        pid = int(evs[0]["pid"])
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"dcp_volumes.demo" in cmdline and run_dir.encode() in cmdline:  # not a reused pid
+            alive.append(pid)
+    return alive
 
 
 def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
@@ -299,7 +328,7 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
                     monitor.poll()
                     time.sleep(0.25)
             finally:
-                _stop(procs)
+                _stop(procs, job.run_dir)
             job.exits.append(time.time())
             codes = [int(p.returncode) for p in procs]
             job.returncodes.append(codes)
@@ -344,9 +373,32 @@ def run_demo(cfg: DemoConfig, say: Say, *, progress: bool = True) -> Report:
         VolumeError: the volume cannot be reached or used.
         DcpVolumesError: a job failed or took too long (its logs are named).
     """
+    started = time.time()
+    with _terminate_as_interrupt():
+        return _run_demo(cfg, say, progress=progress, started=started)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so the agents' sessions are ended, not orphaned."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_demo(cfg: DemoConfig, say: Say, *, progress: bool, started: float) -> Report:
     from dcp_volumes.demo._report import build_report
 
-    started = time.time()
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="dcp-volumes-demo-")
     workdir = os.path.abspath(workdir)
     os.makedirs(workdir, exist_ok=True)
