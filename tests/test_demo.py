@@ -35,7 +35,7 @@ TIMING = ("blocking", "input", "goodput")
 Result = tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]
 
 
-def _demo(tmp_path: Path, *args: str, timeout: float = 280) -> Result:
+def _demo(tmp_path: Path, *args: str, timeout: float = 560) -> Result:
     cmd = [sys.executable, "-m", "dcp_volumes.cli", "demo", "--json", "--no-progress",
            "--workdir", str(tmp_path / "out"), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -73,9 +73,12 @@ def _crash_kinds(doc: dict[str, Any], run: str = "dcp_volumes") -> list[str]:
     return [c["crash"]["kind"] for c in doc["runs"][run]["crashes"]]
 
 
+SHORT = ("--steps", "48", "--save-every", "8", "--files", "128")
+
+
+@pytest.mark.timeout(600)
 def test_two_crashes_one_in_the_commit_window(tmp_path: Path) -> None:
-    proc, doc = _demo(tmp_path, "--steps", "60", "--save-every", "10", "--crashes", "2",
-                      "--files", "256", "--quick")
+    proc, doc = _demo(tmp_path, *SHORT, "--crashes", "2", "--quick")
     _assert_correct(proc, doc)
     assert doc is not None
     assert sorted(_crash_kinds(doc)) == ["commit", "upload"]
@@ -84,7 +87,7 @@ def test_two_crashes_one_in_the_commit_window(tmp_path: Path) -> None:
     # Killed with every shard on the volume and no .metadata; the restart skipped it.
     assert commit["evidence"]["ranks_with_all_shards_uploaded"] == 2
     assert commit["evidence"]["listed"] and not commit["evidence"]["complete"]
-    assert commit["resumed_from"] == commit["crash"]["step"] - 10
+    assert commit["resumed_from"] == commit["crash"]["step"] - 8
     assert crashed["worlds"] == [2, 2, 2]
     assert "naive" not in doc["runs"]  # --quick
     # The kills were real SIGKILLs, seen by torchrun.
@@ -92,9 +95,9 @@ def test_two_crashes_one_in_the_commit_window(tmp_path: Path) -> None:
     assert logs.count("exitcode: -9") >= 2
 
 
+@pytest.mark.timeout(600)
 def test_shrink_restarts_on_fewer_ranks(tmp_path: Path) -> None:
-    proc, doc = _demo(tmp_path, "--steps", "60", "--save-every", "10", "--crashes", "2",
-                      "--files", "256", "--shrink", "--quick")
+    proc, doc = _demo(tmp_path, *SHORT, "--crashes", "2", "--shrink", "--quick")
     _assert_correct(proc, doc)
     assert doc is not None
     checks = _checks(doc)
@@ -106,10 +109,10 @@ def test_shrink_restarts_on_fewer_ranks(tmp_path: Path) -> None:
     assert ref["world_change"] == crashed["world_change"]
 
 
+@pytest.mark.timeout(600)
 def test_local_directory_volume_with_the_naive_baseline(tmp_path: Path) -> None:
     volume = tmp_path / "volume"
-    proc, doc = _demo(tmp_path, "--volume", str(volume), "--steps", "50", "--save-every",
-                      "10", "--crashes", "1", "--files", "128")
+    proc, doc = _demo(tmp_path, "--volume", str(volume), *SHORT, "--crashes", "1")
     _assert_correct(proc, doc)
     assert doc is not None
     naive = doc["runs"]["naive"]
@@ -185,6 +188,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.timeout(300)
 def test_sigterm_ends_the_ranks_it_started(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "dcp_volumes.cli", "demo", "--no-progress", "--quick",
            "--steps", "400", "--workdir", str(tmp_path / "out")]
