@@ -1,24 +1,259 @@
-"""The demo end to end: a torchrun job loses a rank to SIGKILL and resumes exactly."""
+"""The goodput demo end to end: real torchrun, real SIGKILLs, a real S3 server (moto).
+
+The short configurations assert every correctness check of the demo (the
+crashes happened where planned, bit-identical weights, the sample stream, no
+partial checkpoint restored, the work lost per crash) and that the timing
+checks are measured and reported. Whether blocking, input wait and goodput
+meet their thresholds depends on the run being long enough to amortise one
+save interval per crash (``dcp-volumes demo --help``); the default
+configuration, which must PASS every check, runs in the ``slow`` test.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dcp_volumes._exceptions import ConfigurationError
+from dcp_volumes._volume import Volume
+from dcp_volumes.demo import DemoConfig, parse_storage_options
+from dcp_volumes.demo._config import plan_crashes
+from dcp_volumes.demo._launcher import MARKER, claim
+
+CORRECTNESS = ("crashes", "weights", "samples", "epochs", "complete", "lost")
+TIMING = ("blocking", "input", "goodput")
 
 
-def test_demo_resumes_exactly_after_a_kill(tmp_path) -> None:
-    cmd = [sys.executable, "-m", "dcp_volumes.cli", "demo", "--json", "--steps", "14",
-           "--save-every", "4", "--crash-at", "10", "--files", "40",
-           "--workdir", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(proc.stdout)
-    assert result["ok"] is True
-    assert result["mismatched_steps"] == []
-    assert result["reference_digest"] == result["crashed_digest"]
-    # The kill came after step 8 was saved: the restart resumes from a checkpoint, not from 0.
-    assert result["resumed_from"] in (4, 8)
-    samples = (tmp_path / "crashed.samples.jsonl").read_text().splitlines()
-    steps = [json.loads(line)["step"] for line in samples]
-    assert max(steps) == 14 and len(steps) > 14, "steps after the checkpoint were redone"
+Result = tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]
+
+
+def _demo(tmp_path: Path, *args: str, timeout: float = 560) -> Result:
+    cmd = [sys.executable, "-m", "dcp_volumes.cli", "demo", "--json", "--no-progress",
+           "--workdir", str(tmp_path / "out"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    try:
+        doc = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        doc = None
+    return proc, doc
+
+
+def _checks(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["key"]: c for c in doc["checks"]}
+
+
+def _assert_correct(proc: subprocess.CompletedProcess[str], doc: dict[str, Any] | None) -> None:
+    assert doc is not None, proc.stdout[-2000:] + proc.stderr[-4000:]
+    checks = _checks(doc)
+    failed = [f"{k}: {checks[k]['detail']}" for k in CORRECTNESS if not checks[k]["ok"]]
+    assert not failed, failed
+    for key in TIMING:  # measured and reported, whatever the verdict
+        assert key in checks and checks[key]["detail"]
+    for name, run in doc["runs"].items():
+        parts = (run["compute"] + run["blocking"] + run["final_wait"] + run["input_wait"]
+                 + run["lost"] + run["restart"] + run["startup"])
+        assert run["wall"] > 0 and 0 < run["goodput"] <= run["goodput_ex_restart"] <= 1, name
+        # The parts never add up to more than the wall time (other = the remainder).
+        assert parts <= run["wall"] + 0.05, (name, parts, run["wall"])
+    assert doc["ok"] == all(c["ok"] for c in doc["checks"])
+    png = Path(doc["plot"]).read_bytes()
+    assert png.startswith(b"\x89PNG")
+    assert Path(doc["json"]).is_file()
+
+
+def _crash_kinds(doc: dict[str, Any], run: str = "dcp_volumes") -> list[str]:
+    return [c["crash"]["kind"] for c in doc["runs"][run]["crashes"]]
+
+
+SHORT = ("--steps", "48", "--save-every", "8", "--files", "128")
+
+
+@pytest.mark.timeout(600)
+def test_two_crashes_one_in_the_commit_window(tmp_path: Path) -> None:
+    proc, doc = _demo(tmp_path, *SHORT, "--crashes", "2", "--quick")
+    _assert_correct(proc, doc)
+    assert doc is not None
+    assert sorted(_crash_kinds(doc)) == ["commit", "upload"]
+    crashed = doc["runs"]["dcp_volumes"]
+    commit = next(c for c in crashed["crashes"] if c["crash"]["kind"] == "commit")
+    # Killed with every shard on the volume and no .metadata; the restart skipped it.
+    assert commit["evidence"]["ranks_with_all_shards_uploaded"] == 2
+    assert commit["evidence"]["listed"] and not commit["evidence"]["complete"]
+    assert commit["resumed_from"] == commit["crash"]["step"] - 8
+    assert crashed["worlds"] == [2, 2, 2]
+    assert "naive" not in doc["runs"]  # --quick
+    # The kills were real SIGKILLs, seen by torchrun.
+    logs = (Path(doc["workdir"]) / "runs" / "dcp_volumes" / "node-0.log").read_text()
+    assert logs.count("exitcode: -9") >= 2
+
+
+@pytest.mark.timeout(600)
+def test_shrink_restarts_on_fewer_ranks(tmp_path: Path) -> None:
+    proc, doc = _demo(tmp_path, *SHORT, "--crashes", "2", "--shrink", "--quick")
+    _assert_correct(proc, doc)
+    assert doc is not None
+    checks = _checks(doc)
+    assert checks["shrink"]["ok"], checks["shrink"]
+    assert "went from 2 to 1 ranks" in checks["weights"]["name"]
+    assert _crash_kinds(doc) == ["commit", "node"]
+    crashed, ref = doc["runs"]["dcp_volumes"], doc["runs"]["reference"]
+    assert crashed["worlds"][-1] == 1 and ref["worlds"][-1] == 1
+    assert ref["world_change"] == crashed["world_change"]
+
+
+@pytest.mark.timeout(600)
+def test_local_directory_volume_with_the_naive_baseline(tmp_path: Path) -> None:
+    volume = tmp_path / "volume"
+    proc, doc = _demo(tmp_path, "--volume", str(volume), *SHORT, "--crashes", "1")
+    _assert_correct(proc, doc)
+    assert doc is not None
+    naive = doc["runs"]["naive"]
+    assert _crash_kinds(doc, "naive") == _crash_kinds(doc) == ["commit"]
+    assert naive["saves"] >= 5 and naive["committed"] >= 4
+    assert "naive (before)" in doc["table"] and "dcp_volumes (after)" in doc["table"]
+    # Only what the demo writes, under the location it was given.
+    assert sorted(p.name for p in volume.iterdir()) == ["ckpt", MARKER, "train"]
+    assert sorted(p.name for p in (volume / "ckpt").iterdir()) == [
+        "dcp_volumes", "naive", "reference"]
+    # A second run refuses the location (it holds this run) without --fresh.
+    again, _ = _demo(tmp_path / "again", "--volume", str(volume), timeout=60)
+    assert again.returncode == 2 and "--fresh" in again.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_default_demo_passes_every_check(tmp_path: Path) -> None:
+    proc, doc = _demo(tmp_path, timeout=1400)
+    _assert_correct(proc, doc)
+    assert doc is not None
+    failed = [f"{c['key']}: {c['detail']}" for c in doc["checks"] if not c["ok"]]
+    assert proc.returncode == 0 and not failed, failed
+
+
+# -- bad input: clear messages, non-zero exit, nothing deleted ------------------------------
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_unreachable_volume(tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc, _ = _demo(tmp_path, "--volume", "s3://demo-bucket/run", "--storage-option", "key=a",
+                    "--storage-option", "secret=b", "--storage-option",
+                    f"client_kwargs.endpoint_url=http://127.0.0.1:{_closed_port()}", timeout=120)
+    assert proc.returncode == 1
+    assert "cannot use the volume s3://demo-bucket/run" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - started < 100
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nproc", "64"], "--nproc 64"),
+    (["--crashes", "9", "--steps", "40", "--save-every", "10"], "--crashes 9 does not fit"),
+    (["--shrink", "--nproc", "1"], "--shrink needs --nproc 2"),
+    (["--storage-option", "nonsense"], "expected KEY=VALUE"),
+])
+def test_bad_arguments(tmp_path: Path, args: list[str], message: str) -> None:
+    proc, _ = _demo(tmp_path, *args, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything was created
+
+
+def test_a_location_with_other_files_is_refused_and_kept(tmp_path: Path) -> None:
+    (tmp_path / "volume").mkdir()
+    mine = tmp_path / "volume" / "my-data.bin"
+    mine.write_bytes(b"precious")
+    proc, _ = _demo(tmp_path, "--volume", str(tmp_path / "volume"), "--fresh", timeout=60)
+    assert proc.returncode == 2 and "no demo run wrote" in proc.stderr
+    assert mine.read_bytes() == b"precious"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_ends_the_ranks_it_started(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "dcp_volumes.cli", "demo", "--no-progress", "--quick",
+           "--steps", "400", "--workdir", str(tmp_path / "out")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "out" / "runs" / "dcp_volumes"
+    pids: list[int] = []
+    deadline = time.monotonic() + 150
+    while len(pids) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        pids = [json.loads(p.read_text().splitlines()[0])["pid"]
+                for p in run_dir.glob("events-*.jsonl") if p.read_text().strip()]
+    assert len(pids) == 2, proc.stderr.read() if proc.poll() is not None else "no rank started"
+    proc.terminate()
+    assert proc.wait(timeout=60) == 130
+    assert "interrupted" in (proc.stderr.read() if proc.stderr else "")
+    time.sleep(1)
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+def test_claim_fresh_deletes_only_what_a_demo_created(tmp_path: Path) -> None:
+    root = tmp_path / "volume"
+    volume = Volume(str(root))
+    volume.check_root(create=True)
+    claim(volume, DemoConfig(volume=str(root)))  # empty: claimed
+    for rel in ("train/sample-00000.bin", "ckpt/dcp_volumes/step-00000010/.metadata"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"x")
+    with pytest.raises(ConfigurationError, match="--fresh"):
+        claim(volume, DemoConfig(volume=str(root)))
+    claim(volume, DemoConfig(volume=str(root), fresh=True))
+    assert sorted(p.name for p in root.iterdir()) == [MARKER]
+    doc = json.loads((root / MARKER).read_text())
+    assert doc["tool"] == "dcp-volumes demo" and doc["prefixes"] == ["train", "ckpt"]
+
+
+# -- the plan and the options ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_crash_plans(seed: int) -> None:
+    cfg = DemoConfig(seed=seed)
+    plan = plan_crashes(cfg)
+    assert sorted(c.kind for c in plan) == ["commit", "step", "upload"]
+    steps = [c.step for c in plan]
+    assert steps == sorted(set(steps)) and steps[0] > 0 and steps[-1] < cfg.steps
+    for c in plan:
+        on_save = c.step % cfg.save_every == 0
+        assert on_save == (c.kind in ("upload", "commit"))
+        assert c.rank == 0 if c.kind == "commit" else 0 <= c.rank < cfg.nproc
+    shrink = plan_crashes(DemoConfig(seed=seed, shrink=True, crashes=2))
+    assert [c.kind for c in shrink] == ["commit", "node"] and shrink[-1].rank == 1
+    assert plan_crashes(DemoConfig(seed=seed)) == plan  # the seed decides
+
+
+def test_storage_options_nest_and_merge() -> None:
+    got = parse_storage_options(["client_kwargs.endpoint_url=http://h:1", "anon=false", "key=k"],
+                                {"client_kwargs": {"region_name": "r"}})
+    assert got == {"client_kwargs": {"endpoint_url": "http://h:1", "region_name": "r"},
+                   "anon": False, "key": "k"}
+    with pytest.raises(ConfigurationError):
+        parse_storage_options(["=x"])
+
+
+def test_importing_the_demo_package_does_not_import_torch() -> None:
+    code = "import sys, dcp_volumes.demo, dcp_volumes.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ), check=True)
+    assert out.stdout.strip() == "False"

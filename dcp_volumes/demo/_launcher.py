@@ -1,0 +1,451 @@
+"""The demo's launcher: a volume, a training set, the torchrun jobs, then the report.
+
+``run_demo`` claims a location on a volume (by default an embedded S3 server,
+moto, on 127.0.0.1), writes the training set there and runs, one after the
+other:
+
+1. the dcp_volumes job with the planned crashes (``_config.plan_crashes``);
+2. the reference: the same job with no crash (with ``--shrink``, it changes
+   world size at the step where the crashed job came back smaller);
+3. the naive job with the same crashes (skipped by ``--quick``).
+
+Each job is started with ``torchrun`` (``python -m torch.distributed.run``):
+one agent per node, ``--max-restarts`` equal to the crashes, so the agents
+restart the group after every kill and the job resumes by itself. This
+module only starts torchrun, watches the ranks' event logs for progress, and
+reads them when the job is done. Nothing here supervises a rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dcp_volumes._exceptions import ConfigurationError, DcpVolumesError, VolumeError
+from dcp_volumes._volume import Volume
+from dcp_volumes.demo._config import Crash, DemoConfig, plan_crashes
+
+if TYPE_CHECKING:
+    from dcp_volumes.demo._report import Report
+
+logger = logging.getLogger(__name__)
+
+#: The file that marks a location as a demo run's (and lists what the demo created).
+MARKER = "dcp_volumes_demo.json"
+#: Top-level prefixes a demo run writes below the volume root, besides the marker.
+PREFIXES = ("train", "ckpt")
+
+#: A job that takes longer than this is stopped (its agents' sessions are killed).
+JOB_TIMEOUT_S = 1800.0
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One torchrun launch of a job: its nodes (ranks each) and where it stops."""
+
+    nodes: list[int]
+    stop_at: int | None = None
+    elastic: bool = False
+
+
+@dataclass
+class JobRecord:
+    """What the launcher knows about a finished job; the ranks' events are in ``run_dir``."""
+
+    name: str
+    setup: str
+    run_dir: str
+    crashes: list[Crash]
+    launches: list[float] = field(default_factory=list)
+    exits: list[float] = field(default_factory=list)
+    returncodes: list[list[int]] = field(default_factory=list)
+
+
+# -- the volume ----------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def embedded_s3() -> Iterator[tuple[str, dict[str, Any]]]:
+    """An S3 bucket served by moto on 127.0.0.1 for the duration of the block."""
+    try:
+        import boto3
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:
+        raise ConfigurationError(
+            "The embedded S3 server needs moto and boto3 (pip install 'dcp_volumes[dev]'). "
+            "Fix: install them, or pass --volume with a directory or a bucket URL."
+        ) from exc
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="demo",
+                     aws_secret_access_key="demo", region_name="us-east-1"
+                     ).create_bucket(Bucket="demo")
+        yield "s3://demo", {"key": "demo", "secret": "demo",
+                            "client_kwargs": {"endpoint_url": endpoint}}
+    finally:
+        server.stop()
+
+
+def claim(volume: Volume, cfg: DemoConfig) -> None:
+    """Make ``volume`` this run's: empty, or a demo run's with ``--fresh``; write the marker.
+
+    Raises:
+        ConfigurationError: the location holds files no demo run wrote, or holds
+            another demo run and ``--fresh`` was not given.
+    """
+    files = volume.list("")
+    if files:
+        paths = [f.path for f in files]
+        foreign = [p for p in paths if p != MARKER and p.split("/", 1)[0] not in PREFIXES]
+        if MARKER not in paths or foreign:
+            example = (foreign or paths)[0]
+            raise ConfigurationError(
+                f"{volume.display_url} already holds {len(paths)} file(s) that no demo run "
+                f"wrote (e.g. {example}); the demo writes only to an empty location or to one "
+                "that an earlier demo run created, and deletes nothing else. Fix: point "
+                "--volume at an empty directory or prefix."
+            )
+        if not cfg.fresh:
+            raise ConfigurationError(
+                f"{volume.display_url} holds an earlier demo run. Fix: pass --fresh to delete "
+                f"what that run created ({', '.join(p + '/' for p in PREFIXES)} and {MARKER}) "
+                "and start again, or choose another --volume."
+            )
+        for prefix in PREFIXES:
+            volume.delete_prefix(prefix)
+    config = dict(cfg.to_json(), volume=volume.display_url)
+    marker = {"tool": "dcp-volumes demo", "created": time.time(),
+              "prefixes": list(PREFIXES), "config": config}
+    volume.publish(MARKER, json.dumps(marker, indent=1).encode())
+
+
+def write_training_set(volume: Volume, cfg: DemoConfig, progress: bool) -> None:
+    """The samples of ``_workload.make_samples`` under ``train/``, in parallel."""
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    from dcp_volumes.demo._workload import make_samples
+
+    samples = make_samples(cfg.files, cfg.seed)
+    with tqdm(total=len(samples), desc="writing the training set", unit="file",
+              file=sys.stderr, disable=not progress, leave=False) as bar, \
+            ThreadPoolExecutor(8) as pool:
+        for _ in pool.map(lambda s: volume.publish(f"train/{s[0]}", s[1]), samples):
+            bar.update(1)
+
+
+# -- jobs ----------------------------------------------------------------------------------
+
+
+class _Progress:
+    """Follows a job's event logs: a progress bar, and a line per crash and restart."""
+
+    def __init__(self, run_dir: str, total: int, desc: str, say: Say, progress: bool,
+                 crashes: int) -> None:
+        from tqdm import tqdm
+
+        self.run_dir, self.say, self.crashes = run_dir, say, crashes
+        self.offsets: dict[str, int] = {}
+        self.starts: dict[str, dict[str, Any]] = {}
+        self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr,
+                        disable=not progress, leave=False)
+
+    def poll(self) -> None:
+        try:
+            names = sorted(os.listdir(self.run_dir))
+        except FileNotFoundError:
+            return
+        for name in names:
+            if not (name.startswith("events-") and name.endswith(".jsonl")):
+                continue
+            path = os.path.join(self.run_dir, name)
+            with open(path) as f:
+                f.seek(self.offsets.get(path, 0))
+                chunk = f.read()
+            complete = chunk[: chunk.rfind("\n") + 1]
+            self.offsets[path] = self.offsets.get(path, 0) + len(complete)
+            for line in complete.splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    self._event(path, json.loads(line))
+
+    def _event(self, path: str, ev: dict[str, Any]) -> None:
+        kind = ev.get("ev")
+        if kind == "start":
+            self.starts[path] = ev
+        start = self.starts.get(path, {})
+        if kind == "step" and start.get("rank") == 0:
+            self.bar.n = ev["step"]  # goes back after a restart: the redone steps
+            self.bar.refresh()
+        elif kind == "kill":
+            crash = Crash(**ev["crash"])
+            self.say(f"  crash {crash.index + 1}/{self.crashes} at {time.strftime('%X')}: "
+                     f"{ev.get('what') or crash.describe()}")
+        elif kind == "restored" and start.get("rank") == 0 and start.get("attempt", 0) > 0:
+            step = ev["step"]
+            self.say(f"  torchrun restarted the job on {start['world']} rank(s); it resumed "
+                     f"from {'step ' + str(step) if step is not None else 'the start'}")
+
+    def close(self) -> None:
+        self.poll()
+        self.bar.close()
+
+
+def _spec(cfg: DemoConfig, job: JobRecord, leg: int, stop_at: int | None, root: str,
+          workdir: str) -> dict[str, Any]:
+    from dcp_volumes.demo._workload import state_bytes
+
+    per_rank = state_bytes(cfg.hidden) // cfg.nproc
+    return {
+        "setup": job.setup, "run": job.name, "leg": leg, "run_dir": job.run_dir,
+        "local_dir": os.path.join(workdir, "local", job.name),
+        "data_url": f"{root}/train", "ckpt_url": f"{root}/ckpt/{job.name}",
+        "steps": cfg.steps, "stop_at": stop_at, "save_every": cfg.save_every,
+        "keep_last": cfg.keep_last, "global_batch": cfg.global_batch, "hidden": cfg.hidden,
+        "seed": cfg.seed, "lr": 3e-3, "num_workers": 1,
+        "crashes": [asdict(c) for c in job.crashes],
+        # About three shard files per rank: an "upload" kill then lands between two.
+        "file_size": max(1 << 18, per_rank // 3),
+    }
+
+
+def _agent_cmd(leg: Leg, node: int, port: int, run_id: str, restarts: int,
+               spec_path: str) -> list[str]:
+    n = len(leg.nodes)
+    nnodes = f"1:{n}" if leg.elastic else str(n)
+    # last_call_timeout: how long agents wait for more nodes once the minimum is there
+    # (only matters when a node is lost); keep-alive: how soon a dead node is dropped.
+    conf = (f"is_host={'true' if node == 0 else 'false'},last_call_timeout=5,"
+            "keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120")
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+            f"--nproc-per-node={leg.nodes[node]}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+            f"--rdzv-conf={conf}", f"--max-restarts={restarts}", "--monitor-interval=0.5",
+            "-m", "dcp_volumes.demo", "rank", spec_path]
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], run_dir: str) -> None:
+    """End what is left of a job's processes (nothing, after a normal exit).
+
+    torchrun starts each rank in a session of its own, so ending an agent's
+    session does not reach its ranks: a running agent is asked first (SIGTERM:
+    it stops its ranks and exits), then any rank this job recorded that is
+    still alive is killed with its session (its loader workers). After a node
+    loss, loader workers of killed ranks may still be winding down too; they
+    must not compete with the next job for the CPUs.
+    """
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        p.terminate()
+    deadline = time.monotonic() + 15
+    for p in running:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)  # the session started for this agent
+        p.wait()
+    for pid in _rank_pids(run_dir):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _rank_pids(run_dir: str) -> list[int]:
+    """Ranks of this job that are still alive (by the pids their events recorded)."""
+    from dcp_volumes.demo._events import read_events
+
+    alive = []
+    for evs in read_events(run_dir):
+        pid = int(evs[0]["pid"])
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"dcp_volumes.demo" in cmdline and run_dir.encode() in cmdline:  # not a reused pid
+            alive.append(pid)
+    return alive
+
+
+def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
+            options: Mapping[str, Any], workdir: str, say: Say, progress: bool) -> None:
+    """Run ``job``'s legs one after the other under torchrun; raise if one fails."""
+    os.makedirs(job.run_dir, exist_ok=True)
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the rendezvous store shared (the default),
+    # gloo ranks of a restarted attempt find the killed attempt's addresses and fail to
+    # connect (seen with torch 2.13); a fresh store per attempt makes restarts work.
+    base_env = dict(os.environ, DCP_VOLUMES_DEMO_OPTIONS=json.dumps(dict(options)),
+                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    monitor = _Progress(job.run_dir, cfg.steps, job.name, say, progress, len(job.crashes))
+    lost_nodes = {len(cfg.nodes) - 1} if any(c.kind == "node" for c in job.crashes) else set()
+    try:
+        for i, leg in enumerate(legs):
+            spec_path = os.path.join(job.run_dir, f"spec-{i}.json")
+            with open(spec_path, "w") as f:
+                json.dump(_spec(cfg, job, i, leg.stop_at, root, workdir), f, indent=1)
+            port = _free_port()
+            procs: list[subprocess.Popen[bytes]] = []
+            job.launches.append(time.time())
+            try:
+                for node in range(len(leg.nodes)):
+                    log = open(os.path.join(job.run_dir, f"node-{node}.log"), "ab")  # noqa: SIM115
+                    with log:
+                        procs.append(subprocess.Popen(
+                            _agent_cmd(leg, node, port, f"{job.name}-{i}",
+                                       len(job.crashes), spec_path),
+                            env=dict(base_env, DCP_VOLUMES_DEMO_NODE=str(node)),
+                            cwd=job.run_dir, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True))
+                deadline = time.monotonic() + JOB_TIMEOUT_S
+                while any(p.poll() is None for p in procs):
+                    if time.monotonic() > deadline:
+                        raise DcpVolumesError(
+                            f"the {job.name} job did not finish in {JOB_TIMEOUT_S:.0f}s; its "
+                            f"logs are in {job.run_dir}")
+                    monitor.poll()
+                    time.sleep(0.25)
+            finally:
+                _stop(procs, job.run_dir)
+            job.exits.append(time.time())
+            codes = [int(p.returncode) for p in procs]
+            job.returncodes.append(codes)
+            failed = [n for n, rc in enumerate(codes) if rc != 0 and n not in lost_nodes]
+            if failed or codes[0] != 0:
+                raise DcpVolumesError(
+                    f"the {job.name} job failed (torchrun exit codes {codes}). Its logs: "
+                    f"{os.path.join(job.run_dir, 'node-*.log')}\n" + _log_tail(job.run_dir))
+    finally:
+        monitor.close()
+
+
+def _log_tail(run_dir: str, lines: int = 25) -> str:
+    out = []
+    for name in sorted(os.listdir(run_dir)):
+        if name.startswith("node-") and name.endswith(".log"):
+            with open(os.path.join(run_dir, name), errors="replace") as f:
+                tail = f.read().splitlines()[-lines:]
+            out.append(f"--- {name} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n".join(out)
+
+
+def _shrink_step(job: JobRecord) -> int | None:
+    """The step the crashed job resumed from when it came back on fewer ranks."""
+    from dcp_volumes.demo._events import read_events
+
+    procs = read_events(job.run_dir)
+    last = max((p for p in procs if p[0]["rank"] == 0), key=lambda p: p[0]["attempt"])
+    restored = next((e for e in last if e["ev"] == "restored"), None)
+    return None if restored is None else restored["step"]
+
+
+# -- the whole demo ------------------------------------------------------------------------
+
+
+def run_demo(cfg: DemoConfig, say: Say, *, progress: bool = True) -> Report:
+    """Run the demo and return its ``Report`` (``ok`` when every check passed).
+
+    Raises:
+        ConfigurationError: the location holds files that are not a demo run's, or
+            an earlier run without ``--fresh``.
+        VolumeError: the volume cannot be reached or used.
+        DcpVolumesError: a job failed or took too long (its logs are named).
+    """
+    started = time.time()
+    with _terminate_as_interrupt():
+        return _run_demo(cfg, say, progress=progress, started=started)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so the agents' sessions are ended, not orphaned."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_demo(cfg: DemoConfig, say: Say, *, progress: bool, started: float) -> Report:
+    from dcp_volumes.demo._report import build_report
+
+    workdir = cfg.workdir or tempfile.mkdtemp(prefix="dcp-volumes-demo-")
+    workdir = os.path.abspath(workdir)
+    os.makedirs(workdir, exist_ok=True)
+    crashes = plan_crashes(cfg)
+    with contextlib.ExitStack() as stack:
+        if cfg.volume is None:
+            root, options = stack.enter_context(embedded_s3())
+        else:
+            root, options = cfg.volume.rstrip("/"), dict(cfg.storage_options)
+        volume = Volume(root, storage_options=options)
+        shown = volume.display_url
+        try:
+            volume.check_root(create=True)
+        except DcpVolumesError as exc:
+            raise VolumeError(f"cannot use the volume {shown}: {exc}") from exc
+        claim(volume, cfg)
+        say(f"volume: {shown}{'  (embedded S3 server, moto)' if cfg.volume is None else ''}")
+        say(f"output: {workdir}")
+        say(f"writing {cfg.files} training files to {shown}/train ...")
+        write_training_set(volume, cfg, progress)
+        worlds = " -> ".join(str(w) for w in cfg.worlds)
+        say(f"job: {cfg.steps} steps on {worlds} ranks, global batch {cfg.global_batch}, "
+            f"a save every {cfg.save_every} steps, {len(crashes)} crash(es) (seed {cfg.seed}):")
+        for c in crashes:
+            say(f"  {c.index + 1}. {c.describe()}")
+        elastic = cfg.shrink
+        jobs: dict[str, JobRecord] = {}
+
+        def run(name: str, setup: str, planned: list[Crash], legs: list[Leg]) -> None:
+            job = JobRecord(name=name, setup=setup, crashes=planned,
+                            run_dir=os.path.join(workdir, "runs", name))
+            jobs[name] = job
+            note = f"{len(planned)} crash(es)" if planned else "no crash"
+            say(f"\n== {name}: {setup} setup, {note}")
+            run_job(cfg, job, legs, root, options, workdir, say, progress)
+
+        run("dcp_volumes", "dcp_volumes", crashes, [Leg(cfg.nodes, elastic=elastic)])
+        if cfg.shrink:
+            at = _shrink_step(jobs["dcp_volumes"])
+            legs = [Leg([cfg.nodes[0]])]
+            if at:
+                legs.insert(0, Leg(cfg.nodes, stop_at=at))
+            say(f"(the reference changes from {cfg.nproc} to {cfg.nodes[0]} ranks at step "
+                f"{at or 0}, where the crashed job did)")
+        else:
+            legs = [Leg(cfg.nodes)]
+        run("reference", "dcp_volumes", [], legs)
+        if not cfg.quick:
+            run("naive", "naive", crashes, [Leg(cfg.nodes, elastic=elastic)])
+    return build_report(cfg, jobs, workdir, shown, started=started)

@@ -1,0 +1,274 @@
+"""One rank of a demo training job, started by torchrun: ``python -m dcp_volumes.demo rank SPEC``.
+
+The training loop is the same for both setups; what differs is where inputs
+come from and how checkpoints are taken:
+
+* ``dcp_volumes``: ``VolumeDataset`` + ``DataLoader`` (read-through cache,
+  prefetch, random augmentation seeded per sample, a global resumable
+  position) and ``CheckpointManager`` (async saves every ``save_every`` steps,
+  retention, restore of the newest complete checkpoint), public API only;
+* ``naive`` (``_naive.py``): a map-style dataset that reads every file from the
+  volume on every access, and a synchronous ``torch.save`` on rank 0 followed
+  by an upload.
+
+The state holds the model, the optimiser, the LR scheduler, the step, the
+loader's position and every rank's RNGs. Each rank records what it does in
+an event log (``_events.py``); crashes come from the plan (``_faults.py``).
+``SPEC`` is a JSON file the launcher writes; storage options (which may hold
+credentials) come from the environment variable ``DCP_VOLUMES_DEMO_OPTIONS``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+from dcp_volumes.demo._events import EventLog, process_start_time
+
+T_PROC = process_start_time()
+
+import torch  # noqa: E402 (the import is part of what a restart costs: timed)
+import torch.distributed as dist  # noqa: E402
+
+T_IMPORT = time.time()
+
+from dcp_volumes.demo._config import Crash  # noqa: E402
+from dcp_volumes.demo._faults import CrashInjector, SavePhases, kills_so_far  # noqa: E402
+from dcp_volumes.demo._workload import (  # noqa: E402
+    build_model,
+    capture_rngs,
+    load_sample,
+    params_digest,
+    restore_rngs,
+)
+
+logger = logging.getLogger("dcp_volumes.demo")
+
+OPTIONS_ENV = "DCP_VOLUMES_DEMO_OPTIONS"
+NODE_ENV = "DCP_VOLUMES_DEMO_NODE"
+
+Batch = tuple[torch.Tensor, torch.Tensor, list[str]]
+
+
+class TrainState:
+    """Model, optimiser, LR scheduler, step and this rank's RNGs as one DCP ``Stateful``.
+
+    The RNG states go under a key of their own per rank (``rng_rank<r>``): DCP
+    keeps each rank's, and a job that comes back on fewer ranks finds each
+    surviving rank's generators. Everything else is the same on every rank (data
+    parallel), and DCP writes one copy of it.
+    """
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer,
+                 sched: torch.optim.lr_scheduler.LRScheduler) -> None:
+        self.model, self.optim, self.sched = model, optim, sched
+        self.step = 0
+        self.rng_key = f"rng_rank{dist.get_rank()}"
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        return {"model": model_sd, "optim": optim_sd, "sched": self.sched.state_dict(),
+                "step": self.step, self.rng_key: pickle.dumps(capture_rngs())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optim, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.sched.load_state_dict(state["sched"])
+        self.step = int(state["step"])
+        restore_rngs(pickle.loads(state[self.rng_key]))  # written by this job's own rank
+
+
+class Setup(Protocol):
+    """Inputs and checkpoints of one setup."""
+
+    def restore(self, state: TrainState) -> int | None: ...
+    def batches(self, start_step: int) -> Iterator[Batch]: ...
+    def fetch_seconds(self, measured: float) -> float: ...
+    def save(self, step: int, state: TrainState) -> None: ...
+    def close(self) -> None: ...
+
+
+class LibrarySetup:
+    """The dcp_volumes setup: VolumeDataset + DataLoader, CheckpointManager."""
+
+    def __init__(self, spec: Mapping[str, Any], options: Mapping[str, Any],
+                 injector: CrashInjector, local: str, marks: dict[str, float]) -> None:
+        from dcp_volumes import CheckpointManager, DataLoader, VolumeDataset
+
+        marks["t_import_dcpv"] = time.time()
+        staging = os.path.join(local, "staging")
+        os.makedirs(staging, exist_ok=True)
+        dataset = VolumeDataset(spec["data_url"], cache_dir=os.path.join(local, "cache"),
+                                cache_limit="1GB", shuffle=True, seed=spec["seed"],
+                                transform=load_sample, storage_options=options,
+                                last_batch="drop")
+        marks["t_dataset"] = time.time()
+        # A private generator: torch's DataLoader draws its workers' base seed from the
+        # global RNG when an iterator starts, which would shift the dropout stream of a
+        # resumed job (its iterator starts at the restored step, not at step 0).
+        self.loader = DataLoader(dataset, global_batch_size=spec["global_batch"],
+                                 num_workers=spec["num_workers"],
+                                 generator=torch.Generator().manual_seed(spec["seed"]))
+        marks["t_loader"] = time.time()
+        self.mgr = CheckpointManager(
+            spec["ckpt_url"], keep_last=spec["keep_last"], storage_options=options,
+            staging_dir=staging,
+            # Several shard files per rank, so an "upload" kill lands between two of them.
+            writer_options={"file_size": spec["file_size"]},
+        )
+        marks["t_manager"] = time.time()
+        self.injector = injector
+        injector.evidence = self._evidence
+
+    def _state(self, state: TrainState) -> dict[str, Any]:
+        return {"train": state, "data": self.loader}
+
+    def restore(self, state: TrainState) -> int | None:
+        return self.mgr.restore(self._state(state))
+
+    def batches(self, start_step: int) -> Iterator[Batch]:
+        while True:  # one pass per epoch; a restored loader continues mid-epoch
+            yield from self.loader
+
+    def fetch_seconds(self, measured: float) -> float:
+        return float(self.loader.metrics.fetch_seconds[-1])
+
+    def save(self, step: int, state: TrainState) -> None:
+        self.injector.before_save(step)
+        self.mgr.save(step, self._state(state))
+
+    def close(self) -> None:
+        self.mgr.close()
+
+    def _evidence(self, step: int) -> dict[str, Any]:
+        """What the volume holds for ``step`` right now (from the commit-window kill)."""
+        info = next((i for i in self.mgr.list() if i.step == step), None)
+        if info is None:
+            return {"listed": False}
+        return {"listed": True, "complete": info.complete, "files": info.num_files,
+                "problems": list(info.problems[:2])}
+
+
+def average_gradients(model: torch.nn.Module, world: int) -> None:
+    """Data parallelism: every rank's gradients replaced by their mean (one all-reduce).
+
+    This is what DistributedDataParallel does, without overlapping the
+    all-reduce with the backward pass; the demo's model is small enough that
+    the overlap would not matter, and DDP's constructor imports torch._dynamo
+    (1.5-4 s on this machine), which every restart of every rank would pay.
+    """
+    if world == 1:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _logging(rank: int) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.INFO)  # the checkpoint loggers run at debug for SavePhases
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def train(spec: Mapping[str, Any]) -> None:
+    """Run (or resume) the job described by ``spec`` until ``stop_at`` or the last step."""
+    from datetime import timedelta
+
+    torch.set_num_threads(1)  # one CPU per rank; also keeps the arithmetic reproducible
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    t_group = time.time()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _logging(rank)
+    run_dir = spec["run_dir"]
+    attempt = kills_so_far(run_dir)
+    node = int(os.environ.get(NODE_ENV, "0"))
+    events = EventLog(run_dir)
+    events.write("start", t_proc=T_PROC, t_import=T_IMPORT, t_group=t_group, rank=rank,
+                 world=world, node=node, attempt=attempt, leg=spec["leg"],
+                 setup=spec["setup"], pid=os.getpid(),
+                 restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    crashes = [Crash(**c) for c in spec["crashes"]]
+    injector = CrashInjector(crashes, attempt=attempt, rank=rank, world=world,
+                             setup=spec["setup"], events=events, run_dir=run_dir)
+    options = json.loads(os.environ.get(OPTIONS_ENV, "{}"))
+    local = os.path.join(spec["local_dir"], f"node-{node}")
+
+    marks = {"t_group": t_group}
+    torch.manual_seed(spec["seed"])  # the same initial weights everywhere
+    model = build_model(spec["hidden"])
+    optim = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=spec["lr"],
+                                                total_steps=spec["steps"] + 1, pct_start=0.1)
+    torch.manual_seed(spec["seed"] * 1000 + 1 + rank)  # dropout: a stream per rank
+    state = TrainState(model, optim, sched)
+    marks["t_model"] = time.time()
+
+    setup: Setup
+    if spec["setup"] == "naive":
+        from dcp_volumes.demo._naive import NaiveSetup
+
+        setup = NaiveSetup(spec, options, injector, model, local)
+    else:
+        SavePhases.install(injector)
+        setup = LibrarySetup(spec, options, injector, local, marks)
+    t0 = time.time()
+    restored = setup.restore(state)
+    events.write("restored", step=restored, t0=t0, t1=time.time(), marks=marks)
+    if rank == 0:
+        logger.info("attempt %d on %d ranks: %s", attempt, world,
+                    f"resumed from step {restored}" if restored else "starting fresh")
+    step = restored or 0
+    stop = spec["stop_at"] or spec["steps"]
+    batches = setup.batches(step)
+    while step < stop:
+        t0 = time.time()
+        x, y, names = next(batches)
+        tf = time.time()
+        fetch = setup.fetch_seconds(tf - t0)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        average_gradients(model, world)
+        optim.step()
+        sched.step()
+        step += 1
+        state.step = step
+        tc = time.time()
+        injector.after_compute(step)
+        saved = None
+        if step % spec["save_every"] == 0 or step == spec["steps"]:
+            setup.save(step, state)
+            saved = [tc, time.time()]
+        events.write("step", step=step, t0=t0, tf=tf, tc=tc, t1=time.time(), fetch=fetch,
+                     save=saved, samples=list(names), loss=round(float(loss.item()), 5))
+    w0 = time.time()
+    setup.close()
+    digest = params_digest(model) if rank == 0 else None
+    events.write("end", step=step, digest=digest, final_wait=[w0, time.time()])
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    """Entry point (``python -m dcp_volumes.demo rank SPEC.json``)."""
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    train(spec)

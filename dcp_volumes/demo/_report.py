@@ -1,0 +1,532 @@
+"""From the ranks' event logs to the goodput report, the checks and the table.
+
+Accounting (from rank 0's clock; the gradient all-reduce keeps ranks in lockstep):
+
+* ``startup``: launch -> the first batch of the first attempt in hand;
+* ``restart``: a kill -> the first batch of the next attempt in hand
+  (torchrun noticing, stopping the survivors and re-forming the group, the
+  new interpreters importing torch, the process group, listing the data,
+  the restore, the loader's first batch);
+* ``lost``: from the end of the last step that the next attempt kept (the
+  step it resumed from) to the kill: work that was done and then redone;
+* for the steps that were kept: ``compute`` (batch in hand -> optimizer
+  step done), ``checkpoint blocking`` (how long each save call held the job
+  up: from the last rank entering it to the last rank leaving it, see
+  ``_stall``) and ``input wait`` (the loader's ``fetch_seconds``; the
+  measured wait for the naive loader);
+* ``final wait``: the end of the job waiting for its last save to be on the
+  volume (once per job, like the start-up; not a stall of training);
+* ``other``: the rest of the wall time (rank skew: ranks that wait inside a
+  save for a late rank; the loop's own bookkeeping).
+
+``goodput = compute / wall``; "restart set apart" divides by wall minus
+start-up and restarts, the costs of new processes that a few-minute demo
+cannot amortise. The goodput model projects a long run from the measured
+costs (see ``project``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dcp_volumes.demo._config import Crash, DemoConfig
+from dcp_volumes.demo._events import read_events
+from dcp_volumes.demo._launcher import JobRecord
+
+DAY_S = 86400.0
+
+
+@dataclass
+class Attempt:
+    """One attempt of a job: the processes that torchrun started together."""
+
+    leg: int
+    index: int
+    ranks: dict[int, list[dict[str, Any]]]
+
+    def of(self, kind: str, rank: int = 0) -> list[dict[str, Any]]:
+        return [e for e in self.ranks.get(rank, []) if e["ev"] == kind]
+
+    @property
+    def start(self) -> dict[str, Any]:
+        return self.of("start")[0]
+
+    @property
+    def world(self) -> int:
+        return int(self.start["world"])
+
+    @property
+    def t_proc(self) -> float:
+        return min(evs[0]["t_proc"] for evs in self.ranks.values())
+
+    @property
+    def restored(self) -> int | None:
+        found = self.of("restored")
+        return found[0]["step"] if found else None
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        return self.of("step")
+
+    @property
+    def kill(self) -> dict[str, Any] | None:
+        for evs in self.ranks.values():
+            for e in evs:
+                if e["ev"] == "kill":
+                    return e
+        return None
+
+
+def attempts_of(run_dir: str) -> list[Attempt]:
+    """The attempts of a job, in order (legs, then crashes before each)."""
+    groups: dict[tuple[int, int], dict[int, list[dict[str, Any]]]] = {}
+    for evs in read_events(run_dir):
+        s = evs[0]
+        groups.setdefault((s["leg"], s["attempt"]), {})[s["rank"]] = evs
+    return [Attempt(leg, index, ranks) for (leg, index), ranks in sorted(groups.items())
+            if 0 in ranks]
+
+
+@dataclass
+class CrashOutcome:
+    """What one crash cost."""
+
+    crash: dict[str, Any]
+    t_kill: float
+    last_step: int
+    resumed_from: int | None
+    steps_lost: int
+    lost_s: float
+    restart_s: float
+    restart_parts: dict[str, float]
+    evidence: dict[str, Any]
+
+
+@dataclass
+class RunStats:
+    """The measured breakdown of one job."""
+
+    name: str
+    setup: str
+    worlds: list[int]
+    wall: float = 0.0
+    compute: float = 0.0
+    blocking: float = 0.0
+    final_wait: float = 0.0
+    input_wait: float = 0.0
+    lost: float = 0.0
+    restart: float = 0.0
+    startup: float = 0.0
+    kept_steps: int = 0
+    saves: int = 0
+    committed: int = 0
+    save_blocking: list[float] = field(default_factory=list)
+    save_end_to_end: list[float] = field(default_factory=list)
+    crashes: list[CrashOutcome] = field(default_factory=list)
+    #: Per attempt: (step restored, steps seen committed before, steps saved before).
+    restores: list[tuple[int | None, list[int], list[int]]] = field(default_factory=list)
+    samples: dict[int, list[str]] = field(default_factory=dict)
+    digest: str | None = None
+    world_change: tuple[int, int | None] | None = None
+    torn_restores: int = 0
+
+    @property
+    def other(self) -> float:
+        return self.wall - (self.compute + self.blocking + self.final_wait + self.input_wait
+                            + self.lost + self.restart + self.startup)
+
+    @property
+    def goodput(self) -> float:
+        return self.compute / self.wall if self.wall else 0.0
+
+    @property
+    def goodput_ex_restart(self) -> float:
+        rest = self.wall - self.restart - self.startup
+        return self.compute / rest if rest > 0 else 0.0
+
+
+def analyse(job: JobRecord) -> RunStats:
+    """The breakdown of ``job`` from its ranks' events."""
+    attempts = attempts_of(job.run_dir)
+    stats = RunStats(name=job.name, setup=job.setup, worlds=[a.world for a in attempts])
+    committed: set[int] = set()
+    saved: set[int] = set()
+    for leg, launch in enumerate(job.launches):
+        mine = [a for a in attempts if a.leg == leg and a.steps]
+        prev_end = launch  # when the current attempt's (re)start began
+        for i, att in enumerate(mine):
+            steps = att.steps
+            first_tf = steps[0]["tf"]
+            if i == 0:
+                stats.startup += first_tf - prev_end
+            else:
+                stats.restart += first_tf - prev_end
+                stats.crashes[-1].restart_s = first_tf - prev_end
+                stats.crashes[-1].restart_parts = _restart_parts(att, prev_end)
+            stats.restores.append((att.restored, sorted(committed), sorted(saved)))
+            committed |= {int(e["step"]) for e in att.of("committed")}
+            saved |= {int(e["step"]) for e in steps if e["save"]}
+            by_rank = {r: {e["step"]: e for e in evs if e["ev"] == "step"}
+                       for r, evs in sorted(att.ranks.items())}
+            _count_saves(stats, att, by_rank)
+            nxt = mine[i + 1] if i + 1 < len(mine) else None
+            keep_to = (nxt.restored or 0) if nxt is not None else math.inf
+            kept = [e for e in steps if e["step"] <= keep_to]
+            for j, e in enumerate(kept):
+                stats.compute += e["tc"] - e["tf"]
+                if e["save"]:
+                    stats.blocking += _stall([r[e["step"]]["save"] for r in by_rank.values()
+                                              if e["step"] in r])
+                if j > 0:  # the first batch of an attempt is part of its (re)start
+                    stats.input_wait += e["fetch"]
+            stats.kept_steps += len(kept)
+            for e in kept:
+                stats.samples[e["step"]] = [x for r in by_rank.values()
+                                            for x in r.get(e["step"], {}).get("samples", [])]
+            if nxt is None:
+                ends = [e for evs in att.ranks.values() for e in evs if e["ev"] == "end"]
+                if att.of("end"):
+                    stats.final_wait += _stall([e["final_wait"] for e in ends])
+                    stats.wall += att.of("end")[0]["t"] - launch
+                    stats.digest = att.of("end")[0]["digest"]
+                continue
+            kill = att.kill
+            t_kill = kill["t"] if kill is not None else steps[-1]["t1"]
+            boundary = kept[-1]["t1"] if kept else first_tf
+            stats.lost += t_kill - boundary
+            # The last step computed before the kill (a kill inside a save comes after its
+            # step was computed, before that step's event was written).
+            done = [e["step"] for e in steps if e["t1"] <= t_kill]
+            if kill is not None:
+                done.append(int(kill["step"]))
+            last = max(done) if done else (att.restored or 0)
+            stats.crashes.append(CrashOutcome(
+                crash=kill["crash"] if kill is not None else {"index": -1, "kind": "unplanned"},
+                t_kill=t_kill, last_step=last, resumed_from=nxt.restored,
+                steps_lost=last - (nxt.restored or 0), lost_s=t_kill - boundary,
+                restart_s=0.0, restart_parts={},
+                evidence=kill["evidence"] if kill is not None else {},
+            ))
+            prev_end = t_kill
+    stats.committed = len(committed)
+    stats.torn_restores = sum(len(a.of("torn")) for a in attempts)
+    changed = next((a for a in attempts if a.world != attempts[0].world), None) \
+        if attempts else None
+    if changed is not None:
+        stats.world_change = (changed.world, changed.restored)
+    return stats
+
+
+def _stall(spans: list[list[float]]) -> float:
+    """How long a collective call held up the job: the last rank in -> the last rank out.
+
+    Ranks that arrive early wait inside the call for the late one; that wait is
+    rank skew, which the next all-reduce would have absorbed without the call.
+    """
+    return max(b for _, b in spans) - max(a for a, _ in spans) if spans else 0.0
+
+
+def _count_saves(stats: RunStats, att: Attempt,
+                 by_rank: Mapping[int, Mapping[int, dict[str, Any]]]) -> None:
+    saves = [e for e in att.steps if e["save"]]
+    kill = att.kill
+    hit = kill is not None and kill["crash"]["kind"] in ("upload", "commit")
+    stats.saves += len(saves) + int(hit)  # a save the kill interrupted was taken too
+    stats.save_blocking += [_stall([r[e["step"]]["save"] for r in by_rank.values()
+                                    if e["step"] in r]) for e in saves]
+    save_t0 = {e["step"]: e["save"][0] for e in saves}
+    for e in att.of("committed"):
+        if e["step"] in save_t0:
+            stats.save_end_to_end.append(e["t"] - save_t0[e["step"]])
+
+
+def _restart_parts(att: Attempt, since: float) -> dict[str, float]:
+    restored = att.of("restored")[0]
+    return {
+        "torchrun: kill -> new processes": att.t_proc - since,
+        "interpreter, torch import, process group": att.start["t_group"] - att.t_proc,
+        "data listing, restore": restored["t1"] - att.start["t_group"],
+        "first batch": att.steps[0]["tf"] - restored["t1"],
+    }
+
+
+# -- the goodput model ---------------------------------------------------------------------
+
+
+def project(*, blocking: float, in_flight: float, restart: float, overhead: float,
+            failures_per_day: float) -> tuple[float, float]:
+    """Goodput of a long run at the best checkpoint interval: ``(goodput, interval_s)``.
+
+    Per interval ``T`` (wall seconds of training between saves) a save blocks
+    ``blocking``; a failure (rate ``failures_per_day``) costs the restart plus
+    the work since the last *committed* checkpoint, ``T/2 + in_flight`` on
+    average (a failure while a save is in flight falls back one interval more).
+    ``overhead`` is the other time per unit of compute (input wait, bookkeeping)::
+
+        goodput(T) = (1 - rate * (restart + T/2 + in_flight)) / (1 + overhead + blocking/T)
+    """
+    rate = failures_per_day / DAY_S
+    best = (0.0, 0.0)
+    for i in range(0, 2001):
+        t = 10 ** (-1 + 6 * i / 2000)  # 0.1 s .. 1e5 s
+        g = (1 - rate * (restart + t / 2 + in_flight)) / (1 + overhead + blocking / t)
+        if g > best[0]:
+            best = (g, t)
+    return best
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def projection(s: RunStats, cfg: DemoConfig) -> dict[str, float]:
+    """The long-run projection of ``s`` (measured costs, ``cfg.failures_per_day``)."""
+    b = _mean(s.save_blocking)
+    e2e = _mean(s.save_end_to_end)
+    restart = _mean([c.restart_s for c in s.crashes]) or s.startup
+    overhead = (s.input_wait + max(0.0, s.other)) / s.compute if s.compute else 0.0
+    g, t = project(blocking=b, in_flight=max(0.0, e2e - b), restart=restart,
+                   overhead=overhead, failures_per_day=cfg.failures_per_day)
+    step_s = (s.compute + s.input_wait + s.blocking) / max(1, s.kept_steps)
+    return {"goodput": g, "interval_s": t, "interval_steps": t / step_s if step_s else 0.0,
+            "blocking_s": b, "in_flight_s": max(0.0, e2e - b), "restart_s": restart,
+            "overhead": overhead}
+
+
+# -- checks --------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    """One PASS/FAIL line; ``key`` names it for scripts (``--json``)."""
+
+    key: str
+    name: str
+    ok: bool
+    detail: str
+
+
+def _epoch_check(samples: Mapping[int, list[str]], cfg: DemoConfig) -> tuple[bool, str]:
+    per_epoch = cfg.files // cfg.global_batch
+    epochs: dict[int, list[str]] = {}
+    for step, names in samples.items():
+        epochs.setdefault((step - 1) // per_epoch, []).extend(names)
+    bad = []
+    for e, names in sorted(epochs.items()):
+        whole = len(names) == cfg.files
+        if len(set(names)) != len(names) or (whole and len(set(names)) != cfg.files):
+            bad.append(e)
+    full = sum(1 for names in epochs.values() if len(names) == cfg.files)
+    if bad:
+        return False, f"epochs {bad} repeat or miss samples"
+    return True, f"{full} whole epoch(s) + a partial one, each sample at most once per epoch"
+
+
+def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
+               planned: list[Crash]) -> list[Check]:
+    """The demo's checks (PASS means all of them)."""
+    checks = []
+    fired = sorted(int(c.crash.get("index", -1)) for c in crashed.crashes)
+    checks.append(Check(
+        "crashes", "every planned crash happened, torchrun restarted the job each time",
+        fired == [c.index for c in planned],
+        f"{len(fired)} of {len(planned)} crashes, {len(crashed.worlds)} attempts"))
+    if cfg.shrink:
+        change = crashed.world_change
+        what = (f"weights bit-identical to a reference that went from {cfg.nproc} to "
+                f"{cfg.nodes[0]} ranks at step {change[1] if change else '?'}, as this job did")
+        ok = (crashed.worlds[-1] == cfg.nodes[0] and ref.world_change is not None
+              and change is not None and ref.world_change[1] == change[1])
+        checks.append(Check("shrink", "the last restart came back on fewer ranks", ok,
+                            f"worlds {' -> '.join(map(str, crashed.worlds))}"))
+    else:
+        what = "weights bit-identical to an uninterrupted run"
+    checks.append(Check("weights", f"final {what}", crashed.digest is not None
+                        and crashed.digest == ref.digest,
+                        f"sha256 {str(crashed.digest)[:12]} vs {str(ref.digest)[:12]}"))
+    same = crashed.samples == ref.samples and len(crashed.samples) == cfg.steps
+    mism = sorted(s for s in set(crashed.samples) | set(ref.samples)
+                  if crashed.samples.get(s) != ref.samples.get(s))
+    checks.append(Check("samples", "delivered sample sequence identical to the reference", same,
+                        f"{len(crashed.samples)} steps x {cfg.global_batch} samples"
+                        + (f"; differs at steps {mism[:5]}" if mism else "")))
+    ok, detail = _epoch_check(crashed.samples, cfg)
+    checks.append(Check("epochs", "each sample of an epoch exactly once", ok, detail))
+    # A restore must load a step that was saved and is not older than the newest commit
+    # seen (a commit's log line can be lost in a kill, so a newer one is fine: the
+    # bit-identical weights show what it held). The save a crash hit must be skipped.
+    bad_restores = [r for r, seen, saves in crashed.restores[1:]
+                    if (r is None and seen) or (r is not None and (
+                        r not in saves or (seen and r < max(seen))))]
+    skipped = []
+    for c in crashed.crashes:
+        kind, step = c.crash.get("kind"), int(c.crash.get("step", 0))
+        if kind in ("upload", "commit"):
+            ok_skip = (c.resumed_from or 0) < step
+            if kind == "commit":
+                ev = c.evidence
+                ok_skip = ok_skip and ev.get("ranks_with_all_shards_uploaded") == \
+                    crashed.worlds[0] and not ev.get("complete", False)
+            skipped.append((kind, step, ok_skip))
+    detail = f"{len(crashed.restores) - 1} restore(s), each of the newest complete checkpoint"
+    if bad_restores:
+        detail += f"; WRONG restores of steps {bad_restores}"
+    for kind, step, ok_skip in skipped:
+        where = "in the commit window (all shards, no .metadata)" if kind == "commit" \
+            else "mid-upload"
+        detail += f"; step {step}, killed {where}, {'skipped' if ok_skip else 'TAKEN'}"
+    checks.append(Check("complete", "no checkpoint taken for complete that was not",
+                        not bad_restores and all(ok for *_, ok in skipped), detail))
+    over = []
+    for c in crashed.crashes:
+        s_last = (c.last_step // cfg.save_every) * cfg.save_every
+        allowed = cfg.save_every + (c.last_step - s_last)
+        if c.steps_lost > allowed:
+            over.append((c.steps_lost, allowed))
+    checks.append(Check(
+        "lost", "work lost per crash <= one save interval + the save in flight", not over,
+        "steps lost: " + ", ".join(str(c.steps_lost) for c in crashed.crashes)
+        + f" (interval {cfg.save_every})" + (f"; over: {over}" if over else "")))
+    blk = crashed.blocking / crashed.compute if crashed.compute else 1.0
+    checks.append(Check("blocking", "checkpoint blocking <= 2% of compute", blk <= 0.02,
+                        f"{blk:.2%}"))
+    inp = crashed.input_wait / crashed.compute if crashed.compute else 1.0
+    checks.append(Check("input", "input wait <= 5% of compute", inp <= 0.05, f"{inp:.2%}"))
+    g, g0 = crashed.goodput_ex_restart, ref.goodput_ex_restart
+    checks.append(Check(
+        "goodput", "goodput (restart set apart) >= 95% of the crash-free run's",
+        g0 > 0 and g >= 0.95 * g0,
+        f"{g:.1%} vs {g0:.1%} ({g / g0:.1%} of it)" if g0 else "no reference"))
+    return checks
+
+
+# -- the report ----------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    """Everything the demo found; ``ok`` when every check passed."""
+
+    ok: bool
+    checks: list[Check]
+    runs: dict[str, RunStats]
+    projections: dict[str, dict[str, float]]
+    table: str
+    command: str
+    volume: str
+    workdir: str
+    json_path: str
+    plot_path: str | None
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        runs = {}
+        for name, s in self.runs.items():
+            doc = asdict(s)
+            doc.pop("samples")
+            doc.update(other=s.other, goodput=s.goodput, goodput_ex_restart=s.goodput_ex_restart)
+            runs[name] = doc
+        return {"ok": self.ok, "checks": [asdict(c) for c in self.checks], "runs": runs,
+                "projections": self.projections, "table": self.table,
+                "command": self.command, "volume": self.volume, "workdir": self.workdir,
+                "json": self.json_path, "plot": self.plot_path, "seconds": self.seconds}
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{part:7.1f} s {part / whole:6.1%}" if whole else f"{part:7.1f} s"
+
+
+def render_table(runs: Mapping[str, RunStats], proj: Mapping[str, dict[str, float]],
+                 cfg: DemoConfig) -> str:
+    """The before/after goodput table (plain text)."""
+    order = [n for n in ("naive", "dcp_volumes", "reference") if n in runs]
+    heads = {"naive": "naive (before)", "dcp_volumes": "dcp_volumes (after)",
+             "reference": "dcp_volumes, no crash"}
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(label: str, fn: Any) -> None:
+        rows.append((label, [fn(runs[n]) for n in order]))
+
+    row("wall time", lambda s: f"{s.wall:7.1f} s")
+    row("  compute", lambda s: _pct(s.compute, s.wall))
+    row("  checkpoint blocking", lambda s: _pct(s.blocking, s.wall))
+    row("  end of job: the last save's upload", lambda s: _pct(s.final_wait, s.wall))
+    row("  input wait (fetch_seconds)", lambda s: _pct(s.input_wait, s.wall))
+    row("  work lost and redone", lambda s: _pct(s.lost, s.wall))
+    row("  restart (kill -> first batch)", lambda s: _pct(s.restart, s.wall))
+    row("  start-up (launch -> first batch)", lambda s: _pct(s.startup, s.wall))
+    row("  other (rank skew, bookkeeping)", lambda s: _pct(s.other, s.wall))
+    row("goodput = compute / wall", lambda s: f"{s.goodput:.1%}")
+    row("goodput, restart + start-up set apart", lambda s: f"{s.goodput_ex_restart:.1%}")
+    row("checkpoints taken / committed", lambda s: f"{s.saves} / {s.committed}")
+    row("blocking per save, mean / max",
+        lambda s: f"{_mean(s.save_blocking):.3f} / {max(s.save_blocking, default=0):.3f} s")
+    row("save end-to-end, mean / max",
+        lambda s: f"{_mean(s.save_end_to_end):.3f} / {max(s.save_end_to_end, default=0):.3f} s")
+    row("steps lost per crash",
+        lambda s: ", ".join(str(c.steps_lost) for c in s.crashes) or "-")
+    if any(s.torn_restores for s in runs.values()):
+        row("torn checkpoints met by a restore", lambda s: str(s.torn_restores))
+    row("restart per crash, mean",
+        lambda s: f"{_mean([c.restart_s for c in s.crashes]):.1f} s" if s.crashes else "-")
+    rows.append((f"long run: goodput model, {cfg.failures_per_day:g} failures/day",
+                 [f"{proj[n]['goodput']:.1%}" for n in order]))
+    rows.append(("  at the best interval",
+                 [f"{proj[n]['interval_s']:.0f} s (~{proj[n]['interval_steps']:.0f} steps)"
+                  for n in order]))
+    width = max(len(r[0]) for r in rows) + 2
+    cols = [max(len(heads[n]), *(len(r[1][i]) for r in rows)) + 2 for i, n in enumerate(order)]
+    lines = ["".ljust(width) + "".join(heads[n].rjust(c) for n, c in zip(order, cols,
+                                                                         strict=True))]
+    for label, cells in rows:
+        lines.append(label.ljust(width) + "".join(v.rjust(c) for v, c in zip(cells, cols,
+                                                                             strict=True)))
+    return "\n".join(lines)
+
+
+def command_line(cfg: DemoConfig, volume: str | None = None) -> str:
+    """The command that reproduces this configuration."""
+    default = DemoConfig()
+    parts = ["dcp-volumes demo"]
+    for name in ("nproc", "steps", "save_every", "crashes", "seed", "files", "global_batch",
+                 "hidden", "keep_last"):
+        if getattr(cfg, name) != getattr(default, name):
+            parts.append(f"--{name.replace('_', '-')} {getattr(cfg, name)}")
+    for flag in ("shrink", "quick", "fresh"):
+        if getattr(cfg, flag):
+            parts.append(f"--{flag}")
+    if cfg.volume:
+        parts.append(f"--volume {volume or cfg.volume}")
+    return " ".join(parts)
+
+
+def build_report(cfg: DemoConfig, jobs: Mapping[str, JobRecord], workdir: str, volume: str,
+                 *, started: float) -> Report:
+    """Analyse every job, run the checks, write the JSON and the plot."""
+    runs = {name: analyse(job) for name, job in jobs.items()}
+    proj = {name: projection(s, cfg) for name, s in runs.items()}
+    checks = run_checks(cfg, runs["dcp_volumes"], runs["reference"],
+                        jobs["dcp_volumes"].crashes)
+    table = render_table(runs, proj, cfg)
+    plot_path: str | None = os.path.join(workdir, "timeline.png")
+    try:
+        from dcp_volumes.demo._plot import plot_timeline
+
+        plot_timeline(jobs, runs, os.path.join(workdir, "timeline.png"),
+                      title=command_line(cfg, volume))
+    except ImportError:
+        plot_path = None  # matplotlib is not installed
+    json_path = os.path.join(workdir, "report.json")
+    report = Report(ok=all(c.ok for c in checks), checks=checks, runs=runs, projections=proj,
+                    table=table, command=command_line(cfg, volume), volume=volume,
+                    workdir=workdir,
+                    json_path=json_path, plot_path=plot_path, seconds=time.time() - started)
+    with open(json_path, "w") as f:
+        json.dump(report.to_json(), f, indent=1, default=str)
+    return report
