@@ -15,9 +15,6 @@ import pathlib
 import pickle
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint import metadata as dcp_metadata
-
 from dcp_volumes._exceptions import CheckpointCorruptError
 
 # (module, name) pairs besides DCP's metadata module, torch's dtypes and torch.Size.
@@ -38,6 +35,10 @@ _ALLOWED = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        # torch on first use only: `dcp-volumes ls` and the demo's launcher stay light.
+        import torch
+        from torch.distributed.checkpoint import metadata as dcp_metadata
+
         if module == dcp_metadata.__name__:
             found = getattr(dcp_metadata, name, None)
             if isinstance(found, type):  # its dataclasses and enums, not functions
