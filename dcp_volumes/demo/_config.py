@@ -81,7 +81,7 @@ class DemoConfig:
     """The settings of one ``dcp-volumes demo`` run (see ``add_arguments`` for meanings)."""
 
     nproc: int = 2
-    steps: int = 480
+    steps: int = 420
     save_every: int = 6
     crashes: int = 3
     seed: int = 0

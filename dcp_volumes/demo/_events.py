@@ -14,7 +14,8 @@ Event kinds (fields beyond ``ev`` and ``t``):
 * ``restored``: ``step`` (None: fresh), ``t0``, ``t1``
 * ``step``: ``step``, ``t0`` (asks for the batch), ``tf`` (has it), ``tc``
   (optimizer step done), ``t1`` (save returned), ``fetch`` (the loader's
-  fetch_seconds), ``save`` ([t0, t1] of the blocking save call or None),
+  fetch_seconds), ``cpu`` (the training thread's CPU seconds from ``tf`` to
+  ``tc``), ``save`` ([t0, t1] of the blocking save call or None),
   ``samples``, ``loss``
 * ``staged`` / ``committed``: ``step`` (a save left the training loop / its
   ``.metadata`` is written), from the library's log records

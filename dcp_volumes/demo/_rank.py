@@ -244,6 +244,9 @@ def train(spec: Mapping[str, Any]) -> None:
         x, y, names = next(batches)
         tf = time.time()
         fetch = setup.fetch_seconds(tf - t0)
+        # This thread's CPU time over the computation: the useful work. The rest of the
+        # step's wall time is the all-reduce wait and the CPU going to other processes.
+        cpu0 = time.thread_time()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         optim.zero_grad(set_to_none=True)
         loss.backward()
@@ -253,13 +256,15 @@ def train(spec: Mapping[str, Any]) -> None:
         step += 1
         state.step = step
         tc = time.time()
+        cpu = time.thread_time() - cpu0
         injector.after_compute(step)
         saved = None
         if step % spec["save_every"] == 0 or step == spec["steps"]:
             setup.save(step, state)
             saved = [tc, time.time()]
         events.write("step", step=step, t0=t0, tf=tf, tc=tc, t1=time.time(), fetch=fetch,
-                     save=saved, samples=list(names), loss=round(float(loss.item()), 5))
+                     cpu=cpu, save=saved, samples=list(names),
+                     loss=round(float(loss.item()), 5))
     w0 = time.time()
     setup.close()
     digest = params_digest(model) if rank == 0 else None
