@@ -53,23 +53,16 @@ def max_retries(default: int) -> int:
 
 def client_start_timeout(default: float = 120.0) -> float:
     """Seconds a client creation may take before the watchdog calls it stuck (0: never)."""
-    raw = os.environ.get(CLIENT_START_TIMEOUT)
-    if not raw:
-        return default
-    try:
-        return max(0.0, float(raw))
-    except ValueError:
-        from dcp_volumes._exceptions import ConfigurationError
-
-        raise ConfigurationError(
-            f"{CLIENT_START_TIMEOUT}={raw!r} is not a number of seconds; set it to e.g. 120, "
-            "0 to turn the watchdog off, or unset it."
-        ) from None
+    return _seconds(CLIENT_START_TIMEOUT, default, "120, 0 to turn the watchdog off")
 
 
 def exit_timeout(default: float = 600.0) -> float:
     """Seconds a save in flight may still take once the interpreter exits (0: no bound)."""
-    raw = os.environ.get(EXIT_TIMEOUT)
+    return _seconds(EXIT_TIMEOUT, default, "600, 0 for no bound")
+
+
+def _seconds(name: str, default: float, example: str) -> float:
+    raw = os.environ.get(name)
     if not raw:
         return default
     try:
@@ -78,8 +71,7 @@ def exit_timeout(default: float = 600.0) -> float:
         from dcp_volumes._exceptions import ConfigurationError
 
         raise ConfigurationError(
-            f"{EXIT_TIMEOUT}={raw!r} is not a number of seconds; set it to e.g. 600, "
-            "0 for no bound, or unset it."
+            f"{name}={raw!r} is not a number of seconds; set it to e.g. {example}, or unset it."
         ) from None
 
 
