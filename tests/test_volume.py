@@ -260,6 +260,28 @@ def test_transient_connection_drops_are_retried(moto_server, s3_bucket, caplog) 
     assert proxy.pending_drops == 0, "the faults were never hit"
 
 
+def test_a_listing_that_keeps_failing_is_not_taken_for_a_missing_bucket(
+    moto_server, s3_bucket
+) -> None:
+    """Cut listings are a transient failure: never "the bucket does not exist"."""
+    from tests.proxy import LatencyProxy
+
+    url, _ = s3_bucket
+    with LatencyProxy.in_front_of(moto_server) as proxy:
+        flaky = Volume(
+            url,
+            storage_options=moto_server.storage_options(proxy.endpoint),
+            retry=RetryPolicy(attempts=2, base_delay_s=0.01),
+        )
+        flaky.publish("r/obj", b"x")
+        # Every listing response is cut mid-body; the HEAD probe gets through.
+        proxy.drop_next(100, after_bytes=200, method="GET")
+        with pytest.raises(DcpVolumesError) as caught:
+            flaky.list("r")
+    assert not isinstance(caught.value, (BucketNotFoundError, VolumeNotFoundError)), caught.value
+    assert "does not exist" not in str(caught.value)
+
+
 def test_retry_policy_validates_and_backs_off() -> None:
     with pytest.raises(ConfigurationError):
         RetryPolicy(attempts=0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
@@ -113,16 +114,19 @@ class ObstoreBackend:
     def _failed_listing(self, store: Any, key: str, bucket: str, exc: Exception) -> Exception:
         """The error to raise for a listing that failed with obstore's generic error.
 
-        obstore reports a failed listing (a missing bucket, refused credentials)
-        only as a generic error; a HEAD in the bucket has typed errors, and "not
-        found" there means no bucket, since a failing server fails the HEAD too.
+        obstore reports a failed listing (a missing bucket, refused credentials,
+        a cut connection) only as a generic error whose text carries the
+        server's status: a 404 of the listing itself is a missing bucket. For
+        the rest a HEAD in the bucket has typed errors (refused credentials);
+        its "not found" says nothing (the probe key never exists), so the
+        listing's own error stands and is retried as transient.
         """
+        if _LISTING_404.search(str(exc)):
+            return MissingBucket(bucket)
         probe = f"{key}/.dcp-volumes-probe" if key else ".dcp-volumes-probe"
         try:
             self._obs.head(store, probe)
-        except FileNotFoundError:
-            return MissingBucket(bucket)
-        except self._obs.exceptions.GenericError:
+        except (FileNotFoundError, self._obs.exceptions.GenericError):
             return exc
         except Exception as typed:  # permission, credentials: more precise than the listing's
             return typed
@@ -191,20 +195,26 @@ class ObstoreBackend:
         move: bool,
     ) -> None:
         store, key = self._split(path)
-        # The file is mapped and handed over as a buffer, which obstore sends
+        # The file is mapped and handed over as buffers, which obstore sends
         # without a copy: read from a path, every part would be a fresh
         # allocation in one of its runtime's threads, and glibc keeps such
         # memory in per-thread arenas (an async save's peak RSS grew to 2.1x
-        # the state that way instead of 1.1x).
-        with open(local_path, "rb") as f, _mapped(f, size) as body:
-            self._obs.put(
-                store,
-                key,
-                body,
-                use_multipart=size > part_size,
-                chunk_size=part_size,
-                max_concurrency=max(1, concurrency),
-            )
+        # the state that way instead of 1.1x). A multipart upload maps one part
+        # at a time, unmapped when obstore drops it, so the pages held stay
+        # within the parts in flight.
+        with open(local_path, "rb") as f:
+            if size > part_size:
+                self._obs.put(
+                    store,
+                    key,
+                    _mapped_parts(f, size, part_size),
+                    use_multipart=True,
+                    chunk_size=part_size,
+                    max_concurrency=max(1, concurrency),
+                )
+            else:
+                with _mapped(f, size) as body:
+                    self._obs.put(store, key, body, use_multipart=False)
         if move:
             os.remove(local_path)
 
@@ -247,6 +257,30 @@ def _mapped(f: Any, size: int) -> Iterator[Data]:
             yield view
         finally:
             view.release()
+
+
+def _mapped_parts(f: Any, size: int, part_size: int) -> Iterator[Data]:
+    """The bytes of the open file ``f`` as read-only mappings of ``part_size`` each.
+
+    Nothing here keeps a part once it is yielded: its mapping closes when
+    the consumer releases the buffer.
+    """
+    grain = mmap.ALLOCATIONGRANULARITY
+    for start in range(0, size, part_size):
+        length = min(part_size, size - start)
+        aligned = start - start % grain  # mmap offsets must be page-aligned
+        part = mmap.mmap(
+            f.fileno(), length + start - aligned, offset=aligned, access=mmap.ACCESS_READ
+        )
+        view = memoryview(part)[start - aligned :]
+        del part
+        yield view
+        del view
+
+
+# object_store's text for a request the server answered with 404 (its error
+# types carry no status for listings).
+_LISTING_404 = re.compile(r"status code: 404\b")
 
 
 class MissingBucket(FileNotFoundError):

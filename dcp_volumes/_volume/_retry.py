@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -97,6 +98,8 @@ _OBSTORE_CONFIG = frozenset({"UnknownConfigurationKeyError", "InvalidPathError"}
 _MISSING_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound", "BucketNotFound"})
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "BlobNotFound"})
 _EXISTS_CODES = frozenset({"412", "PreconditionFailed", "BlobAlreadyExists", "ConditionNotMet"})
+# How object_store's error text gives a status the server answered with.
+_CLIENT_ERROR_STATUS = re.compile(r"status code: 4\d\d\b")
 _TRANSIENT_ERRNOS = frozenset(
     {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT}
 )
@@ -181,8 +184,12 @@ def _is_transient(exc: BaseException) -> bool:
     codes = _error_codes(exc)
     if codes & _TRANSIENT_CODES:
         return True
-    # Network-level failures of the HTTP stacks fsspec backends use.
     names = {cls.__name__ for cls in type(exc).__mro__}
+    if "GenericError" in names and not _CLIENT_ERROR_STATUS.search(str(exc)):
+        # obstore's untyped error: a body cut mid-listing, a connection lost after
+        # its own retries. A 4xx answer in its text is the request's fault: final.
+        return True
+    # Network-level failures of the HTTP stacks fsspec backends use.
     return bool(
         names
         & {

@@ -68,6 +68,7 @@ from dcp_volumes.checkpoint._manager_options import ManagerOptions
 from dcp_volumes.checkpoint._manifest import METADATA_NAME
 from dcp_volumes.checkpoint._reader import VolumeReader
 from dcp_volumes.checkpoint._retention import LocalTier, apply_retention, delete_checkpoint
+from dcp_volumes.checkpoint._stager import free_pooled_buffers
 from dcp_volumes.checkpoint._writer import VolumeWriter
 
 logger = logging.getLogger(__name__)
@@ -406,6 +407,7 @@ class CheckpointManager:
             self._closed = True
             self._executor.shutdown(wait=True)
             self._close_writer()
+            free_pooled_buffers()  # the job's saves are over: give the staging memory back
 
     def __enter__(self) -> CheckpointManager:
         return self

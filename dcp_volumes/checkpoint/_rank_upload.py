@@ -2,13 +2,19 @@
 
 Throughput comes from many streams in flight (real stores cap each stream).
 Object-store clients hold each part (a whole small file) in memory while it
-is in flight (``capabilities.buffers_uploads``), so the shape keeps those
-buffers within a share of the rank's bytes.
+is in flight (``capabilities.buffers_uploads``; here as mapped pages of the
+staged file), so the shape keeps those buffers within a share of the rank's
+bytes: an async save then holds about 1.1x the state, the staged copy plus
+this.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -23,26 +29,68 @@ logger = logging.getLogger("dcp_volumes.checkpoint._writer")
 MIN_PART_SIZE = 5 * 2**20
 # Files uploaded at once per rank (they share the transfers in flight).
 _MAX_FILES_IN_FLIGHT = 4
-# Upload buffers may take this share of a rank's checkpoint bytes in RAM, so an
-# async save needs about 1.25x the state: the staged copy plus this.
-_UPLOAD_RAM_SHARE = 0.25
+# Upload buffers may take this share of a rank's checkpoint bytes in RAM ...
+_UPLOAD_RAM_SHARE = 0.1
+# ... but at least this much per stream: smaller files make the per-request
+# cost dominate.
+_MIN_STREAM_BYTES = 2 * 2**20
+
+
+@dataclass(frozen=True)
+class UploadShape:
+    """How a rank's files go up: ``files_in_flight`` at once, ``per_file`` transfers
+    each, files of at most ``file_size``, and at most ``budget`` bytes held in flight."""
+
+    files_in_flight: int
+    per_file: int
+    file_size: int
+    budget: InFlightBytes | None
 
 
 def upload_shape(
     volume: Volume, *, rank_bytes: int, concurrency: int, file_size: int
-) -> tuple[int, int, int]:
-    """(files in flight, transfers per file, file size) for a rank's upload.
+) -> UploadShape:
+    """The upload shape for a rank of ``rank_bytes``.
 
     Within a budget of ``_UPLOAD_RAM_SHARE`` of the rank's bytes, keep
     ``concurrency`` streams busy by making files small enough that each is
     one PUT (no multipart round trips); large states keep ``file_size`` files.
     """
     if not volume.capabilities.buffers_uploads:
-        return min(_MAX_FILES_IN_FLIGHT, concurrency), 1, file_size
-    budget = max(concurrency * MIN_PART_SIZE, int(rank_bytes * _UPLOAD_RAM_SHARE))
-    file_size = min(file_size, max(MIN_PART_SIZE, budget // concurrency))
+        return UploadShape(min(_MAX_FILES_IN_FLIGHT, concurrency), 1, file_size, None)
+    budget = max(concurrency * _MIN_STREAM_BYTES, int(rank_bytes * _UPLOAD_RAM_SHARE))
+    file_size = min(file_size, max(_MIN_STREAM_BYTES, budget // concurrency))
     files_in_flight = max(1, min(concurrency, budget // file_size))
-    return files_in_flight, max(1, concurrency // files_in_flight), file_size
+    return UploadShape(
+        files_in_flight, max(1, concurrency // files_in_flight), file_size, InFlightBytes(budget)
+    )
+
+
+class InFlightBytes:
+    """A byte budget shared by a rank's upload threads.
+
+    Files are cut at ``file_size`` but one tensor may be larger, so counting
+    files alone does not bound the memory: each upload holds its bytes here
+    (a file larger than the whole budget waits until it is alone).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held = 0
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        nbytes = min(nbytes, self.limit)
+        with self._changed:
+            self._changed.wait_for(lambda: self._held + nbytes <= self.limit)
+            self._held += nbytes
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._held -= nbytes
+                self._changed.notify_all()
 
 
 def upload_file(
@@ -52,7 +100,7 @@ def upload_file(
     size: int,
     *,
     keep: bool,
-    per_file: int,
+    shape: UploadShape,
     part_size: int,
 ) -> None:
     """Upload one closed file (upload threads); sizes are checked by ``verify_uploaded``.
@@ -60,9 +108,17 @@ def upload_file(
     ``keep``: the staged file stays (the local tier); otherwise it is moved
     (renamed on a mount, removed after the upload elsewhere).
     """
-    volume.put_file(
-        local, rel, part_size=part_size, concurrency=per_file, move=not keep, verify_size=False
-    )
+    # A multipart upload holds its parts in flight, a single PUT the whole file.
+    held = size if size <= part_size else min(size, shape.per_file * part_size)
+    with shape.budget.hold(held) if shape.budget is not None else contextlib.nullcontext():
+        volume.put_file(
+            local,
+            rel,
+            part_size=part_size,
+            concurrency=shape.per_file,
+            move=not keep,
+            verify_size=False,
+        )
     logger.debug("uploaded %s (%d bytes)", redact_url(volume.url_of(rel)), size)
 
 

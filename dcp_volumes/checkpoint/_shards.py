@@ -122,14 +122,15 @@ def plain_cpu_tensor(data: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _data_bytes(item: WriteItem) -> int:
+    """A tensor item's raw data bytes (0 for an object)."""
+    data = item.tensor_data
+    return 0 if data is None else data.size.numel() * data.properties.dtype.itemsize
+
+
 def estimate_bytes(items: Sequence[WriteItem]) -> int:
-    """Bytes the items take on disk, about (objects count as their slack only)."""
-    total = 0
-    for item in items:
-        total += _ITEM_OVERHEAD
-        if item.tensor_data is not None:
-            total += item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
-    return total
+    """Bytes the items take on disk, about (an object counts as its slack only)."""
+    return sum(_ITEM_OVERHEAD + _data_bytes(item) for item in items)
 
 
 def write_and_upload(
@@ -144,7 +145,9 @@ def write_and_upload(
     files_in_flight: int,
     upload: Upload,
 ) -> tuple[list[WriteResult], int, int]:
-    """Serialise ``items`` into files of about ``file_size`` bytes, uploading each once closed.
+    """Serialise ``items`` into files of at most ``file_size`` bytes of tensor data (plus
+    headers; or one item larger than that), uploading each once closed, so
+    what the uploads hold in flight stays within files in flight x file size.
 
     Returns the write results, the bytes written and the number of files,
     once every upload has finished. The first failure (serialising or
@@ -154,7 +157,7 @@ def write_and_upload(
     results: list[WriteResult] = []
     uploads: list[ThreadFuture[None]] = []
     pending: list[tuple[WriteItem, int, int]] = []
-    state: dict[str, Any] = {"file": None, "rel": "", "total": 0, "index": 0}
+    state: dict[str, Any] = {"file": None, "rel": "", "total": 0, "index": 0, "data": 0}
 
     def close_and_upload(pool: ThreadPoolExecutor) -> None:
         current: HashingFile | None = state["file"]
@@ -180,6 +183,8 @@ def write_and_upload(
             for item in items:
                 if any(f.done() and f.exception() is not None for f in uploads):
                     break  # an upload failed: stop serialising, report it below
+                if state["file"] is not None and state["data"] + _data_bytes(item) > file_size:
+                    close_and_upload(pool)
                 if state["file"] is None:
                     name = _layout.data_file_name(prefix, state["index"])
                     state["index"] += 1
@@ -187,6 +192,7 @@ def write_and_upload(
                     local = os.path.join(save_dir, *state["rel"].split("/"))
                     os.makedirs(os.path.dirname(local), exist_ok=True)
                     state["file"] = HashingFile(local)
+                    state["data"] = 0
                 current: HashingFile = state["file"]
                 offset = current.tell()
                 data = planner.resolve_data(item)
@@ -198,10 +204,10 @@ def write_and_upload(
                     current.expect_tensor(tensor)
                     torch.save(tensor, cast(IO[bytes], current))
                     del tensor
-                pending.append((item, offset, current.tell() - offset))
+                written = current.tell() - offset
+                pending.append((item, offset, written))
+                state["data"] += _data_bytes(item) if item.tensor_data is not None else written
                 del data
-                if current.tell() >= file_size:
-                    close_and_upload(pool)
             close_and_upload(pool)
         except BaseException:
             if state["file"] is not None:

@@ -4,11 +4,16 @@ Uses the helpers behind DCP's own ``BlockingAsyncStager`` (pinned CPU copies
 when CUDA is present, in-place refresh of cached buffers). The buffers are
 allocated on the first save and reused while the state dict keeps its
 structure, shapes and dtypes, so steady-state staging is one copy into
-preallocated memory.
+preallocated memory. Once a save has serialised them, the buffers go back to
+a process-wide pool, so a new writer per save (how most training code calls
+DCP) also stages into warm memory instead of allocating and faulting in a
+fresh copy of the state every time.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +48,42 @@ def signature(obj: Any) -> Any:
     return type(obj)
 
 
+class _BufferPool:
+    """Staging buffers that no save is using, kept for the next save of the same shapes.
+
+    Holds the buffers of the last ``keep`` signatures (a model and, say, a
+    separately saved optimizer); older ones are freed.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._free: OrderedDict[Any, STATE_DICT_TYPE] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def take(self, sig: Any) -> STATE_DICT_TYPE | None:
+        with self._lock:
+            return self._free.pop(sig, None)
+
+    def give(self, sig: Any, buffers: STATE_DICT_TYPE) -> None:
+        with self._lock:
+            self._free.pop(sig, None)
+            self._free[sig] = buffers
+            while len(self._free) > self._keep:
+                self._free.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_POOL = _BufferPool(keep=2)
+
+
+def free_pooled_buffers() -> None:
+    """Free the staging buffers kept for later saves (the end of a training job)."""
+    _POOL.clear()
+
+
 class CpuStager:
     """Blocking copy of a state dict to CPU, into cached buffers when ``cache`` is set.
 
@@ -71,7 +112,7 @@ class CpuStager:
             sig = signature(state_dict)
             if self._buffers is None or sig != self._signature:
                 self._buffers = None  # free the old buffers before allocating new ones
-                self._buffers = _create_cpu_state_dict(
+                self._buffers = _POOL.take(sig) or _create_cpu_state_dict(
                     state_dict, pin_memory=pin, share_memory=pin
                 )
                 self._signature = sig
@@ -85,10 +126,16 @@ class CpuStager:
             torch.cuda.synchronize()  # non-blocking device-to-host copies must land first
         return staged
 
-    def close(self) -> None:
-        """Free the buffers."""
+    def release(self) -> None:
+        """The staged copy is serialised: its buffers may serve the next save (any writer)."""
+        if self._buffers is not None:
+            _POOL.give(self._signature, self._buffers)
         self._buffers = None
         self._signature = None
+
+    def close(self) -> None:
+        """Give the buffers back to the pool."""
+        self.release()
         if self._fallback is not None:
             self._fallback.close()
             self._fallback = None

@@ -281,7 +281,11 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         """No-op: ``stage`` returns only once the copy is complete."""
 
     def close(self) -> None:
-        """Free the staging buffers and remove a temporary staging directory."""
+        """Give the staging buffers to the next save and remove a temporary staging directory.
+
+        The buffers of the last two state-dict shapes are kept for later
+        writers in this process; ``CheckpointManager.close`` frees them.
+        """
         self._stager.close()
         if self._finalizer is not None:
             self._finalizer()
@@ -355,7 +359,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         else:
             name = _layout.checkpoint_name(self._volume.root)
             save_dir = self._staging.new_dir(f"{name}-r{self._rank}")
-        files_in_flight, per_file, file_size = upload_shape(
+        shape = upload_shape(
             self._volume,
             rank_bytes=estimate_bytes(plan.items),
             concurrency=self.options.upload_concurrency,
@@ -371,21 +375,22 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                 prefix=prefix,
                 save_dir=save_dir,
                 prefix_spread=self.options.prefix_spread,
-                file_size=file_size,
+                file_size=shape.file_size,
                 # Mount-path volumes get the file by rename: it must be on disk first.
                 fsync=self._volume.capabilities.local_files or local_copy is not None,
-                files_in_flight=files_in_flight,
+                files_in_flight=shape.files_in_flight,
                 upload=lambda local, rel, size: upload_file(
                     self._volume,
                     local,
                     rel,
                     size,
                     keep=keep,
-                    per_file=per_file,
+                    shape=shape,
                     part_size=self.options.part_size,
                 ),
             )
         finally:
+            self._stager.release()  # serialised: the buffers may serve the next save
             if not keep:
                 StagingArea.remove(save_dir)
         verify_uploaded(self._volume, self._rank, results)

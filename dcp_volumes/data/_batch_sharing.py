@@ -95,13 +95,21 @@ def start_manager_for_workers(strategy: str | None, context: Any) -> None:
     """Start this process's torch_shm_manager now, so the workers it forks share it.
 
     ``context``: the DataLoader's multiprocessing context (None: torch's
-    default). Only for forked "file_system" workers (others cannot inherit
-    it); once per process. If it cannot start, each worker tries its own (``use``).
+    default). Only for forked "file_system" workers; forkserver workers share
+    the one their server started (``_forkserver_preload``); spawned ones
+    cannot inherit it. If it cannot start, each worker tries its own (``use``).
     """
-    global _manager_pid
-    if strategy != FAST or _manager_pid == os.getpid():
+    if strategy != FAST:
         return
     if (context or torch.multiprocessing).get_start_method() != "fork":
+        return
+    start_manager_here()
+
+
+def start_manager_here() -> None:
+    """Reach (or start) this process's torch_shm_manager, once per process."""
+    global _manager_pid
+    if _manager_pid == os.getpid():
         return
     try:
         # A one-byte storage shared by name reaches (or starts) this process's manager;

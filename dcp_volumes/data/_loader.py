@@ -102,11 +102,14 @@ def _forkserver() -> multiprocessing.context.BaseContext:
 
     Each worker is forked from the server: without the preload every worker
     imports torch itself (~1.6 CPU-s here, seconds per loader start); with it
-    only the server does, once per process. It takes effect where the server
-    has not started yet (the first loader of a process).
+    only the server does, once per process, and starts the shared-memory
+    manager the workers share. It takes effect where the server has not
+    started yet (the first loader of a process).
     """
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["__main__", "torch", __name__])
+    ctx.set_forkserver_preload(
+        ["__main__", "torch", __name__, "dcp_volumes.data._forkserver_preload"]
+    )
     return ctx
 
 
