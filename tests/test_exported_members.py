@@ -22,6 +22,7 @@ EXPECTED = {
     "ConfigurationError",
     "DatasetChangedError",
     "DcpVolumesError",
+    "DiskFullError",
     "StagingError",
     "VolumeAccessError",
     "VolumeError",

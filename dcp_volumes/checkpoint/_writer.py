@@ -385,9 +385,14 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                     part_size=self.options.part_size,
                 ),
             )
-        finally:
-            if not keep:
+        except BaseException:
+            # A failed save's files are never trusted (the local tier's included, as
+            # it has no manifest); removing them gives the disk space back.
+            if not self.options.keep_staging:
                 StagingArea.remove(save_dir)
+            raise
+        if not keep:
+            StagingArea.remove(save_dir)
         verify_uploaded(self._volume, self._rank, results)
         elapsed = max(time.monotonic() - started, 1e-9)
         logger.debug(
