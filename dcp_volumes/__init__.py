@@ -22,6 +22,7 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
     storage_error,
 )
+from dcp_volumes._volume._retry import RetryPolicy
 
 if _typing.TYPE_CHECKING:
     from dcp_volumes.checkpoint._discovery import CheckpointInfo
@@ -75,6 +76,7 @@ __all__ = [
     "DcpVolumesError",
     "DiskFullError",
     "FileCache",
+    "RetryPolicy",
     "StagingError",
     "VolumeAccessError",
     "VolumeDataset",

@@ -258,6 +258,15 @@ class LatencyProxy:
         with self._lock:
             self._hooks.append((fn, method))
 
+    def clear_faults(self) -> None:
+        """Forget the faults still queued by ``drop_next``/``answer_next``/``stall_next``/
+        ``call_next`` (the link is healthy again; requests already held stay held)."""
+        with self._lock:
+            self._drops.clear()
+            self._answers.clear()
+            self._stalls.clear()
+            self._hooks.clear()
+
     @property
     def pending_stalls(self) -> int:
         with self._lock:

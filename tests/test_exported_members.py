@@ -12,6 +12,8 @@ EXPECTED = {
     "VolumeDataset",
     "VolumeReader",
     "VolumeWriter",
+    # the retry/timeout policy the classes above take as retry=
+    "RetryPolicy",
     # errors users catch
     "BucketNotFoundError",
     "CacheError",
