@@ -221,8 +221,10 @@ def test_a_cache_disk_that_fills_during_a_fill(
 
 
 @pytest.mark.emulator
+@pytest.mark.parametrize("workers", [0, 1])
 def test_a_dataset_epoch_on_a_cache_disk_that_fills(
     small_disk: Callable[[str], Path], s3_proxy: tuple[str, Any, Any, LatencyProxy],
+    workers: int,
 ) -> None:
     # VolumeDataset keeps the cache's default headroom (256 MiB): the disk must be larger.
     cache_dir = small_disk("272m")
@@ -235,7 +237,8 @@ def test_a_dataset_epoch_on_a_cache_disk_that_fills(
                            transform=read_id, shuffle=False, prefetch=1, prefetch_threads=1)
         if meanwhile is not None:  # after the listing: at the first sample's download
             proxy.call_next(meanwhile, method="GET")
-        return [int(x) for batch in DataLoader(ds, batch_size=2, num_workers=0) for x in batch]
+        loader = DataLoader(ds, batch_size=2, num_workers=workers)
+        return [int(x) for batch in loader for x in batch]
 
     with pytest.raises(DiskFullError, match=f"The disk holding {cache_dir} is full"):
         epoch(lambda: fill_disk(cache_dir, leave=MiB))
