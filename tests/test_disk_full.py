@@ -156,6 +156,7 @@ def test_the_manager_reports_a_full_staging_disk_at_the_next_wait(
             mgr.wait()
         text = str(caught.value)
         assert "step 1" in text and "DiskFullError" in text and f"{staging}" in text
+        assert "free now" in text and "needing 0.0 MiB" not in text  # the blob's real size
         assert mgr.latest() is None and not (root / "step-00000001" / ".metadata").exists()
         assert {p for p in files_below(staging) if not p.startswith("local/.")} == set()
 

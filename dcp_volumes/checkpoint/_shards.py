@@ -68,8 +68,10 @@ class HashingFile:
         self._size = 0
         self._tensors: dict[int, tuple[int, int]] = {}
         self._expected: tuple[int, int, int] | None = None  # item offset, address, nbytes
-        # The first failed write: torch's serializer replaces it with its own error.
+        # The first failed write, and the file size it was to reach: torch's
+        # serializer replaces the error with its own.
         self.error: OSError | None = None
+        self.wanted = 0
 
     def expect_tensor(self, tensor: torch.Tensor) -> None:
         """The next item is ``tensor`` (from ``plain_cpu_tensor``): note where its data goes."""
@@ -89,7 +91,8 @@ class HashingFile:
             for piece in pieces(view):  # see WRITE_PIECE
                 self._f.write(piece)
         except OSError as exc:
-            self.error = self.error or exc
+            if self.error is None:
+                self.error, self.wanted = exc, self._size + len(view)
             raise
         self._size += len(view)
         return len(view)
@@ -217,11 +220,13 @@ def write_and_upload(
             for f in uploads:
                 f.cancel()
             written = state["total"] + (failed.tell() if failed is not None else 0)
+            # The estimate counts objects by their slack only: the failed write tells more.
+            wanted = state["total"] + (failed.wanted if failed is not None else 0)
             full = disk_full_error(
                 failed.error or exc if failed is not None else exc,
                 os.path.dirname(save_dir),
                 doing=f"serialising checkpoint files ({written / 2**20:.1f} MiB written)",
-                needed=estimate_bytes(items),
+                needed=max(estimate_bytes(items), wanted),
                 fix="Nothing was committed and the staged files are removed. Fix: free space "
                 "there, or point staging_dir= (or DCP_VOLUMES_STAGING) at a larger local disk, "
                 "and save again.",
