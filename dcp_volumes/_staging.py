@@ -3,6 +3,8 @@
 Checkpoint shards are serialised here before upload, and cache fills land
 here before they are renamed into place. Where the area lives is decided once:
 an explicit directory, else ``DCP_VOLUMES_STAGING``, else a private temp dir.
+A local disk that fills up part-way through a write (staging or cache) is
+reported by ``disk_full_error``, the one place that translates ENOSPC.
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ from dcp_volumes._volume import Volume
 from tests.emulators import LatencyProxy, MotoServer
 from tests.test_data_support import read_id, write_samples
 
+pytestmark = pytest.mark.timeout(60)
+
 MiB = 2**20
 
 
