@@ -14,6 +14,7 @@ from dcp_volumes._exceptions import (
     ConfigurationError,
     DatasetChangedError,
     DcpVolumesError,
+    DiskFullError,
     StagingError,
     VolumeAccessError,
     VolumeError,
@@ -21,6 +22,7 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
     storage_error,
 )
+from dcp_volumes._volume._retry import RetryPolicy
 
 if _typing.TYPE_CHECKING:
     from dcp_volumes.checkpoint._discovery import CheckpointInfo
@@ -72,7 +74,9 @@ __all__ = [
     "DataLoader",
     "DatasetChangedError",
     "DcpVolumesError",
+    "DiskFullError",
     "FileCache",
+    "RetryPolicy",
     "StagingError",
     "VolumeAccessError",
     "VolumeDataset",

@@ -8,6 +8,8 @@ credentials (see ``_redact``).
 
 from __future__ import annotations
 
+import errno
+
 
 class DcpVolumesError(Exception):
     """Root of every error raised by dcp_volumes."""
@@ -63,6 +65,29 @@ class CheckpointCorruptError(CheckpointError):
 
 class CacheError(DcpVolumesError, OSError):
     """The local file cache cannot hold or serve a file."""
+
+
+class DiskFullError(StagingError, CacheError):
+    """A local disk (staging or cache) ran out of space part-way through a write.
+
+    Both a ``StagingError`` (checkpoint side) and a ``CacheError`` (data side),
+    so the handler a user already has for either catches it; ``errno`` is
+    ``ENOSPC``. ``directory``, ``needed`` and ``free`` (bytes; ``None`` where
+    unknown) say where and how much. What was partly written has been removed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        directory: str = "",
+        needed: int | None = None,
+        free: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOSPC
+        self.directory = directory
+        self.needed = needed
+        self.free = free
 
 
 class DatasetChangedError(DcpVolumesError):

@@ -3,11 +3,14 @@
 Checkpoint shards are serialised here before upload, and cache fills land
 here before they are renamed into place. Where the area lives is decided once:
 an explicit directory, else ``DCP_VOLUMES_STAGING``, else a private temp dir.
+A local disk that fills up part-way through a write (staging or cache) is
+reported by ``disk_full_error``, the one place that translates ENOSPC.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -15,7 +18,7 @@ import tempfile
 import uuid
 
 from dcp_volumes import _env
-from dcp_volumes._exceptions import ConfigurationError, StagingError
+from dcp_volumes._exceptions import ConfigurationError, DiskFullError, StagingError
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,57 @@ def probe_writable(directory: str) -> None:
 def free_bytes(path: str) -> int:
     """Free bytes on the filesystem holding ``path``."""
     return shutil.disk_usage(path).free
+
+
+# errno values of a write that found no room: the disk, or this user's quota on it, is full.
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def _out_of_space(exc: BaseException) -> OSError | None:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in _FULL_ERRNOS:
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def disk_full_error(
+    exc: BaseException, directory: str, *, doing: str, needed: int | None, fix: str
+) -> DiskFullError | None:
+    """The ``DiskFullError`` for ``exc`` if it, or an error behind it, is a full local disk.
+
+    The one place where ENOSPC/EDQUOT of a local write (staging, cache) becomes
+    a clear error: callers pass what their local writes raised and raise the
+    result ``from exc``. The out-of-space ``OSError`` is looked for along
+    ``__cause__``/``__context__`` because wrappers hide it: torch's serializer
+    reports it only as ``unexpected pos``, the volume layer as a failed read.
+    ``doing``: what was being written; ``needed``: bytes it needed, if known.
+    """
+    if isinstance(exc, DiskFullError):
+        return exc
+    full = _out_of_space(exc)
+    if full is None:
+        return None
+    try:
+        free: int | None = free_bytes(directory)
+    except OSError:
+        free = None
+    need = f", needing {_mib(needed)}" if needed is not None else ""
+    have = f"; {_mib(free)} free now" if free is not None else ""
+    return DiskFullError(
+        f"The disk holding {directory} is full: {doing} failed ({full.strerror}){need}{have}. "
+        f"Another process may have filled it after the free-space check. {fix}",
+        directory,
+        needed,
+        free,
+    )
 
 
 class StagingArea:

@@ -25,6 +25,7 @@ import struct
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -64,6 +65,10 @@ class _Drop(Exception):
     """Internal: reset this connection now."""
 
 
+class _Stall(Exception):
+    """Internal: hold this connection open and never answer (a hung server or proxy)."""
+
+
 class _Answer(Exception):
     """Internal: answer this request with an error status and close the connection."""
 
@@ -72,6 +77,7 @@ class _Answer(Exception):
         self.status = status
 
 
+_FAULT_KINDS = ("503", "500", "reset", "cut", "stall")
 # Error bodies in S3's format (Azure and GCS clients go by the status alone).
 _STATUS_TEXT = {500: ("Internal Server Error", "InternalError"),
                 503: ("Slow Down", "SlowDown"), 429: ("Too Many Requests", "SlowDown")}
@@ -92,8 +98,10 @@ class LatencyProxy:
             reaches the server).
         fault_rate: the share of requests (0..1) that get a fault, drawn with
             ``seed``: a 503 SlowDown or a 500 answer, a reset before the request
-            reaches the server, or a response cut part-way (``fault_kinds``
-            chooses among "503", "500", "reset", "cut"). ``faults`` counts them.
+            reaches the server, a response cut part-way, or a stall: the request
+            is read and never answered (``fault_kinds`` chooses among "503",
+            "500", "reset", "cut", "stall"; the default leaves stalls out, as
+            each costs the client its full timeout). ``faults`` counts them.
 
     ``requests`` counts every request seen, dropped ones included, by
     ``(method, path)`` with the path percent-decoded and the query removed:
@@ -124,8 +132,8 @@ class LatencyProxy:
         self.latency_s = latency_s
         self.bandwidth_bps = bandwidth_bps
         self.fail_every = fail_every
-        if not 0.0 <= fault_rate <= 1.0 or set(fault_kinds) - {"503", "500", "reset", "cut"}:
-            raise ValueError("fault_rate must be in [0, 1]; fault_kinds of 503/500/reset/cut")
+        if not 0.0 <= fault_rate <= 1.0 or set(fault_kinds) - set(_FAULT_KINDS):
+            raise ValueError(f"fault_rate must be in [0, 1]; fault_kinds of {_FAULT_KINDS}")
         self.fault_rate = fault_rate
         self.fault_kinds = tuple(fault_kinds)
         self._rng = random.Random(seed)
@@ -139,6 +147,11 @@ class LatencyProxy:
         self._seq = 0
         self._drops: collections.deque[tuple[int, str | None]] = collections.deque()
         self._answers: collections.deque[tuple[int, str | None]] = collections.deque()
+        self._stalls: collections.deque[str | None] = collections.deque()
+        self._hooks: collections.deque[tuple[Callable[[], None], str | None]] = (
+            collections.deque()
+        )
+        self.stalled: collections.Counter[tuple[str, str]] = collections.Counter()
         self.answered: collections.Counter[int] = collections.Counter()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -230,6 +243,35 @@ class LatencyProxy:
         with self._lock:
             self._answers.extend([(status, method)] * n)
 
+    def stall_next(self, n: int = 1, *, method: str | None = None) -> None:
+        """Stall each of the next ``n`` requests: read it (body included) and never answer
+        nor forward it, as a hung server or proxy does; the connection stays open until
+        the client gives up or the proxy stops. ``stalled`` counts them."""
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        with self._lock:
+            self._stalls.extend([method] * n)
+
+    def call_next(self, fn: Callable[[], None], *, method: str | None = None) -> None:
+        """Run ``fn()`` when the next request (of ``method``) arrives, before it is forwarded:
+        a deterministic "meanwhile" for tests (e.g. another job fills a disk)."""
+        with self._lock:
+            self._hooks.append((fn, method))
+
+    def clear_faults(self) -> None:
+        """Forget the faults still queued by ``drop_next``/``answer_next``/``stall_next``/
+        ``call_next`` (the link is healthy again; requests already held stay held)."""
+        with self._lock:
+            self._drops.clear()
+            self._answers.clear()
+            self._stalls.clear()
+            self._hooks.clear()
+
+    @property
+    def pending_stalls(self) -> int:
+        with self._lock:
+            return len(self._stalls)
+
     @property
     def pending_drops(self) -> int:
         with self._lock:
@@ -251,6 +293,12 @@ class LatencyProxy:
         """Record a request; returns bytes of response to pass before a reset, or None."""
         path = urllib.parse.unquote(urllib.parse.urlsplit(target).path)
         key = (method, path)
+        hook = None
+        with self._lock:
+            if self._hooks and self._hooks[0][1] in (None, method):
+                hook = self._hooks.popleft()[0]
+        if hook is not None:
+            hook()  # outside the lock: it may take a while
         with self._lock:
             self.requests[key] += 1
             self.log.append((method, target))
@@ -260,6 +308,10 @@ class LatencyProxy:
                 status = self._answers.popleft()[0]
                 self.answered[status] += 1
                 raise _Answer(status)
+            if self._stalls and self._stalls[0] in (None, method):
+                self._stalls.popleft()
+                self.stalled[key] += 1
+                raise _Stall
             if self._drops and self._drops[0][1] in (None, method):
                 drop = self._drops.popleft()[0]
             elif self.fail_every and self._seq % self.fail_every == 0:
@@ -269,6 +321,9 @@ class LatencyProxy:
                 self.faults[kind] += 1
                 if kind in ("503", "500"):
                     raise _Answer(int(kind))
+                if kind == "stall":
+                    self.stalled[key] += 1
+                    raise _Stall
                 # A cut lands after the headers and a little of the body.
                 drop = 0 if kind == "reset" else self._rng.randint(200, 4096)
             if drop is not None:
@@ -314,6 +369,8 @@ class LatencyProxy:
             _reset(client)
         except _Answer as answer:
             _answer(client, answer.status)
+        except _Stall:
+            self._hold(client)
         except OSError:
             pass  # a peer went away; both sides are closed below
         finally:
@@ -325,6 +382,14 @@ class LatencyProxy:
                         sock.close()
             with self._lock:
                 self._threads.discard(threading.current_thread())
+
+    def _hold(self, client: socket.socket) -> None:
+        """Read and drop what the client sends, never answer, until it hangs up or we stop."""
+        with contextlib.suppress(OSError):  # the client reset it: as good as hanging up
+            while not self._stopping.is_set():
+                ready, _, _ = select.select([client], [], [], 0.25)
+                if ready and not client.recv(_CHUNK):
+                    return
 
     def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
         # One thread per connection serves both directions: every decision about

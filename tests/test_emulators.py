@@ -228,6 +228,31 @@ def test_proxy_drop_next_fails_requests(
         assert proxy.count("GET", path) == 2
 
 
+def test_proxy_stall_next_never_answers_and_call_next_runs_first(
+    moto_server: MotoServer, s3_object: tuple[str, bytes]
+) -> None:
+    path, data = s3_object
+    host, port = "", 0
+    with LatencyProxy.in_front_of(moto_server) as proxy:
+        host, port = proxy.host, proxy.port
+        seen: list[int] = []
+        proxy.call_next(lambda: seen.append(proxy.count("GET", path)), method="GET")
+        proxy.stall_next(1, method="GET")
+        conn = http.client.HTTPConnection(host, port, timeout=0.5)
+        try:
+            conn.request("GET", path)
+            with pytest.raises(TimeoutError):
+                conn.getresponse()  # taken, never answered
+        finally:
+            conn.close()
+        assert seen == [0]  # ran once, as the request arrived (before it was counted)
+        assert proxy.stalled["GET", path] == 1 and proxy.pending_stalls == 0
+        assert _get(proxy.endpoint, path) == (200, data)  # the next one goes through
+        proxy.stall_next(5)
+        proxy.clear_faults()
+        assert _get(proxy.endpoint, path) == (200, data)
+
+
 def test_proxy_fail_every(moto_server: MotoServer, s3_object: tuple[str, bytes]) -> None:
     path, _ = s3_object
     with LatencyProxy.in_front_of(moto_server, fail_every=2) as proxy:

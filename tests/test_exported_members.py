@@ -12,6 +12,8 @@ EXPECTED = {
     "VolumeDataset",
     "VolumeReader",
     "VolumeWriter",
+    # the retry/timeout policy the classes above take as retry=
+    "RetryPolicy",
     # errors users catch
     "BucketNotFoundError",
     "CacheError",
@@ -22,6 +24,7 @@ EXPECTED = {
     "ConfigurationError",
     "DatasetChangedError",
     "DcpVolumesError",
+    "DiskFullError",
     "StagingError",
     "VolumeAccessError",
     "VolumeError",

@@ -96,3 +96,18 @@ def test_abfs_urls_name_the_account() -> None:
     assert vol.root == "data/run1/step-1"
     assert vol.storage_options["account_name"] == "myacct"
     assert vol.url == "abfss://data/run1/step-1"
+
+
+def test_the_policys_timeout_is_the_request_timeout_and_the_users_own_wins() -> None:
+    policy = RetryPolicy(attempts=3, base_delay_s=0.1, max_delay_s=1.0, timeout_s=2.5)
+    out = s3_settings({"key": "k", "secret": "secret-3"}, policy)
+    assert out.client_options["timeout"] == timedelta(seconds=2.5)
+    # Every try may use its whole timeout (a stall) and still be retried.
+    assert out.retry_config["retry_timeout"] == timedelta(seconds=3 * (1.0 + 2.5))
+    mine = s3_settings({"key": "k", "secret": "secret-3", "timeout": "9s"}, policy)
+    assert mine.client_options["timeout"] == "9s"
+    botocore = s3_settings({"key": "k", "secret": "secret-3",
+                            "config_kwargs": {"read_timeout": 7}}, policy)
+    assert botocore.client_options["timeout"] == timedelta(seconds=7)
+    with pytest.raises(ConfigurationError, match="timeout_s"):
+        RetryPolicy(timeout_s=0)

@@ -126,6 +126,8 @@ _AZURE_KEYS = frozenset(
         "disable_tagging",
     }
 )
+# obstore's (object_store's) own request timeout when none is configured.
+_CLIENT_DEFAULT_TIMEOUT_S = 30.0
 # Options the store takes as keyword arguments of its own, not config keys.
 _STORE_ARGUMENTS = frozenset({"client_options", "retry_config", "credential_provider"})
 
@@ -156,9 +158,18 @@ def retry_config(policy: RetryPolicy) -> dict[str, Any]:
             "max_backoff": timedelta(seconds=max(policy.max_delay_s, 0.001)),
             "base": 2,
         },
-        # A bound on one request's retries, so a dead endpoint fails in bounded time.
-        "retry_timeout": timedelta(seconds=max(1.0, policy.attempts * policy.max_delay_s)),
+        # A bound on one request's retries, so a dead endpoint fails in bounded time;
+        # each try may take its whole timeout (a stalled request), else a stall would
+        # use up the bound before its first retry.
+        "retry_timeout": timedelta(
+            seconds=max(1.0, policy.attempts * (policy.max_delay_s + request_timeout_s(policy)))
+        ),
     }
+
+
+def request_timeout_s(policy: RetryPolicy) -> float:
+    """Seconds one request may take before obstore abandons and retries it."""
+    return policy.timeout_s if policy.timeout_s is not None else _CLIENT_DEFAULT_TIMEOUT_S
 
 
 def s3_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSettings:
@@ -282,6 +293,9 @@ def _start(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSettings:
             f"storage_options must be a mapping (a dict), not {type(options).__name__}."
         )
     out = StoreSettings(retry_config=retry_config(policy))
+    if policy.timeout_s is not None:
+        out.client_options["timeout"] = timedelta(seconds=policy.timeout_s)
+    # The user's own client options (here and as top-level keys, see _rest) win.
     out.client_options.update(dict(options.get("client_options") or {}))
     if options.get("retry_config"):
         out.retry_config = dict(options["retry_config"])

@@ -107,17 +107,33 @@ _TRANSIENT_ERRNOS = frozenset(
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How often and how patiently to retry transient errors."""
+    """How often and how patiently to retry transient errors.
+
+    Attributes:
+        attempts: tries per request, the first included.
+        base_delay_s, max_delay_s: exponential backoff between tries (full jitter).
+        timeout_s: a request with no complete answer after this long (a hung
+            server, a stalled proxy) is abandoned and tried again. Applies to
+            S3 and Azure (obstore's client; ``storage_options={"timeout": ...}``
+            overrides it); ``None``: the client's default (30 s). fsspec clients
+            take their own timeout options in ``storage_options``.
+    """
 
     attempts: int = 5
     base_delay_s: float = 0.1
     max_delay_s: float = 8.0
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
             raise ConfigurationError(f"RetryPolicy.attempts={self.attempts} must be >= 1.")
         if self.base_delay_s < 0 or self.max_delay_s < 0:
             raise ConfigurationError("RetryPolicy delays must be >= 0 seconds.")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ConfigurationError(
+                f"RetryPolicy.timeout_s={self.timeout_s} must be > 0 seconds (or None for the "
+                "client's default)."
+            )
 
     def delay(self, attempt: int) -> float:
         """Backoff before retry number ``attempt`` (1-based): exponential, full jitter."""

@@ -315,7 +315,7 @@ class CheckpointManager:
             why = summary(storage_error(exc) or exc)  # ours, not DCP's wrapper
             logger.error("checkpoint step %d was NOT saved to %s: %s", step, url, why)
             raise CheckpointError(
-                f"The background save of step {step} to {url} failed: {why}. No "
+                f"The background save of step {step} to {url} failed: {why.rstrip('.')}. No "
                 f"{METADATA_NAME} was written, so the previous checkpoint is still the latest."
             ) from exc
         logger.info("checkpoint step %d committed at %s", step, url)

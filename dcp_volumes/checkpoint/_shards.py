@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes._exceptions import CheckpointCorruptError
 from dcp_volumes._exit_safe import submit
+from dcp_volumes._staging import disk_full_error
 from dcp_volumes._streams import MemoryReader
 from dcp_volumes._volume import Volume, pieces, redact_url
 from dcp_volumes.checkpoint import _layout
@@ -67,6 +68,10 @@ class HashingFile:
         self._size = 0
         self._tensors: dict[int, tuple[int, int]] = {}
         self._expected: tuple[int, int, int] | None = None  # item offset, address, nbytes
+        # The first failed write, and the file size it was to reach: torch's
+        # serializer replaces the error with its own.
+        self.error: OSError | None = None
+        self.wanted = 0
 
     def expect_tensor(self, tensor: torch.Tensor) -> None:
         """The next item is ``tensor`` (from ``plain_cpu_tensor``): note where its data goes."""
@@ -82,8 +87,13 @@ class HashingFile:
             self._tensors[expected[0]] = (self._size, expected[2])
             self._expected = None
         self._hash.update(view)
-        for piece in pieces(view):  # see WRITE_PIECE
-            self._f.write(piece)
+        try:
+            for piece in pieces(view):  # see WRITE_PIECE
+                self._f.write(piece)
+        except OSError as exc:
+            if self.error is None:
+                self.error, self.wanted = exc, self._size + len(view)
+            raise
         self._size += len(view)
         return len(view)
 
@@ -209,11 +219,26 @@ def write_and_upload(
                 state["data"] += _data_bytes(item) if item.tensor_data is not None else written
                 del data
             close_and_upload(pool)
-        except BaseException:
-            if state["file"] is not None:
-                state["file"].abort()
+        except BaseException as exc:
+            failed: HashingFile | None = state["file"]
+            if failed is not None:
+                failed.abort()
             for f in uploads:
                 f.cancel()
+            written = state["total"] + (failed.tell() if failed is not None else 0)
+            # The estimate counts objects by their slack only: the failed write tells more.
+            wanted = state["total"] + (failed.wanted if failed is not None else 0)
+            full = disk_full_error(
+                failed.error or exc if failed is not None else exc,
+                os.path.dirname(save_dir),
+                doing=f"serialising checkpoint files ({written / 2**20:.1f} MiB written)",
+                needed=max(estimate_bytes(items), wanted),
+                fix="Nothing was committed and the staged files are removed. Fix: free space "
+                "there, or point staging_dir= (or DCP_VOLUMES_STAGING) at a larger local disk, "
+                "and save again.",
+            )
+            if full is not None:
+                raise full from exc
             raise
         _, not_done = wait(uploads, return_when=FIRST_EXCEPTION)
         for f in uploads:

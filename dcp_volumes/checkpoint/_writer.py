@@ -389,10 +389,16 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                     part_size=self.options.part_size,
                 ),
             )
+        except BaseException:
+            # A failed save's files are never trusted (the local tier's included, as
+            # it has no manifest); removing them gives the disk space back.
+            if not self.options.keep_staging:
+                StagingArea.remove(save_dir)
+            raise
         finally:
             self._stager.release()  # serialised: the buffers may serve the next save
-            if not keep:
-                StagingArea.remove(save_dir)
+        if not keep:
+            StagingArea.remove(save_dir)
         verify_uploaded(self._volume, self._rank, results)
         elapsed = max(time.monotonic() - started, 1e-9)
         logger.debug(

@@ -33,7 +33,7 @@ from fsspec.core import split_protocol
 
 from dcp_volumes import _env
 from dcp_volumes._exceptions import CacheError, ConfigurationError, DatasetChangedError, VolumeError
-from dcp_volumes._staging import parse_size, probe_writable
+from dcp_volumes._staging import disk_full_error, parse_size, probe_writable
 from dcp_volumes._volume import LOCAL_PROTOCOLS, FileInfo, Volume, redact_url
 from dcp_volumes.data._files import CachedFile, Expected
 from dcp_volumes.data._hot import TOUCH_INTERVAL_S, HotIndex, SharedHot, matches
@@ -415,26 +415,35 @@ class FileCache:
                 f"{human(self.limit)}. Fix: raise the cache limit (cache_limit= / limit=) or "
                 "cache on a bigger disk."
             )
-        self._store.reserve(ref, size)
-        started = time.perf_counter()
         try:
-            self._download(volume, relpath, ref, size, listed=expected is not None)
-        except BaseException:
-            remove(ref.fill)
-            self._store.unreserve(ref, size)
+            self._store.reserve(ref, size)
+        except OSError as exc:
+            self._raise_if_disk_full(exc, ref, size)
             raise
-        seconds = time.perf_counter() - started
-        meta = {
-            "v": 1,
-            "url": redact_url(ref.url),
-            "size": size,
-            "etag": etag,
-            "mtime": mtime,
-            "fetched": time.time(),
-        }
+        started = time.perf_counter()
         tmp = f"{ref.meta}.tmp-{uuid.uuid4().hex[:8]}"
         try:
+            self._download(volume, relpath, ref, size, listed=expected is not None)
+            seconds = time.perf_counter() - started
+            meta = {
+                "v": 1,
+                "url": redact_url(ref.url),
+                "size": size,
+                "etag": etag,
+                "mtime": mtime,
+                "fetched": time.time(),
+            }
             write_file(tmp, json.dumps(meta).encode())
+        except BaseException as exc:
+            # Nothing of a failed fill stays: no torn copy, and its space and
+            # reservation are given back (the data file may be renamed in already).
+            remove(ref.fill)
+            remove(ref.data)
+            remove(tmp)
+            self._store.unreserve(ref, size)
+            self._raise_if_disk_full(exc, ref, size)
+            raise
+        try:
             clear_reservation(ref)  # the reservation is now the file itself
             os.replace(tmp, ref.meta)  # the entry becomes valid here, in one step
         except BaseException:
@@ -442,6 +451,20 @@ class FileCache:
             raise
         self._store.note_filled(ref, size)
         return size, seconds
+
+    def _raise_if_disk_full(self, exc: BaseException, ref: Ref, size: int) -> None:
+        """Raise ``exc`` as a ``DiskFullError`` if the cache's disk ran out of space."""
+        full = disk_full_error(
+            exc,
+            self.cache_dir,
+            doing=f"caching {redact_url(ref.url)}",
+            needed=size,
+            fix="The partial copy was removed and is never served. Fix: free space there, "
+            "lower the cache limit (cache_limit= / limit=), or move the cache (cache_dir= / "
+            "DCP_VOLUMES_CACHE) to a larger local disk; the next read fills it again.",
+        )
+        if full is not None:
+            raise full from exc
 
     @staticmethod
     def _download(volume: Volume, relpath: str, ref: Ref, size: int, *, listed: bool) -> None:
