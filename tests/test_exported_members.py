@@ -19,6 +19,7 @@ EXPECTED = {
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointVersionError",
     "ConfigurationError",
     "DatasetChangedError",
     "DcpVolumesError",

@@ -94,6 +94,8 @@ _CREDENTIAL_ERRORS = frozenset(
 # obstore's typed errors (it retried transient ones itself before raising them).
 _OBSTORE_EXISTS = frozenset({"AlreadyExistsError", "PreconditionError"})
 _OBSTORE_CONFIG = frozenset({"UnknownConfigurationKeyError", "InvalidPathError"})
+# Raised by obstore for a key it cannot address: one with ".", ".." or empty segments.
+_OBSTORE_BAD_KEY = "InvalidPathError"
 _MISSING_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound", "BucketNotFound"})
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "BlobNotFound"})
 _EXISTS_CODES = frozenset({"412", "PreconditionFailed", "BlobAlreadyExists", "ConditionNotMet"})
@@ -226,6 +228,15 @@ def translate_error(
             "Fix: create it first, or correct the URL."
         )
     names = {cls.__name__ for cls in type(exc).__mro__}
+    if op == "list" and _OBSTORE_BAD_KEY in names:
+        # The store holds a key (someone else's upload) that names a path segment
+        # "." or "..": not a settings problem, and serving it could reach outside.
+        return VolumeError(
+            f"Cannot {op} {where}: the store holds an object whose key has a '.', '..' or "
+            f"empty path segment ({detail}). Such keys are refused, since they could name "
+            "files outside this prefix. Fix: rename or delete that object, or use a prefix "
+            "that does not contain it."
+        )
     if names & _OBSTORE_CONFIG:
         return ConfigurationError(
             f"Cannot {op} {where}: the object-store client refused its settings ({detail}). "

@@ -47,7 +47,8 @@ def retention_victims(
     Keeps the newest ``keep_last`` complete checkpoints (all when ``None``);
     deletes older complete ones and partial ones older than the newest complete.
     Never returns the newest complete checkpoint, a partial one at or after it
-    (it may be being written), or a directory named in ``protect``.
+    (it may be being written), a directory named in ``protect``, or one in a
+    newer format than this version reads (a newer dcp_volumes may still need it).
     """
     newest = newest_complete(infos)
     if newest is None:
@@ -58,7 +59,7 @@ def retention_victims(
     kept.update(protect)
     victims = []
     for info in infos:
-        if info.name in kept:
+        if info.name in kept or info.newer_format:
             continue
         old_complete = info.complete and keep_last is not None
         old_partial = not info.complete and info.step < newest.step
