@@ -8,6 +8,7 @@ and types, never message text, and messages never carry credentials.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import random
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 from dcp_volumes._exceptions import (
     BucketNotFoundError,
@@ -150,6 +151,22 @@ def secret_values(options: Mapping[str, Any]) -> list[str]:
     return found
 
 
+def url_secrets(url: str) -> list[str]:
+    """The secrets a URL may carry: its password and its query's values (``?sig=...``)."""
+    if "@" not in url and "?" not in url:
+        return []
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return []
+    found = [parts.password] if parts.password else []
+    found += [v for _, v in parse_qsl(parts.query) if len(v) >= 4]
+    if parts.query and not found:
+        found.append(parts.query)  # not key=value pairs: hide it whole
+    # Clients print URLs percent-encoded as well as plain.
+    return found + [quote(v, safe="") for v in found if quote(v, safe="") != v]
+
+
 def _error_codes(exc: BaseException) -> set[str]:
     """Service error codes and HTTP statuses found on ``exc`` and its causes (never its text)."""
     codes: set[str] = set()
@@ -257,6 +274,26 @@ def translate_error(
     return VolumeError(f"Cannot {op} {where}: {detail}.")
 
 
+def scrub_chain(exc: BaseException, scrub: Callable[[str], str]) -> None:
+    """Remove secrets from the texts of ``exc`` and what it chains, in place.
+
+    A backend's error stays the ``__cause__`` of ours (tracebacks show it), and
+    clients put the URL they were given, signature and all, into their messages.
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        with contextlib.suppress(Exception):  # exotic exception types: best effort
+            cur.args = tuple(scrub(a) if isinstance(a, str) else a for a in cur.args)
+            if isinstance(cur, OSError):
+                for attr in ("filename", "filename2", "strerror"):
+                    value = getattr(cur, attr, None)
+                    if isinstance(value, str):
+                        setattr(cur, attr, scrub(value))
+        cur = cur.__cause__ or cur.__context__
+
+
 def call_with_retries(
     fn: Callable[[], T],
     *,
@@ -283,5 +320,6 @@ def call_with_retries(
                 )
                 time.sleep(delay)
                 continue
+            scrub_chain(exc, scrub)
             raise translate_error(exc, op, where(), scrub) from exc
     raise AssertionError("unreachable")  # pragma: no cover
