@@ -194,32 +194,39 @@ def test_next_use_never_offers_a_file_inside_the_window(p: dict, ahead: int, beh
 
 # -- retention choice -------------------------------------------------------------------------
 
+NOW = 1_800_000_000.0
+
 checkpoint_sets = st.lists(
-    st.tuples(st.integers(0, 60), st.booleans(), st.booleans()),  # step, complete, canonical
+    # step, complete, canonical name, seconds since its files were last written
+    st.tuples(st.integers(0, 60), st.booleans(), st.booleans(),
+              st.one_of(st.none(), st.floats(0, 10_000))),
     max_size=25,
 ).map(lambda xs: _infos(xs))
 
 
-def _infos(xs: list[tuple[int, bool, bool]]) -> list[CheckpointInfo]:
+def _infos(xs: list[tuple[int, bool, bool, float | None]]) -> list[CheckpointInfo]:
     seen, out = set(), []
-    for step, complete, canonical in xs:
+    for step, complete, canonical, age in xs:
         name = step_dir(step) if canonical else f"ckpt_{step}"
         if name in seen:
             continue
         seen.add(name)
-        out.append(CheckpointInfo(step=step, url=f"/r/{name}", complete=complete, name=name))
+        out.append(CheckpointInfo(step=step, url=f"/r/{name}", complete=complete, name=name,
+                                  modified=None if age is None else NOW - age))
     return sorted(out, key=sort_key)
 
 
 @FAST
-@given(checkpoint_sets, st.one_of(st.none(), st.integers(1, 6)), st.data())
+@given(checkpoint_sets, st.one_of(st.none(), st.integers(1, 6)), st.floats(0, 5_000),
+       st.data())
 def test_retention_keeps_the_newest_n_and_never_the_one_being_written(
-    infos: list[CheckpointInfo], keep: int | None, data: st.DataObject
+    infos: list[CheckpointInfo], keep: int | None, grace: float, data: st.DataObject
 ) -> None:
     # The manager protects the checkpoint it is writing (complete or not yet).
     protect = data.draw(st.lists(st.sampled_from([i.name for i in infos]), max_size=3)
                         if infos else st.just([]))
-    victims = retention_victims(infos, keep_last=keep, protect=protect)
+    victims = retention_victims(infos, keep_last=keep, protect=protect,
+                                partial_grace_s=grace, now=NOW)
     names = [v.name for v in victims]
     assert len(set(names)) == len(names) and set(names) <= {i.name for i in infos}
     assert victims == sorted(victims, key=sort_key)  # oldest first
@@ -239,9 +246,11 @@ def test_retention_keeps_the_newest_n_and_never_the_one_being_written(
             # Older complete ones go exactly when there is a keep_last to hold.
             assert (info.name in names) == (info not in kept_complete)
         else:
-            # A partial one goes only when older than the newest complete: at or after
-            # it, a save may still be writing it.
-            assert (info.name in names) == (info.step < newest.step)
+            # A partial one goes only when older than the newest complete (at or after
+            # it, a save may still be writing it) and not written to within the grace
+            # period (another job may be writing it, whatever its step).
+            recent = info.modified is not None and NOW - info.modified < grace
+            assert (info.name in names) == (info.step < newest.step and not recent)
 
 
 # -- eviction choice, on a real cache directory --------------------------------------------
@@ -272,18 +281,26 @@ def test_eviction_never_takes_a_pinned_file_and_holds_the_limit(sizes: list[int]
         for i in sorted(pinned):
             if sum(sizes[j] for j in pins) + sizes[i] <= limit:  # pins that fit together
                 pins[i] = cache.pin(urls[i], size=sizes[i])
+        held_before = sum(sizes[j] for j in pins)
         try:
             for i in order:
+                misses = cache.counters.misses
                 path = cache.fetch(urls[i], size=sizes[i])
+                filled = cache.counters.misses > misses
                 assert Path(path).read_bytes() == bytes([i % 251]) * sizes[i]
                 for j, pin in pins.items():  # a pinned copy is never evicted
                     assert cache.contains(urls[j]), f"pinned file {j} was evicted"
                     assert Path(pin.path).read_bytes() == bytes([j % 251]) * sizes[j]
                 held = sum(sizes[j] for j in range(len(sizes)) if cache.contains(urls[j]))
-                # Over the limit only by what could not be evicted: the pins and the
-                # file just fetched.
-                allowed = max(limit, sum(sizes[j] for j in pins) + sizes[i])
-                assert held <= allowed and cache.usage() == held
+                # A fill brings the cache within its limit, or over it only by what
+                # could not be evicted: the pins and the file just fetched. A hit
+                # changes nothing (an overshoot waits for the next fill).
+                if filled:
+                    assert held <= max(limit, sum(sizes[j] for j in pins) + sizes[i])
+                else:
+                    assert held == held_before
+                assert cache.usage() == held  # the shared byte count agrees with the disk
+                held_before = held
         finally:
             for pin in pins.values():
                 pin.release()

@@ -91,6 +91,8 @@ class CheckpointInfo:
             the newest file's modification time.
         managed: it carries a dcp_volumes manifest (``False`` for stock DCP ones).
         problems: why it is not complete (empty when complete).
+        modified: the newest modification time of its files (Unix seconds), where
+            known: how recently a save wrote to it.
         newer_format: its manifest is in a newer format than this version reads
             (a newer dcp_volumes wrote it): not complete here, and never deleted.
     """
@@ -104,6 +106,7 @@ class CheckpointInfo:
     created: float | None = None
     managed: bool = False
     problems: tuple[str, ...] = ()
+    modified: float | None = None
     newer_format: bool = False
 
 
@@ -168,9 +171,10 @@ def inspect_dir(
             problems.extend(check_listing(manifest, files))
     if not has_metadata:
         problems.insert(0, f"{METADATA_NAME} missing (never committed, or being written/deleted)")
+    times = [f.mtime for f in files if f.mtime is not None]
+    modified = max(times) if times else None
     if created is None:
-        times = [f.mtime for f in files if f.mtime is not None]
-        created = max(times) if times else None
+        created = modified
     return CheckpointInfo(
         step=step,
         url=volume.url_of(name),
@@ -181,6 +185,7 @@ def inspect_dir(
         created=created,
         managed=has_manifest,
         problems=tuple(problems),
+        modified=modified,
         newer_format=newer_format,
     )
 
