@@ -208,7 +208,9 @@ def test_reprs_never_show_the_secret(servers: dict[str, str], tmp_path: Path,
     objects: list[Any] = []
     for make in (lambda: Volume(url, storage_options=opts),
                  lambda: VolumeWriter(url, storage_options=opts, staging_dir=tmp_path),
-                 lambda: VolumeReader(url, storage_options=opts)):
+                 lambda: VolumeReader(url, storage_options=opts),
+                 lambda: CheckpointManager(url, storage_options=opts, staging_dir=tmp_path,
+                                           retry=FAST)):
         try:
             objects.append(make())
         except Exception as exc:  # refused at construction: then the error must hide it
