@@ -63,6 +63,10 @@ class CheckpointCorruptError(CheckpointError):
     """A checkpoint file is missing, has the wrong size, or fails its checksum."""
 
 
+class CheckpointVersionError(CheckpointError):
+    """A checkpoint was written in a newer format than this version of dcp_volumes reads."""
+
+
 class CacheError(DcpVolumesError, OSError):
     """The local file cache cannot hold or serve a file."""
 

@@ -42,7 +42,11 @@ from dcp_volumes.checkpoint._discovery import (
     verify_checkpoint,
 )
 from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME, Manifest
-from dcp_volumes.checkpoint._retention import delete_checkpoint, retention_victims
+from dcp_volumes.checkpoint._retention import (
+    DEFAULT_PARTIAL_GRACE_S,
+    delete_checkpoint,
+    retention_victims,
+)
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -312,6 +316,10 @@ def _configure_gc(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-last", type=int, required=True, metavar="N",
                    help="keep the newest N complete checkpoints (N >= 1)")
     p.add_argument("--dry-run", action="store_true", help="show what would be deleted")
+    p.add_argument("--partial-grace", type=float, default=DEFAULT_PARTIAL_GRACE_S,
+                   metavar="SECONDS",
+                   help="keep partial checkpoints written to within this many seconds: a "
+                        "job may still be saving them (default: %(default)s)")
 
 
 @command("gc", "delete old checkpoints, keeping the newest N complete ones", _configure_gc)
@@ -324,7 +332,10 @@ def _gc(args: argparse.Namespace, out: Output) -> int:
     vol = _volume(args, args.url)
     vol.check_root()
     infos = scan(vol)
-    victims = retention_victims(infos, keep_last=args.keep_last)
+    if args.partial_grace < 0:
+        raise ConfigurationError(f"--partial-grace {args.partial_grace}: must be >= 0 seconds.")
+    victims = retention_victims(infos, keep_last=args.keep_last,
+                                partial_grace_s=args.partial_grace)
     gone = {v.name for v in victims}
     kept = [i for i in infos if i.name not in gone]
     verb = "would delete" if args.dry_run else "deleted"

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,6 +232,13 @@ def test_gc_removes_partials_older_than_the_newest_complete(tmp_path: Path) -> N
     vol = Volume(url)
     vol.publish("step-00000003/__0_0.distcp", b"crashed save")
     vol.publish("step-00000004/.dcp_volumes.manifest.json", b"{}")  # crashed before .metadata
+    # Written just now, they may be another job's saves in progress: kept.
+    res = run_cli("gc", url, "--keep-last", "3", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["deleted"] == []
+    for rel in ("step-00000003/__0_0.distcp", "step-00000004/.dcp_volumes.manifest.json"):
+        old = time.time() - 7200  # older than the default grace of an hour
+        os.utime(os.path.join(url, rel), (old, old))
     res = run_cli("gc", url, "--keep-last", "3", "--json")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)

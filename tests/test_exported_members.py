@@ -21,6 +21,7 @@ EXPECTED = {
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
+    "CheckpointVersionError",
     "ConfigurationError",
     "DatasetChangedError",
     "DcpVolumesError",

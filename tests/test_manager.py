@@ -195,6 +195,10 @@ def test_partial_checkpoints_are_skipped_with_a_warning_and_collected(
     assert step == 1 and differences(state, state_for(1)) == []
     warned = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
     assert "step-00000002" in warned and "step-00000003" in warned
+    for partial in ("step-00000002", "step-00000003"):  # crashed long ago, not just now
+        old = time.time() - 7200
+        for f in Path(url, partial).rglob("*"):
+            os.utime(f, (old, old))
     mgr.save(4, state_for(4))
     mgr.close()  # partials older than the newest complete (4) are gone, complete 1 is kept
     assert sorted(os.listdir(url)) == ["step-00000001", "step-00000004"]

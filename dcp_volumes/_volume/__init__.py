@@ -10,7 +10,7 @@ from dcp_volumes._volume._local import WRITE_PIECE, pieces, write_all
 from dcp_volumes._volume._obstore import used_here as obstore_used_here
 from dcp_volumes._volume._retry import RetryPolicy, redact_url
 from dcp_volumes._volume._select import LOCAL_PROTOCOLS
-from dcp_volumes._volume._volume import Volume
+from dcp_volumes._volume._volume import Volume, refuse_url_credentials
 
 __all__ = [
     "LOCAL_PROTOCOLS",
@@ -23,5 +23,6 @@ __all__ = [
     "obstore_used_here",
     "pieces",
     "redact_url",
+    "refuse_url_credentials",
     "write_all",
 ]

@@ -214,14 +214,22 @@ class LocalBackend:
             except (FileNotFoundError, NotADirectoryError):
                 continue  # a missing prefix lists as empty
             for entry in entries:
-                if entry.is_dir(follow_symlinks=True):
-                    if recursive:
-                        stack.append(entry.path)
-                    else:
-                        dirs.append(entry.path)
-                elif entry.is_file(follow_symlinks=True):
-                    st = entry.stat()
-                    files.append(FileInfo(path=entry.path, size=st.st_size, mtime=st.st_mtime))
+                try:
+                    if entry.is_dir(follow_symlinks=True):
+                        if recursive:
+                            stack.append(entry.path)
+                        else:
+                            dirs.append(entry.path)
+                    elif entry.is_file(follow_symlinks=True):
+                        st = entry.stat()
+                        files.append(
+                            FileInfo(path=entry.path, size=st.st_size, mtime=st.st_mtime)
+                        )
+                except FileNotFoundError:
+                    # Removed or renamed between the directory read and the stat (another
+                    # job's temp file, a delete): it is not there, as an object store's
+                    # listing would say.
+                    continue
         return Listing(files=files, dirs=dirs)
 
     def read(self, path: str, start: int, end: int | None) -> bytes:

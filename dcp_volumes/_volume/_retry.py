@@ -8,6 +8,7 @@ and types, never message text, and messages never carry credentials.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import random
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 from dcp_volumes._exceptions import (
     BucketNotFoundError,
@@ -95,6 +96,8 @@ _CREDENTIAL_ERRORS = frozenset(
 # obstore's typed errors (it retried transient ones itself before raising them).
 _OBSTORE_EXISTS = frozenset({"AlreadyExistsError", "PreconditionError"})
 _OBSTORE_CONFIG = frozenset({"UnknownConfigurationKeyError", "InvalidPathError"})
+# Raised by obstore for a key it cannot address: one with ".", ".." or empty segments.
+_OBSTORE_BAD_KEY = "InvalidPathError"
 _MISSING_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound", "BucketNotFound"})
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "BlobNotFound"})
 _EXISTS_CODES = frozenset({"412", "PreconditionFailed", "BlobAlreadyExists", "ConditionNotMet"})
@@ -165,6 +168,22 @@ def secret_values(options: Mapping[str, Any]) -> list[str]:
         elif isinstance(value, str) and len(value) >= 4 and key.lower() in _SECRET_KEYS:
             found.append(value)
     return found
+
+
+def url_secrets(url: str) -> list[str]:
+    """The secrets a URL may carry: its password and its query's values (``?sig=...``)."""
+    if "@" not in url and "?" not in url:
+        return []
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return []
+    found = [parts.password] if parts.password else []
+    found += [v for _, v in parse_qsl(parts.query) if len(v) >= 4]
+    if parts.query and not found:
+        found.append(parts.query)  # not key=value pairs: hide it whole
+    # Clients print URLs percent-encoded as well as plain.
+    return found + [quote(v, safe="") for v in found if quote(v, safe="") != v]
 
 
 def _error_codes(exc: BaseException) -> set[str]:
@@ -249,6 +268,15 @@ def translate_error(
             "Fix: create it first, or correct the URL."
         )
     names = {cls.__name__ for cls in type(exc).__mro__}
+    if op == "list" and _OBSTORE_BAD_KEY in names:
+        # The store holds a key (someone else's upload) that names a path segment
+        # "." or "..": not a settings problem, and serving it could reach outside.
+        return VolumeError(
+            f"Cannot {op} {where}: the store holds an object whose key has a '.', '..' or "
+            f"empty path segment ({detail}). Such keys are refused, since they could name "
+            "files outside this prefix. Fix: rename or delete that object, or use a prefix "
+            "that does not contain it."
+        )
     if names & _OBSTORE_CONFIG:
         return ConfigurationError(
             f"Cannot {op} {where}: the object-store client refused its settings ({detail}). "
@@ -267,6 +295,26 @@ def translate_error(
             "they grant this operation."
         )
     return VolumeError(f"Cannot {op} {where}: {detail}.")
+
+
+def scrub_chain(exc: BaseException, scrub: Callable[[str], str]) -> None:
+    """Remove secrets from the texts of ``exc`` and what it chains, in place.
+
+    A backend's error stays the ``__cause__`` of ours (tracebacks show it), and
+    clients put the URL they were given, signature and all, into their messages.
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        with contextlib.suppress(Exception):  # exotic exception types: best effort
+            cur.args = tuple(scrub(a) if isinstance(a, str) else a for a in cur.args)
+            if isinstance(cur, OSError):
+                for attr in ("filename", "filename2", "strerror"):
+                    value = getattr(cur, attr, None)
+                    if isinstance(value, str):
+                        setattr(cur, attr, scrub(value))
+        cur = cur.__cause__ or cur.__context__
 
 
 def call_with_retries(
@@ -295,5 +343,6 @@ def call_with_retries(
                 )
                 time.sleep(delay)
                 continue
+            scrub_chain(exc, scrub)
             raise translate_error(exc, op, where(), scrub) from exc
     raise AssertionError("unreachable")  # pragma: no cover

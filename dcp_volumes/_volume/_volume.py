@@ -35,8 +35,10 @@ from dcp_volumes._volume._retry import (
     RetryPolicy,
     call_with_retries,
     redact_url,
+    scrub_chain,
     secret_values,
     translate_error,
+    url_secrets,
 )
 from dcp_volumes._volume._select import LOCAL_PROTOCOLS, OBSTORE_PROTOCOLS, backend_for
 
@@ -77,6 +79,7 @@ class Volume:
         protocol, path = split_protocol(url)
         self.protocol: str = (protocol or "file").lower()
         self.storage_options: dict[str, Any] = dict(storage_options or {})
+        refuse_url_credentials(self.protocol, url)
         self.retry = retry or RetryPolicy(attempts=_env.max_retries(5))
         if self.protocol in LOCAL_PROTOCOLS:
             self.root = os.path.abspath(os.path.expanduser(path)).rstrip(os.sep) or os.sep
@@ -89,7 +92,8 @@ class Volume:
                 )
         self._backend: Backend | None = None
         self._backend_pid = -1
-        self._secrets = secret_values(self.storage_options)
+        # Values of a signed URL's query (``?sig=``) and its ``user:password@`` are secrets too.
+        self._secrets = secret_values(self.storage_options) + url_secrets(url)
 
     def _remote_root(self, url: str, path: str) -> str:
         kind = OBSTORE_PROTOCOLS.get(self.protocol)
@@ -109,7 +113,12 @@ class Volume:
     @property
     def url(self) -> str:
         """Canonical URL of the root (plain path for local volumes)."""
-        return self.root if self.protocol in LOCAL_PROTOCOLS else f"{self.protocol}://{self.root}"
+        return self.root if self._bare_root else f"{self.protocol}://{self.root}"
+
+    @property
+    def _bare_root(self) -> bool:
+        # Local paths, and fsspec protocols whose paths keep their scheme (http, https).
+        return self.protocol in LOCAL_PROTOCOLS or "://" in self.root
 
     @property
     def display_url(self) -> str:
@@ -152,7 +161,7 @@ class Volume:
     def url_of(self, relpath: str = "") -> str:
         """The URL of ``relpath`` below the root."""
         path = self.full_path(relpath)
-        return path if self.protocol in LOCAL_PROTOCOLS else f"{self.protocol}://{path}"
+        return path if self._bare_root else f"{self.protocol}://{path}"
 
     def _relative(self, location: str) -> str:
         rel = location[len(self.root) :] if location.startswith(self.root) else location
@@ -188,9 +197,26 @@ class Volume:
             text = text.replace(secret, "***")
         return text
 
+    def _scrubber(self, relpath: str) -> Callable[[str], str]:
+        """``_scrub``, plus the secrets of a signed file URL (``?sig=`` after the file name):
+        clients repeat the URL they were given in their errors."""
+        if "?" not in relpath and "@" not in relpath:
+            return self._scrub
+        extra = url_secrets(self.url_of(relpath))
+
+        def scrub(text: str) -> str:
+            text = self._scrub(text)
+            for secret in extra:
+                text = text.replace(secret, "***")
+            return text
+
+        return scrub
+
     def _translate(self, exc: BaseException, op: str, relpath: str) -> DcpVolumesError:
+        scrub = self._scrubber(relpath)
+        scrub_chain(exc, scrub)
         where = self.display_url if not relpath else redact_url(self.url_of(relpath))
-        return translate_error(exc, op, where, self._scrub)
+        return translate_error(exc, op, where, scrub)
 
     def _call(self, op: str, relpath: str, fn: Callable[[Backend], T]) -> T:
         """Run ``fn(backend)`` with retries on transient errors; translate the final failure."""
@@ -200,7 +226,7 @@ class Volume:
             policy=self.retry,
             op=op,
             where=lambda: redact_url(self.url_of(relpath)),
-            scrub=self._scrub,
+            scrub=self._scrubber(relpath),
         )
 
     # -- queries --------------------------------------------------------------------------
@@ -441,3 +467,19 @@ class Volume:
             self._call("delete", relpath, lambda b: backend.delete_tree(full))
             return
         self.delete_many(f.path for f in self.list(relpath))
+
+
+def refuse_url_credentials(protocol: str, url: str) -> None:
+    """Refuse credentials or a query string in an S3/Azure URL: obstore would take them as
+    part of the bucket or key (writing the secret into key names), never as credentials."""
+    if protocol not in OBSTORE_PROTOCOLS:
+        return
+    netloc = split_protocol(url)[1].partition("/")[0]
+    userinfo = OBSTORE_PROTOCOLS[protocol] == "s3" and "@" in netloc  # az: container@account
+    if userinfo or "?" in url:
+        what = "credentials (user:password@)" if userinfo else "a query string (?...)"
+        raise ConfigurationError(
+            f"The URL {redact_url(url)!r} carries {what}, which {protocol}:// URLs do not "
+            "take. Fix: pass credentials, tokens and SAS signatures in storage_options "
+            "(key=/secret=/token=, account_key=/sas_token=), and the URL without them."
+        )

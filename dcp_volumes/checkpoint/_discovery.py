@@ -25,7 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from dcp_volumes._exceptions import CheckpointCorruptError, CheckpointNotFoundError
+from dcp_volumes._exceptions import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointVersionError,
+)
 from dcp_volumes._exit_safe import map_all
 from dcp_volumes._volume import FileInfo, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
@@ -87,6 +91,10 @@ class CheckpointInfo:
             the newest file's modification time.
         managed: it carries a dcp_volumes manifest (``False`` for stock DCP ones).
         problems: why it is not complete (empty when complete).
+        modified: the newest modification time of its files (Unix seconds), where
+            known: how recently a save wrote to it.
+        newer_format: its manifest is in a newer format than this version reads
+            (a newer dcp_volumes wrote it): not complete here, and never deleted.
     """
 
     step: int
@@ -98,6 +106,8 @@ class CheckpointInfo:
     created: float | None = None
     managed: bool = False
     problems: tuple[str, ...] = ()
+    modified: float | None = None
+    newer_format: bool = False
 
 
 def sort_key(info: CheckpointInfo) -> tuple[int, int, str]:
@@ -139,6 +149,7 @@ def inspect_dir(
         return None
     problems: list[str] = []
     created: float | None = None
+    newer_format = False
     if has_manifest:
         entry = next(f for f in files if f.path == MANIFEST_NAME)
         key = (name, entry.size, entry.etag, entry.mtime)
@@ -150,6 +161,9 @@ def inspect_dir(
                 )
                 if manifests is not None:
                     manifests[key] = manifest
+        except CheckpointVersionError as exc:
+            newer_format = True
+            problems.append(f"{MANIFEST_NAME}: {exc}")
         except CheckpointCorruptError as exc:
             problems.append(f"{MANIFEST_NAME}: unreadable ({exc})")
         else:
@@ -157,9 +171,10 @@ def inspect_dir(
             problems.extend(check_listing(manifest, files))
     if not has_metadata:
         problems.insert(0, f"{METADATA_NAME} missing (never committed, or being written/deleted)")
+    times = [f.mtime for f in files if f.mtime is not None]
+    modified = max(times) if times else None
     if created is None:
-        times = [f.mtime for f in files if f.mtime is not None]
-        created = max(times) if times else None
+        created = modified
     return CheckpointInfo(
         step=step,
         url=volume.url_of(name),
@@ -170,6 +185,8 @@ def inspect_dir(
         created=created,
         managed=has_manifest,
         problems=tuple(problems),
+        modified=modified,
+        newer_format=newer_format,
     )
 
 
@@ -313,7 +330,7 @@ def verify_checkpoint(
             manifest = Manifest.from_json(
                 volume.read_bytes(MANIFEST_NAME), where=volume.url_of(MANIFEST_NAME)
             )
-        except CheckpointCorruptError as exc:
+        except (CheckpointCorruptError, CheckpointVersionError) as exc:
             problems.append(f"{MANIFEST_NAME}: {exc}")
         else:
             listed = check_listing(manifest, listing)

@@ -67,7 +67,12 @@ from dcp_volumes.checkpoint._discovery import (
 from dcp_volumes.checkpoint._manager_options import ManagerOptions
 from dcp_volumes.checkpoint._manifest import METADATA_NAME
 from dcp_volumes.checkpoint._reader import VolumeReader
-from dcp_volumes.checkpoint._retention import LocalTier, apply_retention, delete_checkpoint
+from dcp_volumes.checkpoint._retention import (
+    DEFAULT_PARTIAL_GRACE_S,
+    LocalTier,
+    apply_retention,
+    delete_checkpoint,
+)
 from dcp_volumes.checkpoint._stager import free_pooled_buffers
 from dcp_volumes.checkpoint._writer import VolumeWriter
 
@@ -106,6 +111,10 @@ class CheckpointManager:
         overwrite: let ``save`` replace a complete checkpoint of the same step
             (default: ``CheckpointExistsError``).
         create_root: create a missing local root directory.
+        partial_grace: seconds a partial checkpoint (no ``.metadata``) is kept after
+            its last file was written, whatever its step: another job saving into
+            the same root may be writing it. Older partial ones are crashed saves
+            and go with retention.
         process_group: group for checkpoint collectives (default: a new gloo
             group over all ranks when ``torch.distributed`` is initialised).
         writer_options: extra ``VolumeWriter`` arguments (``part_size``, ...).
@@ -129,6 +138,7 @@ class CheckpointManager:
         verify: bool = False,
         overwrite: bool = False,
         create_root: bool = True,
+        partial_grace: float = DEFAULT_PARTIAL_GRACE_S,
         process_group: dist.ProcessGroup | None = None,
         writer_options: Mapping[str, Any] | None = None,
         reader_options: Mapping[str, Any] | None = None,
@@ -141,6 +151,7 @@ class CheckpointManager:
             verify=bool(verify),
             overwrite=bool(overwrite),
             create_root=bool(create_root),
+            partial_grace_s=partial_grace,
             writer_options=dict(writer_options or {}),
             reader_options=dict(reader_options or {}),
         )
@@ -324,7 +335,8 @@ class CheckpointManager:
         if self.is_coordinator:
             try:
                 apply_retention(self._volume, keep_last=self.options.keep_last,
-                                protect=[name], manifests=self._manifests)
+                                protect=[name], manifests=self._manifests,
+                                partial_grace_s=self.options.partial_grace_s)
             except BaseException as exc:
                 logger.error("retention after step %d failed under %s: %s", step,
                              self._volume.display_url, summary(exc))

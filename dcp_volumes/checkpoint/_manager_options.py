@@ -21,6 +21,7 @@ class ManagerOptions:
     verify: bool = False
     overwrite: bool = False
     create_root: bool = True
+    partial_grace_s: float = 3600.0
     writer_options: Mapping[str, Any] = field(default_factory=dict)
     reader_options: Mapping[str, Any] = field(default_factory=dict)
 
@@ -33,6 +34,10 @@ class ManagerOptions:
             raise ConfigurationError(
                 f"keep_last={self.keep_last!r} must be an integer >= 1 (the newest complete "
                 "checkpoint is always kept), or None to keep every checkpoint."
+            )
+        if not isinstance(self.partial_grace_s, (int, float)) or self.partial_grace_s < 0:
+            raise ConfigurationError(
+                f"partial_grace={self.partial_grace_s!r} must be a number of seconds >= 0."
             )
         reserved = {"path", "storage_options", "staging_dir", "local_copy_dir", "retry"}
         for what, opts in (("writer_options", self.writer_options),

@@ -21,7 +21,12 @@ from typing import Any
 
 import xxhash
 
-from dcp_volumes._exceptions import BucketNotFoundError, CheckpointCorruptError, VolumeNotFoundError
+from dcp_volumes._exceptions import (
+    BucketNotFoundError,
+    CheckpointCorruptError,
+    CheckpointVersionError,
+    VolumeNotFoundError,
+)
 from dcp_volumes._exit_safe import map_all
 from dcp_volumes._volume import FileInfo, Volume
 from dcp_volumes.checkpoint import _layout
@@ -31,7 +36,9 @@ logger = logging.getLogger(__name__)
 METADATA_NAME = ".metadata"
 MANIFEST_NAME = ".dcp_volumes.manifest.json"
 ALGORITHM = "xxh3_64"
-FORMAT = "dcp_volumes.manifest/1"
+FORMAT_NAME = "dcp_volumes.manifest"
+FORMAT_VERSION = 1
+FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 _CHUNK = 8 * 2**20
 # Hashing a local file: small enough to stay in the CPU cache between read and hash.
 _HASH_CHUNK = 2**20
@@ -120,8 +127,9 @@ class Manifest:
     def from_json(cls, data: bytes, *, where: str = "manifest") -> Manifest:
         try:
             doc = json.loads(data)
-            if doc.get("format") != FORMAT:
-                raise ValueError(f"format {doc.get('format')!r}")
+            if not isinstance(doc, dict):
+                raise ValueError(f"a JSON {type(doc).__name__}, not an object")
+            _check_format(doc.get("format"), where)
             files = {
                 str(name): FileRecord(
                     size=int(rec["size"]),
@@ -146,6 +154,22 @@ class Manifest:
                 "incompatible tool or damaged; verify it with `dcp-volumes verify` or restore "
                 "an older one."
             ) from exc
+
+
+def _check_format(found: Any, where: str) -> None:
+    """Refuse a manifest of another format; a newer version of ours says so."""
+    if found == FORMAT:
+        return
+    name, _, version = str(found).rpartition("/")
+    if name == FORMAT_NAME and version.isdigit() and int(version) > FORMAT_VERSION:
+        # Not damage: a newer dcp_volumes wrote it. Its own error, so that discovery
+        # and retention can tell it from a damaged checkpoint and leave it alone.
+        raise CheckpointVersionError(
+            f"The manifest {where} is in format {found!r}, newer than {FORMAT!r}, the one "
+            "this version of dcp_volumes reads: a newer dcp_volumes wrote the checkpoint. "
+            "Fix: upgrade dcp_volumes (pip install -U dcp_volumes) to load it."
+        )
+    raise ValueError(f"format {found!r}, expected {FORMAT!r}")
 
 
 def _record_json(record: FileRecord) -> dict[str, Any]:

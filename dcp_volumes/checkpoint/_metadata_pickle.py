@@ -61,11 +61,12 @@ class _Refused(pickle.UnpicklingError):
 def loads_metadata(data: bytes, where: str) -> Any:
     """Unpickle the ``.metadata`` at ``where`` (a URL for messages) with the allow-list.
 
-    Raises ``CheckpointCorruptError`` for a damaged pickle and for one that names
-    anything but DCP's metadata types (it could run code when unpickled).
+    Raises ``CheckpointCorruptError`` for a damaged pickle, for one that names
+    anything but DCP's metadata types (it could run code when unpickled), and for
+    one that holds anything but a DCP ``Metadata``.
     """
     try:
-        return _MetadataUnpickler(io.BytesIO(data)).load()
+        found = _MetadataUnpickler(io.BytesIO(data)).load()
     except _Refused as exc:
         raise CheckpointCorruptError(
             f"{where} names {exc}, which DCP checkpoint metadata never contains; it was not "
@@ -77,3 +78,11 @@ def loads_metadata(data: bytes, where: str) -> Any:
             f"{where} cannot be unpickled ({type(exc).__name__}: {exc}). The checkpoint is "
             "damaged or was written by an incompatible torch; load an older checkpoint."
         ) from exc
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(found, Metadata):  # a valid pickle of plain data is not a checkpoint
+        raise CheckpointCorruptError(
+            f"{where} holds a {type(found).__name__}, not DCP Metadata: this is not a DCP "
+            "checkpoint, or it is damaged. Fix: load an older checkpoint."
+        )
+    return found

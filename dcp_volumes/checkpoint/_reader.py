@@ -158,6 +158,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._volume = Volume(path, storage_options=self._storage_options, retry=retry)
         self._storage_data: dict[Any, Any] = {}
         self._metadata: Metadata | None = None
+        self._metadata_error: CheckpointCorruptError | None = None
         self._manifest: Manifest | None = None
         self._manifest_loaded = False
         self._part_size = self.options.part_size  # per load: see _split_size
@@ -184,18 +185,23 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         """Unpickle ``.metadata`` (``__{rank}.metadata`` when DCP passes ``rank=``)."""
         rank = kwargs.get("rank")
         name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+        # DCP asks for the rank-local file only after .metadata failed; when that
+        # file is absent too, the .metadata error is the one that says what is wrong.
+        earlier, self._metadata_error = self._metadata_error, None
         try:
             data = self._volume.read_bytes(name)
         except BucketNotFoundError:
             raise
         except VolumeNotFoundError:
+            if rank is not None and earlier is not None:
+                raise earlier from None
             raise self._not_found(name) from None
-        metadata = loads_metadata(data, redact_url(self._volume.url_of(name)))
-        if not isinstance(metadata, Metadata):
-            raise CheckpointCorruptError(
-                f"{redact_url(self._volume.url_of(name))} holds a {type(metadata).__name__}, "
-                "not DCP Metadata; this is not a DCP checkpoint."
-            )
+        try:
+            metadata = loads_metadata(data, redact_url(self._volume.url_of(name)))
+        except CheckpointCorruptError as exc:
+            if rank is None:
+                self._metadata_error = exc
+            raise
         if StorageMeta is not None:
             storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
             storage_meta.load_id = self._load_id

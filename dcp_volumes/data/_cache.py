@@ -34,7 +34,13 @@ from fsspec.core import split_protocol
 from dcp_volumes import _env
 from dcp_volumes._exceptions import CacheError, ConfigurationError, DatasetChangedError, VolumeError
 from dcp_volumes._staging import disk_full_error, parse_size, probe_writable
-from dcp_volumes._volume import LOCAL_PROTOCOLS, FileInfo, Volume, redact_url
+from dcp_volumes._volume import (
+    LOCAL_PROTOCOLS,
+    FileInfo,
+    Volume,
+    redact_url,
+    refuse_url_credentials,
+)
 from dcp_volumes.data._files import CachedFile, Expected
 from dcp_volumes.data._hot import TOUCH_INTERVAL_S, HotIndex, SharedHot, matches
 from dcp_volumes.data._locks import EntryLock
@@ -193,6 +199,7 @@ class FileCache:
     ) -> tuple[Volume, str]:
         protocol, path = split_protocol(url)
         protocol = (protocol or "file").lower()
+        refuse_url_credentials(protocol, url)  # the file's key would carry them
         opts = dict(storage_options or {})
         if protocol in LOCAL_PROTOCOLS:
             root, rel = os.sep, os.path.abspath(os.path.expanduser(path)).lstrip(os.sep)
