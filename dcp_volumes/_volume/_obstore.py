@@ -17,17 +17,17 @@ starts its workers with forkserver for that reason).
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from dcp_volumes._exceptions import BackendNotInstalledError
 from dcp_volumes._volume._backend import Capabilities, Data, FileInfo, Listing, scatter
 from dcp_volumes._volume._client_watchdog import watch_client_start
+from dcp_volumes._volume._mapped import mapped, mapped_parts
 from dcp_volumes._volume._obstore_options import StoreSettings
 
 # The pid of this process once it did I/O through obstore; True in a child
@@ -196,24 +196,22 @@ class ObstoreBackend:
     ) -> None:
         store, key = self._split(path)
         # The file is mapped and handed over as buffers, which obstore sends
-        # without a copy: read from a path, every part would be a fresh
-        # allocation in one of its runtime's threads, and glibc keeps such
+        # without a copy (see _mapped): read from a path, every part would be a
+        # fresh allocation in one of its runtime's threads, and glibc keeps such
         # memory in per-thread arenas (an async save's peak RSS grew to 2.1x
-        # the state that way instead of 1.1x). A multipart upload maps one part
-        # at a time, unmapped when obstore drops it, so the pages held stay
-        # within the parts in flight.
+        # the state that way instead of 1.1x).
         with open(local_path, "rb") as f:
             if size > part_size:
                 self._obs.put(
                     store,
                     key,
-                    _mapped_parts(f, size, part_size),
+                    mapped_parts(f, size, part_size),
                     use_multipart=True,
                     chunk_size=part_size,
                     max_concurrency=max(1, concurrency),
                 )
             else:
-                with _mapped(f, size) as body:
+                with mapped(f, size) as body:
                     self._obs.put(store, key, body, use_multipart=False)
         if move:
             os.remove(local_path)
@@ -243,39 +241,6 @@ class ObstoreBackend:
         if dst_bucket != src.partition("/")[0]:
             raise ValueError(f"copy across buckets ({src} -> {dst}) is not supported")
         self._obs.copy(store, src_key, dst_key, overwrite=True)
-
-
-@contextlib.contextmanager
-def _mapped(f: Any, size: int) -> Iterator[Data]:
-    """The bytes of the open file ``f`` as a read-only memory map (``b""`` when empty)."""
-    if size == 0:
-        yield b""
-        return
-    with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
-        view = memoryview(mm)
-        try:
-            yield view
-        finally:
-            view.release()
-
-
-def _mapped_parts(f: Any, size: int, part_size: int) -> Iterator[Data]:
-    """The bytes of the open file ``f`` as read-only mappings of ``part_size`` each.
-
-    Nothing here keeps a part once it is yielded: its mapping closes when
-    the consumer releases the buffer.
-    """
-    grain = mmap.ALLOCATIONGRANULARITY
-    for start in range(0, size, part_size):
-        length = min(part_size, size - start)
-        aligned = start - start % grain  # mmap offsets must be page-aligned
-        part = mmap.mmap(
-            f.fileno(), length + start - aligned, offset=aligned, access=mmap.ACCESS_READ
-        )
-        view = memoryview(part)[start - aligned :]
-        del part
-        yield view
-        del view
 
 
 # object_store's text for a request the server answered with 404 (its error

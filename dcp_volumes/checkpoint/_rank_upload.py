@@ -2,10 +2,10 @@
 
 Throughput comes from many streams in flight (real stores cap each stream).
 Object-store clients hold each part (a whole small file) in memory while it
-is in flight (``capabilities.buffers_uploads``; here as mapped pages of the
-staged file), so the shape keeps those buffers within a share of the rank's
-bytes: an async save then holds about 1.1x the state, the staged copy plus
-this.
+is in flight (``capabilities.buffers_uploads``), so the shape keeps those
+buffers within a share of the rank's bytes. (obstore's are maps of the
+staged files whose sent pages are dropped as they go, so what they hold in
+RSS is well below that share; see ``_volume/_mapped.py``.)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ MIN_PART_SIZE = 5 * 2**20
 # Files uploaded at once per rank (they share the transfers in flight).
 _MAX_FILES_IN_FLIGHT = 4
 # Upload buffers may take this share of a rank's checkpoint bytes in RAM ...
-_UPLOAD_RAM_SHARE = 0.1
+_UPLOAD_RAM_SHARE = 0.25
 # ... but at least this much per stream: smaller files make the per-request
 # cost dominate.
 _MIN_STREAM_BYTES = 2 * 2**20
