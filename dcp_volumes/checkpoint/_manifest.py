@@ -206,6 +206,43 @@ def check_listing(
     return problems
 
 
+# How long a store's answers may lag its writes: some S3-compatible servers,
+# caching gateways and NFS attribute caches list (or even HEAD) an object a
+# moment after it was written. A file missing from a listing, or not found
+# although a manifest lists it, is looked for again after each of these waits
+# before it is called missing (about 4 s in all).
+LAG_DELAYS_S = (0.25, 0.5, 1.0, 2.0)
+LAG_TOTAL_S = sum(LAG_DELAYS_S)
+
+
+def check_listing_settled(
+    volume: Volume,
+    expected: Manifest | Mapping[str, FileRecord],
+    listing: Iterable[FileInfo] | None = None,
+) -> tuple[list[str], list[FileInfo]]:
+    """``check_listing``, re-listing a bounded number of times while problems remain.
+
+    A briefly stale listing must not turn a good save into "files missing" (or
+    a good checkpoint into "damaged"); one that stays wrong past ``LAG_TOTAL_S``
+    is reported. Returns the problems and the last listing.
+    """
+    files = list(listing) if listing is not None else volume.list()
+    problems = check_listing(expected, files)
+    for delay in LAG_DELAYS_S:
+        if not problems:
+            break
+        logger.info(
+            "%s: listing lacks what was expected (%s); listing again in %.2fs",
+            volume.display_url,
+            "; ".join(problems[:3]),
+            delay,
+        )
+        time.sleep(delay)
+        files = volume.list()
+        problems = check_listing(expected, files)
+    return problems, files
+
+
 def verify_checksums(
     volume: Volume,
     manifest: Manifest,
