@@ -256,5 +256,70 @@ def test_a_cold_epoch_names_a_sample_that_vanishes(
         _report("cold epoch, one sample gone", faults,
                 f"{len(seen)} delivered, then {type(caught.value).__name__}: "
                 f"{_last_line(caught.value)}")
-    assert gone in text
+    assert gone in text and "was listed" in text and "Fix:" in text
     assert len(seen) == len(set(seen))
+
+
+@pytest.mark.timeout(30)
+def test_a_cold_epoch_rides_out_samples_not_found_for_a_moment(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = where
+    write_samples(f"{root}/data", opts, 20, size=256)
+    faults = Faults(vanish=["sample-0000"], vanish_calls=1)  # samples 0-9: once each
+    install(monkeypatch, faults)
+    ds = VolumeDataset(f"{root}/data", storage_options=opts, cache_dir=tmp_path / "cache",
+                       transform=read_id, shuffle=True, seed=5)
+    seen = [int(x) for batch in DataLoader(ds, batch_size=5, num_workers=0) for x in batch]
+    with capsys.disabled():
+        _report("cold epoch, 10 samples not found once", faults,
+                f"{len(seen)} samples, {len(set(seen))} distinct")
+    assert sum(faults.faults.values()) == 10
+    assert sorted(seen) == list(range(20))
+
+
+# -- (c) a file that reads back shorter than listed -----------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.emulator
+def test_a_load_refuses_a_data_file_that_reads_back_short(
+    s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = s3_bucket
+    dcp.save(state_for(1, size=_SIZE), storage_writer=VolumeWriter(
+        f"{root}/ck", storage_options=opts, file_size="8KiB"), no_dist=True)
+    faults = Faults(short=[".distcp"], short_by=7)
+    install(monkeypatch, faults)
+    with pytest.raises(BaseException) as caught:
+        _load(f"{root}/ck", opts)
+    text = _last_line(caught.value)
+    with capsys.disabled():
+        _report("load, data files read back 7 bytes short", faults, f"failed: {text}")
+    assert faults.faults["short read"] > 0
+    assert "CheckpointCorruptError" in text and ".distcp" in text
+
+
+@pytest.mark.timeout(30)
+def test_a_cold_epoch_refuses_a_sample_that_reads_back_short(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = where
+    files = write_samples(f"{root}/data", opts, 10, size=256)
+    short = sorted(files)[4]
+    faults = Faults(short=[short], short_by=7)
+    install(monkeypatch, faults)
+    ds = VolumeDataset(f"{root}/data", storage_options=opts, cache_dir=tmp_path / "cache",
+                       transform=read_id, shuffle=False)
+    with pytest.raises(Exception) as caught:
+        for _ in DataLoader(ds, batch_size=2, num_workers=0):
+            pass
+    text = _last_line(caught.value)
+    with capsys.disabled():
+        _report("cold epoch, one sample 7 bytes short", faults,
+                f"{type(caught.value).__name__}: {text}")
+    assert faults.faults["short read"] > 0
+    assert short in text and "changed" in text

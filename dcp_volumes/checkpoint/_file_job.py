@@ -33,9 +33,9 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._streams import FileSlice, MemoryReader
-from dcp_volumes._volume import Volume, redact_url
+from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
-from dcp_volumes.checkpoint._manifest import LAG_DELAYS_S, LAG_TOTAL_S, Checksum, FileRecord
+from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
 from dcp_volumes.checkpoint._shards import (
     load_tensor,
     missing_file_error,

@@ -28,7 +28,7 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._exit_safe import map_all
-from dcp_volumes._volume import FileInfo, Volume
+from dcp_volumes._volume import LAG_DELAYS_S, FileInfo, Volume
 from dcp_volumes.checkpoint import _layout
 
 logger = logging.getLogger(__name__)
@@ -204,15 +204,6 @@ def check_listing(
         elif sizes[name] != rec.size:
             problems.append(f"{name}: {sizes[name]} bytes on the volume, manifest says {rec.size}")
     return problems
-
-
-# How long a store's answers may lag its writes: some S3-compatible servers,
-# caching gateways and NFS attribute caches list (or even HEAD) an object a
-# moment after it was written. A file missing from a listing, or not found
-# although a manifest lists it, is looked for again after each of these waits
-# before it is called missing (about 4 s in all).
-LAG_DELAYS_S = (0.25, 0.5, 1.0, 2.0)
-LAG_TOTAL_S = sum(LAG_DELAYS_S)
 
 
 def check_listing_settled(

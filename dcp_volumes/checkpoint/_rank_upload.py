@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes._exceptions import VolumeError
-from dcp_volumes._volume import Volume, redact_url
-from dcp_volumes.checkpoint._manifest import LAG_TOTAL_S, check_listing_settled
+from dcp_volumes._volume import LAG_TOTAL_S, Volume, redact_url
+from dcp_volumes.checkpoint._manifest import check_listing_settled
 from dcp_volumes.checkpoint._shards import WrittenItem
 
 logger = logging.getLogger("dcp_volumes.checkpoint._writer")

@@ -38,11 +38,10 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._staging import parse_size
-from dcp_volumes._volume import FileInfo, RetryPolicy, Volume, redact_url
+from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._file_job import FileJob
 from dcp_volumes.checkpoint._manifest import (
-    LAG_TOTAL_S,
     METADATA_NAME,
     FileRecord,
     Manifest,

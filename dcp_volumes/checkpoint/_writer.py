@@ -41,10 +41,9 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
-from dcp_volumes._volume import RetryPolicy, Volume
+from dcp_volumes._volume import LAG_TOTAL_S, RetryPolicy, Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
-    LAG_TOTAL_S,
     MANIFEST_NAME,
     METADATA_NAME,
     FileRecord,
