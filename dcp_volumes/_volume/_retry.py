@@ -108,6 +108,15 @@ _TRANSIENT_ERRNOS = frozenset(
 )
 
 
+# How long a store's answers may lag its writes: some S3-compatible servers,
+# caching gateways and NFS attribute caches list (or even find) an object only
+# a moment after it was written. A file missing from a listing, or not found
+# although a manifest or listing says it exists, is looked for again after
+# each of these waits before it is called missing (about 4 s in all).
+LAG_DELAYS_S = (0.25, 0.5, 1.0, 2.0)
+LAG_TOTAL_S = sum(LAG_DELAYS_S)
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How often and how patiently to retry transient errors.

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import bisect
 import io
+import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass, field
@@ -31,7 +33,7 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._streams import FileSlice, MemoryReader
-from dcp_volumes._volume import Volume, redact_url
+from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
 from dcp_volumes.checkpoint._shards import (
@@ -40,6 +42,8 @@ from dcp_volumes.checkpoint._shards import (
     narrow,
     truncated_file_error,
 )
+
+logger = logging.getLogger("dcp_volumes.checkpoint._reader")
 
 # Stream transforms (e.g. compression) of stock writers with extensions; the
 # module is experimental in torch, so it may be missing.
@@ -158,12 +162,24 @@ class FileJob:
         """Read ``[start, end)`` into its pieces; ``hash_it``: that is the whole file
         (fetched with one plain GET), checksum it here."""
         source, rel = self.source, self.rel
-        try:
-            got = source.read_into(rel, start, self.views(start, end), whole=hash_it)
-        except BucketNotFoundError:
-            raise
-        except VolumeNotFoundError:
-            raise missing_file_error(source, rel) from None
+        # A file the manifest lists was committed: "not found" may be a store that
+        # lags (a replica behind, a gateway's cache), so ask again for a moment
+        # before calling it missing. Without a manifest nothing says it should exist.
+        delays = list(LAG_DELAYS_S) if self.record is not None else []
+        while True:
+            try:
+                got = source.read_into(rel, start, self.views(start, end), whole=hash_it)
+                break
+            except BucketNotFoundError:
+                raise
+            except VolumeNotFoundError:
+                if not delays:
+                    looked = LAG_TOTAL_S if self.record is not None else 0.0
+                    raise missing_file_error(source, rel, looked_s=looked) from None
+                delay = delays.pop(0)
+                logger.info("%s not found; asking again in %.2fs",
+                            redact_url(source.url_of(rel)), delay)
+                time.sleep(delay)
         if got != end - start:
             raise truncated_file_error(source, rel, start, end, got)
         if hash_it:

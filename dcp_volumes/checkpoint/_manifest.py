@@ -28,7 +28,7 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._exit_safe import map_all
-from dcp_volumes._volume import FileInfo, Volume
+from dcp_volumes._volume import LAG_DELAYS_S, FileInfo, Volume
 from dcp_volumes.checkpoint import _layout
 
 logger = logging.getLogger(__name__)
@@ -204,6 +204,34 @@ def check_listing(
         elif sizes[name] != rec.size:
             problems.append(f"{name}: {sizes[name]} bytes on the volume, manifest says {rec.size}")
     return problems
+
+
+def check_listing_settled(
+    volume: Volume,
+    expected: Manifest | Mapping[str, FileRecord],
+    listing: Iterable[FileInfo] | None = None,
+) -> tuple[list[str], list[FileInfo]]:
+    """``check_listing``, re-listing a bounded number of times while problems remain.
+
+    A briefly stale listing must not turn a good save into "files missing" (or
+    a good checkpoint into "damaged"); one that stays wrong past ``LAG_TOTAL_S``
+    is reported. Returns the problems and the last listing.
+    """
+    files = list(listing) if listing is not None else volume.list()
+    problems = check_listing(expected, files)
+    for delay in LAG_DELAYS_S:
+        if not problems:
+            break
+        logger.info(
+            "%s: listing lacks what was expected (%s); listing again in %.2fs",
+            volume.display_url,
+            "; ".join(problems[:3]),
+            delay,
+        )
+        time.sleep(delay)
+        files = volume.list()
+        problems = check_listing(expected, files)
+    return problems, files
 
 
 def verify_checksums(

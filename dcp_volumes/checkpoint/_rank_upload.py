@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes._exceptions import VolumeError
-from dcp_volumes._volume import Volume, redact_url
-from dcp_volumes.checkpoint._manifest import check_listing
+from dcp_volumes._volume import LAG_TOTAL_S, Volume, redact_url
+from dcp_volumes.checkpoint._manifest import check_listing_settled
 from dcp_volumes.checkpoint._shards import WrittenItem
 
 logger = logging.getLogger("dcp_volumes.checkpoint._writer")
@@ -123,16 +123,19 @@ def upload_file(
 
 
 def verify_uploaded(volume: Volume, rank: int, results: list[WriteResult]) -> None:
-    """Every file of this rank is on the volume with its size: one listing, not a HEAD each."""
+    """Every file of this rank is on the volume with its size: one listing, not a HEAD each
+    (listed again for a few seconds while it lags, as on eventually consistent stores)."""
     files = {
         wr.storage_data.info.relative_path: wr.storage_data.record
         for wr in results
         if isinstance(wr.storage_data, WrittenItem)
     }
-    problems = check_listing(files, volume.list())
+    problems, _ = check_listing_settled(volume, files)
     if problems:
         raise VolumeError(
             f"Rank {rank}'s upload to {volume.display_url} did not land whole "
-            f"({'; '.join(problems[:5])}). The upload was cut short or another writer "
-            "uses this location; save again."
+            f"({'; '.join(problems[:5])}), still so after listing again for "
+            f"{LAG_TOTAL_S:.0f} s. The upload was cut short, another writer uses this "
+            "location, or the store's listing lags its writes longer than that; save again "
+            "(on a store known to lag, to a fresh location)."
         )

@@ -38,13 +38,15 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._staging import parse_size
-from dcp_volumes._volume import FileInfo, RetryPolicy, Volume, redact_url
+from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._file_job import FileJob
 from dcp_volumes.checkpoint._manifest import (
     METADATA_NAME,
     FileRecord,
     Manifest,
+    check_listing,
+    check_listing_settled,
     checksum_file,
     read_manifest,
 )
@@ -353,6 +355,10 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
 
     def _check_sizes(self, jobs: Sequence[FileJob], listing: Sequence[FileInfo]) -> None:
         """Every file the plan reads exists with the manifest's size (before any is used)."""
+        expected = {job.rel: job.record for job in jobs if job.record is not None}
+        if check_listing(expected, listing):
+            # A listing that lags the save is no damage: list again for a moment.
+            _, listing = check_listing_settled(self._volume, expected, listing)
         sizes = {f.path: f.size for f in listing}
         for job in jobs:
             if job.record is not None:
@@ -362,8 +368,9 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         url = redact_url(self._volume.url_of(rel))
         if rel not in sizes:
             raise CheckpointCorruptError(
-                f"The checkpoint file {url} is missing ({record.size} bytes in the manifest). "
-                "The checkpoint is damaged; load an older one."
+                f"The checkpoint file {url} is missing ({record.size} bytes in the manifest; "
+                f"not listed, also after listing again for {LAG_TOTAL_S:.0f} s). The "
+                "checkpoint is damaged; load an older one."
             )
         if sizes[rel] != record.size:
             raise CheckpointCorruptError(

@@ -292,10 +292,13 @@ def advise_willneed(path: str, spans: Sequence[tuple[int, int]]) -> None:
         os.close(fd)
 
 
-def missing_file_error(source: Volume, rel: str) -> CheckpointCorruptError:
-    """The error for a data file that is not there."""
+def missing_file_error(
+    source: Volume, rel: str, *, looked_s: float = 0.0
+) -> CheckpointCorruptError:
+    """The error for a data file that is not there (``looked_s``: asked again that long)."""
+    again = f" (not found, also when asked again for {looked_s:.0f} s)" if looked_s else ""
     return CheckpointCorruptError(
-        f"The checkpoint file {redact_url(source.url_of(rel))} is missing. The "
+        f"The checkpoint file {redact_url(source.url_of(rel))} is missing{again}. The "
         "checkpoint is damaged; load an older one."
     )
 

@@ -41,14 +41,14 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
-from dcp_volumes._volume import RetryPolicy, Volume
+from dcp_volumes._volume import LAG_TOTAL_S, RetryPolicy, Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
     FileRecord,
     Manifest,
-    check_listing,
+    check_listing_settled,
     read_manifest,
 )
 from dcp_volumes.checkpoint._rank_upload import (
@@ -437,12 +437,13 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             files=files,
             extra={"writer": "dcp_volumes", "save_id": self._save_id, "ranks": len(results)},
         )
-        problems = check_listing(manifest, self._volume.list())
+        problems, _ = check_listing_settled(self._volume, manifest)
         if problems:
             raise CheckpointCorruptError(
                 f"Not committing {self._volume.display_url}: files differ from what the ranks "
-                f"uploaded ({'; '.join(problems[:5])}). Another writer may be using this "
-                "location; save again to a fresh one."
+                f"uploaded ({'; '.join(problems[:5])}), still so after listing again for "
+                f"{LAG_TOTAL_S:.0f} s. Another writer may be using this location; save again "
+                "to a fresh one."
             )
         # Manifest, then the commit marker, both create-only (unless overwrite): of two
         # saves committing one location at once exactly one lands, and the manifest

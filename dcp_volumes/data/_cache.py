@@ -32,9 +32,17 @@ from typing import Any
 from fsspec.core import split_protocol
 
 from dcp_volumes import _env
-from dcp_volumes._exceptions import CacheError, ConfigurationError, DatasetChangedError, VolumeError
+from dcp_volumes._exceptions import (
+    CacheError,
+    ConfigurationError,
+    DatasetChangedError,
+    VolumeError,
+    VolumeNotFoundError,
+)
 from dcp_volumes._staging import disk_full_error, parse_size, probe_writable
 from dcp_volumes._volume import (
+    LAG_DELAYS_S,
+    LAG_TOTAL_S,
     LOCAL_PROTOCOLS,
     FileInfo,
     Volume,
@@ -475,6 +483,29 @@ class FileCache:
 
     @staticmethod
     def _download(volume: Volume, relpath: str, ref: Ref, size: int, *, listed: bool) -> None:
+        # A listed file that is not found may be a store that lags its writes: ask
+        # again for a moment (LAG_DELAYS_S) before saying it is gone.
+        delays = list(LAG_DELAYS_S) if listed else []
+        while True:
+            try:
+                FileCache._download_once(volume, relpath, ref, size, listed=listed)
+                return
+            except VolumeNotFoundError as exc:
+                if not listed:
+                    raise
+                if not delays:
+                    raise VolumeNotFoundError(
+                        f"{redact_url(ref.url)} was listed when the dataset was built but is "
+                        f"not found now (also when asked again for {LAG_TOTAL_S:.0f} s): it "
+                        "was deleted or moved after the listing. Fix: restore the file, or "
+                        "re-create the dataset (it re-lists the files)."
+                    ) from exc
+                time.sleep(delays.pop(0))
+
+    @staticmethod
+    def _download_once(
+        volume: Volume, relpath: str, ref: Ref, size: int, *, listed: bool
+    ) -> None:
         if size > _SINGLE_GET_BYTES:
             volume.get_file(relpath, ref.fill, size=size)  # parallel ranged GETs
         else:

@@ -1,0 +1,325 @@
+"""Saves, discovery, loads and epochs on a store that is briefly inconsistent.
+
+``tests/faulty_backend.py`` wraps the real backend (a local directory, moto
+S3) and makes what a proxy cannot: listings that leave out objects written
+just before (eventual consistency) and a file that answers "not found" for a
+moment. Each outcome must be the right data or a clear error, never a
+checkpoint that fails to load, a partial checkpoint restored, a wrong tensor,
+or a stale listing reported as a lost file. The counts are printed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+from dcp_volumes import (
+    CheckpointManager,
+    DataLoader,
+    VolumeDataset,
+    VolumeReader,
+    VolumeWriter,
+)
+from dcp_volumes._volume import Volume
+from tests.faulty_backend import Faults, install
+from tests.scripts.states import differences, empty_state, state_for
+from tests.test_data_support import payload, read_id, write_samples
+
+_SIZE = 64
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.emulator)])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    if request.param == "local":
+        return str(tmp_path / "vol"), {}
+    url, opts = request.getfixturevalue("s3_bucket")
+    return url, opts
+
+
+def _report(what: str, faults: Faults, outcome: str) -> None:
+    print(f"\n[backend faults {what}] calls={sum(faults.calls.values())} "
+          f"({dict(sorted(faults.calls.items()))}) faults={dict(sorted(faults.faults.items()))} "
+          f"outcome: {outcome}")
+
+
+def _last_line(exc: BaseException) -> str:
+    # DCP's CheckpointException carries each rank's traceback: its last line is the error.
+    return str(exc).strip().splitlines()[-1][:300]
+
+
+def _load(url: str, opts: dict[str, Any]) -> dict[str, Any]:
+    got = empty_state(size=_SIZE)
+    dcp.load(got, storage_reader=VolumeReader(url, storage_options=opts), no_dist=True)
+    return got
+
+
+# -- 1. the save's check after upload ------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_a_briefly_stale_listing_after_upload_still_commits(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = where
+    # Every listing for the next 2 calls misses what was written in the last minute:
+    # the rank's check after upload and a first re-list see no shard at all.
+    faults = Faults(stale_lists=2, stale_window_s=60, stale_match=".distcp")
+    install(monkeypatch, faults)
+    want = state_for(1, size=_SIZE)
+    dcp.save(want, storage_writer=VolumeWriter(f"{root}/ck", storage_options=opts,
+                                               file_size="8KiB"), no_dist=True)
+    problems = differences(_load(f"{root}/ck", opts), want)
+    with capsys.disabled():
+        _report("save, stale check listing", faults,
+                f"committed, loads back {'equal' if not problems else problems[:3]}")
+    assert faults.faults["objects hidden"] > 0  # the listing really was stale
+    assert problems == []
+
+
+@pytest.mark.timeout(30)
+def test_a_listing_that_stays_stale_fails_the_save_cleanly(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = where
+    faults = Faults(stale_lists=10**6, stale_window_s=60, stale_match=".distcp")
+    install(monkeypatch, faults)
+    with pytest.raises(BaseException) as caught:  # DCP's CheckpointException is a BaseException
+        dcp.save(state_for(1, size=_SIZE), storage_writer=VolumeWriter(
+            f"{root}/ck", storage_options=opts, file_size="8KiB"), no_dist=True)
+    text = str(caught.value)
+    with capsys.disabled():
+        _report("save, listing stale for good", faults, f"failed: {_last_line(caught.value)}")
+    assert "did not land whole" in text and "missing" in text
+    assert "listing" in text  # says the store's listing may lag, not only "cut short"
+    assert not Volume(f"{root}/ck", storage_options=opts).exists(".metadata")
+
+
+# -- 2. CheckpointManager discovery ----------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_discovery_with_the_newest_metadata_unlisted_restores_a_complete_one(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = where
+    faults = Faults()
+    wrappers = install(monkeypatch, faults)
+    with CheckpointManager(f"{root}/run", keep_last=2, storage_options=opts) as mgr:
+        mgr.save(1, state_for(1, size=_SIZE))
+        mgr.wait()
+        before_2 = time.time()
+        mgr.save(2, state_for(2, size=_SIZE))
+        mgr.wait()
+    # Step 2 is committed, but the store's listings do not show its .metadata yet.
+    for w in wrappers.values():
+        w.stale_since = before_2
+    faults.stale_lists, faults.stale_match = 10**6, ".metadata"
+    outcomes = []
+    with CheckpointManager(f"{root}/run", keep_last=2, storage_options=opts) as mgr:
+        state = empty_state(size=_SIZE)
+        restored = mgr.restore(state)
+        outcomes.append(restored)
+        assert restored in (1, 2)
+        assert differences(state, state_for(restored, size=_SIZE)) == []
+    faults.stale_lists = 0  # the store caught up
+    with CheckpointManager(f"{root}/run", keep_last=2, storage_options=opts) as mgr:
+        state = empty_state(size=_SIZE)
+        outcomes.append(mgr.restore(state))
+        assert differences(state, state_for(2, size=_SIZE)) == []
+    with capsys.disabled():
+        _report("manager discovery, newest .metadata unlisted", faults,
+                f"restored step {outcomes[0]} while stale, then step {outcomes[1]}")
+    assert faults.faults["objects hidden"] > 0
+    assert outcomes[1] == 2  # step 2 was not removed as "partial" while it looked so
+
+
+# -- 3. VolumeReader: a data file gone for a moment -----------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.emulator
+def test_a_load_survives_a_data_file_that_vanishes_for_a_moment(
+    s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # S3 only: a local volume's reader opens data files in place, not through the protocol.
+    root, opts = s3_bucket
+    want = state_for(1, size=_SIZE)
+    dcp.save(want, storage_writer=VolumeWriter(f"{root}/ck", storage_options=opts,
+                                               file_size="8KiB"), no_dist=True)
+    faults = Faults(vanish=[".distcp"], vanish_calls=1)
+    install(monkeypatch, faults)
+    problems = differences(_load(f"{root}/ck", opts), want)
+    with capsys.disabled():
+        _report("load, data files not found once each", faults,
+                f"loaded {'equal' if not problems else problems[:3]}")
+    assert sum(faults.faults.values()) > 0
+    assert problems == []
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.emulator
+def test_a_load_names_a_data_file_that_stays_gone(
+    s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = s3_bucket
+    dcp.save(state_for(1, size=_SIZE), storage_writer=VolumeWriter(
+        f"{root}/ck", storage_options=opts, file_size="8KiB"), no_dist=True)
+    gone = next(f.path for f in Volume(f"{root}/ck", storage_options=opts).list()
+                if f.path.endswith(".distcp"))
+    faults = Faults(vanish=[gone], vanish_calls=10**6)
+    install(monkeypatch, faults)
+    with pytest.raises(BaseException) as caught:
+        _load(f"{root}/ck", opts)
+    text = str(caught.value)
+    with capsys.disabled():
+        _report("load, one data file gone for good", faults, f"failed: {_last_line(caught.value)}")
+    assert gone in text and "missing" in text and "asked again" in text
+
+
+@pytest.mark.timeout(30)
+def test_a_load_with_a_stale_listing_is_not_called_damaged(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = where
+    want = state_for(1, size=_SIZE)
+    faults = Faults()
+    install(monkeypatch, faults)
+    dcp.save(want, storage_writer=VolumeWriter(f"{root}/ck", storage_options=opts,
+                                               file_size="8KiB"), no_dist=True)
+    faults.stale_lists, faults.stale_window_s, faults.stale_match = 1, 60, ".distcp"
+    problems = differences(_load(f"{root}/ck", opts), want)
+    with capsys.disabled():
+        _report("load, size-check listing stale", faults,
+                f"loaded {'equal' if not problems else problems[:3]}")
+    assert faults.faults["objects hidden"] > 0
+    assert problems == []
+
+
+# -- 4. VolumeDataset cold epoch ------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_a_cold_epoch_on_a_stale_listing_delivers_each_listed_sample_once(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = where
+    faults = Faults()
+    wrappers = install(monkeypatch, faults)
+    write_samples(f"{root}/data", opts, 30, size=256)
+    cutoff = time.time()
+    time.sleep(0.01)
+    vol = Volume(f"{root}/data", storage_options=opts)
+    for i in range(100, 110):  # written "just now": the first listings miss them
+        vol.write_bytes(f"z/late-{i}.bin", payload(i, 256))
+    for w in wrappers.values():
+        w.stale_since = cutoff
+    faults.stale_lists = 10**6  # every listing of this epoch misses the last 10 samples
+    ds = VolumeDataset(f"{root}/data", storage_options=opts, cache_dir=tmp_path / "cache",
+                       transform=read_id, shuffle=True, seed=3)
+    seen = [int(x) for batch in DataLoader(ds, batch_size=5, num_workers=0) for x in batch]
+    with capsys.disabled():
+        _report("cold epoch, stale first listing", faults,
+                f"{len(seen)} samples, {len(set(seen))} distinct")
+    assert faults.faults["objects hidden"] + faults.faults["prefixes hidden"] > 0
+    assert sorted(seen) == list(range(30))  # each listed sample once, none of the unlisted
+
+
+@pytest.mark.timeout(30)
+def test_a_cold_epoch_names_a_sample_that_vanishes(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = where
+    files = write_samples(f"{root}/data", opts, 20, size=256)
+    gone = sorted(files)[7]
+    faults = Faults(vanish=[gone], vanish_calls=10**6)
+    install(monkeypatch, faults)
+    ds = VolumeDataset(f"{root}/data", storage_options=opts, cache_dir=tmp_path / "cache",
+                       transform=read_id, shuffle=False)
+    seen: list[int] = []
+    with pytest.raises(Exception) as caught:
+        for batch in DataLoader(ds, batch_size=4, num_workers=0):
+            seen += [int(x) for x in batch]
+    text = str(caught.value)
+    with capsys.disabled():
+        _report("cold epoch, one sample gone", faults,
+                f"{len(seen)} delivered, then {type(caught.value).__name__}: "
+                f"{_last_line(caught.value)}")
+    assert gone in text and "was listed" in text and "Fix:" in text
+    assert len(seen) == len(set(seen))
+
+
+@pytest.mark.timeout(30)
+def test_a_cold_epoch_rides_out_samples_not_found_for_a_moment(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = where
+    write_samples(f"{root}/data", opts, 20, size=256)
+    faults = Faults(vanish=["sample-0000"], vanish_calls=1)  # samples 0-9: once each
+    install(monkeypatch, faults)
+    ds = VolumeDataset(f"{root}/data", storage_options=opts, cache_dir=tmp_path / "cache",
+                       transform=read_id, shuffle=True, seed=5)
+    seen = [int(x) for batch in DataLoader(ds, batch_size=5, num_workers=0) for x in batch]
+    with capsys.disabled():
+        _report("cold epoch, 10 samples not found once", faults,
+                f"{len(seen)} samples, {len(set(seen))} distinct")
+    assert sum(faults.faults.values()) == 10
+    assert sorted(seen) == list(range(20))
+
+
+# -- (c) a file that reads back shorter than listed -----------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.emulator
+def test_a_load_refuses_a_data_file_that_reads_back_short(
+    s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = s3_bucket
+    dcp.save(state_for(1, size=_SIZE), storage_writer=VolumeWriter(
+        f"{root}/ck", storage_options=opts, file_size="8KiB"), no_dist=True)
+    faults = Faults(short=[".distcp"], short_by=7)
+    install(monkeypatch, faults)
+    with pytest.raises(BaseException) as caught:
+        _load(f"{root}/ck", opts)
+    text = _last_line(caught.value)
+    with capsys.disabled():
+        _report("load, data files read back 7 bytes short", faults, f"failed: {text}")
+    assert faults.faults["short read"] > 0
+    assert "CheckpointCorruptError" in text and ".distcp" in text
+
+
+@pytest.mark.timeout(30)
+def test_a_cold_epoch_refuses_a_sample_that_reads_back_short(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, opts = where
+    files = write_samples(f"{root}/data", opts, 10, size=256)
+    short = sorted(files)[4]
+    faults = Faults(short=[short], short_by=7)
+    install(monkeypatch, faults)
+    ds = VolumeDataset(f"{root}/data", storage_options=opts, cache_dir=tmp_path / "cache",
+                       transform=read_id, shuffle=False)
+    with pytest.raises(Exception) as caught:
+        for _ in DataLoader(ds, batch_size=2, num_workers=0):
+            pass
+    text = _last_line(caught.value)
+    with capsys.disabled():
+        _report("cold epoch, one sample 7 bytes short", faults,
+                f"{type(caught.value).__name__}: {text}")
+    assert faults.faults["short read"] > 0
+    assert short in text and "changed" in text
