@@ -306,7 +306,8 @@ def test_damaged_shard(tmp_path: Path, name: str, damage: Any, expected: str) ->
 def test_verify_checks_files_a_partial_load_only_ranges(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     state = sample_state(big_mib=1)
-    dcp.save(state, storage_writer=VolumeWriter(ck, file_size="512KiB"))
+    # One file: big1 and f32 share it (files are cut before an item would overflow them).
+    dcp.save(state, storage_writer=VolumeWriter(ck, file_size="64MiB"))
     md = VolumeReader(ck).read_metadata()
     big1 = next(v for k, v in md.storage_data.items() if k.fqn == "big1")
     f32 = next(v for k, v in md.storage_data.items() if k.fqn == "f32")
