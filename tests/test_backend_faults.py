@@ -164,6 +164,12 @@ def test_a_load_survives_a_data_file_that_vanishes_for_a_moment(
     assert problems == []
 
 
+def _save_small(root: str, opts: dict[str, Any]) -> None:
+    """A committed checkpoint of several 8 KiB data files at ``root``/ck."""
+    dcp.save(state_for(1, size=_SIZE), storage_writer=VolumeWriter(
+        f"{root}/ck", storage_options=opts, file_size="8KiB"), no_dist=True)
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.emulator
 def test_a_load_names_a_data_file_that_stays_gone(
@@ -171,8 +177,7 @@ def test_a_load_names_a_data_file_that_stays_gone(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     root, opts = s3_bucket
-    dcp.save(state_for(1, size=_SIZE), storage_writer=VolumeWriter(
-        f"{root}/ck", storage_options=opts, file_size="8KiB"), no_dist=True)
+    _save_small(root, opts)
     gone = next(f.path for f in Volume(f"{root}/ck", storage_options=opts).list()
                 if f.path.endswith(".distcp"))
     faults = Faults(vanish=[gone], vanish_calls=10**6)
@@ -289,8 +294,7 @@ def test_a_load_refuses_a_data_file_that_reads_back_short(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     root, opts = s3_bucket
-    dcp.save(state_for(1, size=_SIZE), storage_writer=VolumeWriter(
-        f"{root}/ck", storage_options=opts, file_size="8KiB"), no_dist=True)
+    _save_small(root, opts)
     faults = Faults(short=[".distcp"], short_by=7)
     install(monkeypatch, faults)
     with pytest.raises(BaseException) as caught:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -29,6 +28,7 @@ from dcp_volumes._volume._backend import Capabilities, Data, FileInfo, Listing, 
 from dcp_volumes._volume._client_watchdog import watch_client_start
 from dcp_volumes._volume._mapped import mapped, mapped_parts
 from dcp_volumes._volume._obstore_options import StoreSettings
+from dcp_volumes._volume._retry import answered_status
 
 # The pid of this process once it did I/O through obstore; True in a child
 # forked after that (its inherited runtime cannot run there).
@@ -121,7 +121,7 @@ class ObstoreBackend:
         its "not found" says nothing (the probe key never exists), so the
         listing's own error stands and is retried as transient.
         """
-        if _LISTING_404.search(str(exc)):
+        if answered_status(exc) == 404:
             return MissingBucket(bucket)
         probe = f"{key}/.dcp-volumes-probe" if key else ".dcp-volumes-probe"
         try:
@@ -241,11 +241,6 @@ class ObstoreBackend:
         if dst_bucket != src.partition("/")[0]:
             raise ValueError(f"copy across buckets ({src} -> {dst}) is not supported")
         self._obs.copy(store, src_key, dst_key, overwrite=True)
-
-
-# object_store's text for a request the server answered with 404 (its error
-# types carry no status for listings).
-_LISTING_404 = re.compile(r"status code: 404\b")
 
 
 class MissingBucket(FileNotFoundError):

@@ -101,8 +101,15 @@ _OBSTORE_BAD_KEY = "InvalidPathError"
 _MISSING_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound", "BucketNotFound"})
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "BlobNotFound"})
 _EXISTS_CODES = frozenset({"412", "PreconditionFailed", "BlobAlreadyExists", "ConditionNotMet"})
-# How object_store's error text gives a status the server answered with.
-_CLIENT_ERROR_STATUS = re.compile(r"status code: 4\d\d\b")
+# How object_store's error text gives a status the server answered with (its
+# untyped errors carry no status otherwise).
+_STATUS_IN_TEXT = re.compile(r"status code: (\d{3})\b")
+
+
+def answered_status(exc: BaseException) -> int | None:
+    """The HTTP status that obstore's untyped error says the server answered, if any."""
+    found = _STATUS_IN_TEXT.search(str(exc))
+    return int(found.group(1)) if found else None
 _TRANSIENT_ERRNOS = frozenset(
     {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT}
 )
@@ -229,7 +236,8 @@ def _is_transient(exc: BaseException) -> bool:
     if codes & _TRANSIENT_CODES:
         return True
     names = {cls.__name__ for cls in type(exc).__mro__}
-    if "GenericError" in names and not _CLIENT_ERROR_STATUS.search(str(exc)):
+    status = answered_status(exc) if "GenericError" in names else None
+    if "GenericError" in names and not (status is not None and 400 <= status < 500):
         # obstore's untyped error: a body cut mid-listing, a connection lost after
         # its own retries. A 4xx answer in its text is the request's fault: final.
         return True
