@@ -29,6 +29,7 @@ if _typing.TYPE_CHECKING:
     from dcp_volumes.checkpoint._discovery import CheckpointInfo
     from dcp_volumes.checkpoint._manager import CheckpointManager
     from dcp_volumes.checkpoint._reader import VolumeReader
+    from dcp_volumes.checkpoint._routing import Route, Routing, active_routes, route, unroute
     from dcp_volumes.checkpoint._writer import VolumeWriter
     from dcp_volumes.data._cache import FileCache
     from dcp_volumes.data._dataset import VolumeDataset
@@ -41,6 +42,11 @@ _LAZY = {
     "CheckpointManager": "dcp_volumes.checkpoint._manager",
     "VolumeReader": "dcp_volumes.checkpoint._reader",
     "VolumeWriter": "dcp_volumes.checkpoint._writer",
+    "Route": "dcp_volumes.checkpoint._routing",
+    "Routing": "dcp_volumes.checkpoint._routing",
+    "active_routes": "dcp_volumes.checkpoint._routing",
+    "route": "dcp_volumes.checkpoint._routing",
+    "unroute": "dcp_volumes.checkpoint._routing",
     "FileCache": "dcp_volumes.data._cache",
     "VolumeDataset": "dcp_volumes.data._dataset",
     "DataLoader": "dcp_volumes.data._loader",
@@ -79,6 +85,8 @@ __all__ = [
     "DiskFullError",
     "FileCache",
     "RetryPolicy",
+    "Route",
+    "Routing",
     "StagingError",
     "VolumeAccessError",
     "VolumeDataset",
@@ -88,5 +96,8 @@ __all__ = [
     "VolumeReader",
     "VolumeWriter",
     "__version__",
+    "active_routes",
+    "route",
     "storage_error",
+    "unroute",
 ]

@@ -5,7 +5,9 @@
 | ``DCP_VOLUMES_STAGING``     | default local staging dir for checkpoint writes  |
 | ``DCP_VOLUMES_CACHE``       | default local cache dir for training inputs      |
 | ``DCP_VOLUMES_MAX_RETRIES`` | attempts per volume call on transient errors     |
-| ``DCP_VOLUMES_STORAGE_OPTIONS`` | JSON object of fsspec options for the CLI    |
+| ``DCP_VOLUMES_STORAGE_OPTIONS`` | JSON object of fsspec options for the CLI and routed saves |
+| ``DCP_VOLUMES_ROUTE``       | URL prefixes ``route()`` routes (comma-separated) |
+| ``DCP_VOLUMES_ROUTE_CONFIG`` | TOML or JSON file of routing defaults and per-prefix options |
 | ``DCP_VOLUMES_BACKEND``     | ``fsspec``: S3/Azure through s3fs/adlfs, not obstore |
 | ``DCP_VOLUMES_CLIENT_START_TIMEOUT`` | seconds until a client creation is stuck (0: never) |
 | ``DCP_VOLUMES_EXIT_TIMEOUT`` | seconds a save in flight may take once the interpreter exits |
@@ -23,6 +25,8 @@ STORAGE_OPTIONS = "DCP_VOLUMES_STORAGE_OPTIONS"
 BACKEND = "DCP_VOLUMES_BACKEND"
 CLIENT_START_TIMEOUT = "DCP_VOLUMES_CLIENT_START_TIMEOUT"
 EXIT_TIMEOUT = "DCP_VOLUMES_EXIT_TIMEOUT"
+ROUTE = "DCP_VOLUMES_ROUTE"
+ROUTE_CONFIG = "DCP_VOLUMES_ROUTE_CONFIG"
 
 
 def staging_dir() -> str | None:
@@ -87,6 +91,17 @@ def world_info() -> tuple[int, int, int, int]:
 def storage_options() -> str | None:
     """The JSON text of ``DCP_VOLUMES_STORAGE_OPTIONS`` (used by the CLI), if set."""
     return os.environ.get(STORAGE_OPTIONS) or None
+
+
+def route_prefixes() -> list[str]:
+    """The URL prefixes of ``DCP_VOLUMES_ROUTE`` (comma-separated; empty when unset)."""
+    raw = os.environ.get(ROUTE) or ""
+    return [p.strip() for p in raw.split(",") if p.strip()]
+
+
+def route_config() -> str | None:
+    """The path in ``DCP_VOLUMES_ROUTE_CONFIG`` (a TOML or JSON file), if set."""
+    return os.environ.get(ROUTE_CONFIG) or None
 
 
 def backend() -> str:

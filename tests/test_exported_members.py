@@ -34,6 +34,12 @@ EXPECTED = {
     "BackendNotInstalledError",
     # the typed error behind DCP's CheckpointException (a BaseException)
     "storage_error",
+    # routing dcp.save/async_save/load to the classes above for chosen URL prefixes
+    "Route",
+    "Routing",
+    "active_routes",
+    "route",
+    "unroute",
     "__version__",
 }
 
@@ -49,5 +55,6 @@ def test_every_exported_name_resolves() -> None:
 
 def test_private_modules_stay_private() -> None:
     public = {n for n in dir(dcp_volumes) if not n.startswith("_")}
-    # Only exports and subpackages may appear without an underscore.
-    assert public - set(dcp_volumes.__all__) <= {"checkpoint", "data", "cli"}
+    # Only exports, subpackages and the launcher (python -m dcp_volumes.run) may appear
+    # without an underscore.
+    assert public - set(dcp_volumes.__all__) <= {"checkpoint", "data", "cli", "run"}
