@@ -41,7 +41,14 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
     verify_checkpoint,
 )
-from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME, Manifest
+from dcp_volumes.checkpoint._manifest import (
+    MANIFEST_NAME,
+    METADATA_NAME,
+    Manifest,
+    manifest_rank,
+    rank_manifest_name,
+    rank_metadata_name,
+)
 from dcp_volumes.checkpoint._retention import (
     DEFAULT_PARTIAL_GRACE_S,
     delete_checkpoint,
@@ -168,6 +175,8 @@ def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
         "files": info.num_files,
         "created": info.created,
         "managed": info.managed,
+        "rank_local": info.rank_local,
+        "ranks": info.ranks,
         "problems": list(info.problems),
     }
 
@@ -198,7 +207,8 @@ def _checkpoints_at(vol: Volume) -> tuple[list[tuple[Volume, CheckpointInfo | No
     """
     parent, last = _split(vol)
     step = parse_step(last)
-    is_checkpoint = vol.exists(METADATA_NAME) or vol.exists(MANIFEST_NAME)
+    is_checkpoint = any(vol.exists(n) for n in (
+        METADATA_NAME, MANIFEST_NAME, rank_metadata_name(0), rank_manifest_name(0)))
     if is_checkpoint or (step is not None and parent is not None and vol.list("")):
         # A checkpoint directory, committed or not (its name may not carry a step).
         info = inspect_dir(parent, last, step or 0) if parent is not None else None
@@ -252,7 +262,8 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
             human_size(i.size),
             str(i.num_files if i.num_files is not None else "-"),
             human_age(i.created, now),
-            i.name + ("" if i.managed else "  (stock DCP)" if i.complete else ""),
+            i.name + ("" if i.managed else "  (stock DCP)" if i.complete else "")
+            + (f"  (rank-local, {i.ranks} ranks)" if i.rank_local else ""),
         ])
     _table(rows, out, right=(0, 2, 3, 4))
     return EXIT_OK
@@ -285,12 +296,13 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
         total = sum(f.size for f in listing)
         hashed = 0
         checksummed = False
-        if any(f.path == MANIFEST_NAME for f in listing):
-            try:
-                hashed = Manifest.from_json(cvol.read_bytes(MANIFEST_NAME)).total_bytes
-                checksummed = True
-            except DcpVolumesError:
-                pass  # verify_checkpoint reports the unreadable manifest
+        for f in listing:
+            if f.path == MANIFEST_NAME or manifest_rank(f.path) is not None:
+                try:  # a rank-local checkpoint has one manifest per rank
+                    hashed += Manifest.from_json(cvol.read_bytes(f.path)).total_bytes
+                    checksummed = True
+                except DcpVolumesError:
+                    pass  # verify_checkpoint reports the unreadable manifest
         with out.bar(total=hashed, desc=cvol.display_url.rsplit("/", 1)[-1]) as bar:
             problems = verify_checkpoint(cvol, concurrency=args.concurrency, progress=bar.update)
         status = "failed" if problems else "ok"
@@ -365,6 +377,9 @@ def _gc(args: argparse.Namespace, out: Output) -> int:
 
 def _configure_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="a checkpoint: ROOT/step-00000100 or ROOT/100")
+    p.add_argument("--rank", type=int, default=None,
+                   help="for a rank-local checkpoint (use_collectives=False): the rank whose "
+                        "__<rank>.metadata to show (default 0)")
 
 
 def _entries(metadata: Any) -> list[dict[str, Any]]:
@@ -393,13 +408,29 @@ def _entries(metadata: Any) -> list[dict[str, Any]]:
 def _inspect(args: argparse.Namespace, out: Output) -> int:
     cvol, info = _single(_volume(args, args.url))
     step = info.step if info is not None else None
-    entries = _entries(read_metadata(cvol))
+    rank_local = info is not None and info.rank_local
+    if args.rank is not None and not rank_local:
+        raise ConfigurationError(
+            f"--rank {args.rank}: {cvol.display_url} was saved with collectives (one "
+            f"{METADATA_NAME} for all ranks); --rank applies to rank-local checkpoints only. "
+            "Fix: leave --rank out."
+        )
+    rank = (args.rank or 0) if rank_local else None
+    if rank is not None and info is not None and not 0 <= rank < (info.ranks or 0):
+        raise ConfigurationError(
+            f"--rank {rank}: {cvol.display_url} is a rank-local checkpoint of {info.ranks} "
+            f"ranks. Fix: pass --rank between 0 and {(info.ranks or 1) - 1}."
+        )
+    marker = METADATA_NAME if rank is None else rank_metadata_name(rank)
+    entries = _entries(read_metadata(cvol, marker))
     tensor_bytes = sum(e["nbytes"] or 0 for e in entries)
     out.json({"url": cvol.display_url, "step": step,
               "complete": info.complete if info else None,
+              "rank_local": rank_local, "rank": rank, "ranks": info.ranks if info else None,
               "tensor_bytes": tensor_bytes, "entries": entries})
+    scope = f"  rank {rank} of {info.ranks} (rank-local)" if rank is not None and info else ""
     out.line(f"{cvol.display_url}  step {step}  "
-             f"{'complete' if info is None or info.complete else 'PARTIAL'}  "
+             f"{'complete' if info is None or info.complete else 'PARTIAL'}{scope}  "
              f"{len(entries)} entries, {human_size(tensor_bytes)} of tensors")
     rows = [["NAME", "DTYPE", "SHAPE", "CHUNKS"]]
     for e in entries:

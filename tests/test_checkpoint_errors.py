@@ -245,13 +245,6 @@ def test_invalid_reader_options(tmp_path: Path) -> None:
         VolumeReader(tmp_path / "ck", read_concurrency=0)
 
 
-def test_rank_local_saves_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(BaseException) as excinfo:
-        dcp.save(SMALL, storage_writer=VolumeWriter(tmp_path / "ck"), use_collectives=False)
-    err = failure_of(excinfo.value)
-    assert isinstance(err, ConfigurationError) and "use_collectives" in str(err)
-
-
 # -- missing or damaged checkpoints -----------------------------------------------------------
 
 

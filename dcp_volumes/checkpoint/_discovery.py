@@ -14,6 +14,14 @@ A checkpoint is *complete* when ``.metadata`` exists and, when it has a
 manifest, every file of the manifest is on the volume with the recorded size
 (checksums are compared only when asked: ``verify_checkpoint``). Stock DCP
 checkpoints have no manifest: ``.metadata`` alone makes them complete.
+
+A *rank-local* checkpoint (``dcp.save(..., use_collectives=False)``: no
+``.metadata``, one ``__<rank>.metadata`` per rank) is complete when every rank
+from 0 to the last one has its marker and each rank's manifest, if any,
+matches the listing. The ranks expected are those the files name (markers,
+manifests, data files ``__<rank>_*.distcp``) and, from our manifests, the
+world size of the save: a rank that died before writing anything is noticed
+too, unless no rank wrote a manifest (a stock rank-local save).
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ from dcp_volumes.checkpoint._manifest import (
     METADATA_NAME,
     Manifest,
     check_listing,
+    manifest_rank,
+    marker_rank,
+    rank_manifest_name,
+    rank_metadata_name,
     verify_checksums,
 )
 from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
@@ -54,10 +66,12 @@ _STEP_NAME = re.compile(
 )
 # Reading many manifests is latency-bound on object stores.
 _LIST_CONCURRENCY = 16
+# A rank's data file as DCP names it (``__3_0.distcp``), possibly below a spread prefix.
+_RANK_DATA = re.compile(r"^__(\d+)_\d+" + re.escape(_layout.DATA_SUFFIX) + "$")
 
 
-#: Manifests already read, by (directory, size, etag, mtime) of the manifest file.
-ManifestCache = dict[tuple[str, int, str | None, float | None], Manifest]
+#: Manifests already read, by (directory, size, etag, mtime, file name) of the manifest file.
+ManifestCache = dict[tuple[str, int, str | None, float | None, str], Manifest]
 
 
 def step_dir(step: int) -> str:
@@ -95,6 +109,9 @@ class CheckpointInfo:
             known: how recently a save wrote to it.
         newer_format: its manifest is in a newer format than this version reads
             (a newer dcp_volumes wrote it): not complete here, and never deleted.
+        rank_local: saved with ``use_collectives=False``: one ``__<rank>.metadata``
+            per rank instead of ``.metadata``; it loads only on the same ranks.
+        ranks: for a rank-local checkpoint, the number of ranks it needs.
     """
 
     step: int
@@ -108,6 +125,8 @@ class CheckpointInfo:
     problems: tuple[str, ...] = ()
     modified: float | None = None
     newer_format: bool = False
+    rank_local: bool = False
+    ranks: int | None = None
 
 
 def sort_key(info: CheckpointInfo) -> tuple[int, int, str]:
@@ -143,33 +162,49 @@ def inspect_dir(
     names = {f.path for f in files}
     has_metadata = METADATA_NAME in names
     has_manifest = MANIFEST_NAME in names
-    if not (has_metadata or has_manifest or is_canonical(name)) and not any(
+    manifest_ranks = {r for r in map(manifest_rank, names) if r is not None}
+    rank_local = is_rank_local(names)
+    if not (has_metadata or has_manifest or rank_local or is_canonical(name)) and not any(
         n.endswith(".distcp") for n in names
     ):
         return None
     problems: list[str] = []
     created: float | None = None
     newer_format = False
-    if has_manifest:
-        entry = next(f for f in files if f.path == MANIFEST_NAME)
-        key = (name, entry.size, entry.etag, entry.mtime)
+    manifest_names = (
+        [rank_manifest_name(r) for r in sorted(manifest_ranks)] if rank_local
+        else [MANIFEST_NAME] if has_manifest else []
+    )
+    world = 0
+    for manifest_name in manifest_names:
+        entry = next(f for f in files if f.path == manifest_name)
+        key = (name, entry.size, entry.etag, entry.mtime, manifest_name)
         try:
             manifest = manifests.get(key) if manifests is not None else None
             if manifest is None:
                 manifest = Manifest.from_json(
-                    volume.read_bytes(f"{name}/{MANIFEST_NAME}"), where=volume.url_of(name)
+                    volume.read_bytes(f"{name}/{manifest_name}"),
+                    where=volume.url_of(f"{name}/{manifest_name}"),
                 )
                 if manifests is not None:
                     manifests[key] = manifest
         except CheckpointVersionError as exc:
             newer_format = True
-            problems.append(f"{MANIFEST_NAME}: {exc}")
+            problems.append(f"{manifest_name}: {exc}")
         except CheckpointCorruptError as exc:
-            problems.append(f"{MANIFEST_NAME}: unreadable ({exc})")
+            problems.append(f"{manifest_name}: unreadable ({exc})")
         else:
-            created = manifest.created or None
+            created = max(created or 0.0, manifest.created) or None
             problems.extend(check_listing(manifest, files))
-    if not has_metadata:
+            recorded = manifest.extra.get("world_size")
+            if isinstance(recorded, int):
+                world = max(world, recorded)
+    ranks: int | None = None
+    if rank_local:
+        ranks, missing = expected_ranks(names, world)
+        if missing:
+            problems.insert(0, missing_ranks_problem(ranks, missing))
+    elif not has_metadata:
         problems.insert(0, f"{METADATA_NAME} missing (never committed, or being written/deleted)")
     times = [f.mtime for f in files if f.mtime is not None]
     modified = max(times) if times else None
@@ -183,11 +218,45 @@ def inspect_dir(
         size=sum(f.size for f in files),
         num_files=len(files),
         created=created,
-        managed=has_manifest,
+        managed=bool(manifest_names),
         problems=tuple(problems),
         modified=modified,
         newer_format=newer_format,
+        rank_local=rank_local,
+        ranks=ranks,
     )
+
+
+def expected_ranks(names: set[str], world_size: int = 0) -> tuple[int, list[int]]:
+    """A rank-local checkpoint's rank count and the ranks whose marker is missing.
+
+    ``names``: the checkpoint's files; ``world_size``: the largest one its
+    manifests recorded (0: none). Ranks named by any file count too.
+    """
+    markers = {r for r in map(marker_rank, names) if r is not None}
+    seen = markers | {r for r in map(manifest_rank, names) if r is not None}
+    seen |= {
+        int(m.group(1))
+        for m in (_RANK_DATA.match(n.rsplit("/", 1)[-1]) for n in names)
+        if m is not None
+    }
+    ranks = max(world_size, max(seen) + 1 if seen else 0)
+    return ranks, [r for r in range(ranks) if r not in markers]
+
+
+def missing_ranks_problem(ranks: int, missing: Sequence[int]) -> str:
+    """The problem line for rank-local markers that are missing."""
+    shown = ", ".join(rank_metadata_name(r) for r in missing[:8])
+    more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+    return (f"{shown}{more} missing (rank-local save of {ranks} ranks: those ranks never "
+            "committed, or are being written/deleted)")
+
+
+def is_rank_local(names: set[str]) -> bool:
+    """Whether a checkpoint's files are those of a rank-local save (no ``.metadata``)."""
+    if METADATA_NAME in names or MANIFEST_NAME in names:
+        return False
+    return any(marker_rank(n) is not None or manifest_rank(n) is not None for n in names)
 
 
 def scan(volume: Volume, *, manifests: ManifestCache | None = None) -> list[CheckpointInfo]:
@@ -263,24 +332,26 @@ def choose_checkpoint(
     return None
 
 
-def read_metadata(volume: Volume) -> Any:
-    """The DCP ``Metadata`` object of the checkpoint at ``volume``.
+def read_metadata(volume: Volume, name: str = METADATA_NAME) -> Any:
+    """The DCP ``Metadata`` object of the checkpoint at ``volume`` (``name``: a rank's marker).
 
     ``.metadata`` is a pickle, as DCP writes it; it is unpickled with an
     allow-list of DCP's metadata types (``_metadata_pickle.py``), so a hostile
     checkpoint cannot run code when it is listed or inspected.
     """
-    if not volume.exists(METADATA_NAME):
+    if not volume.exists(name):
         raise CheckpointNotFoundError(
-            f"{volume.display_url} has no {METADATA_NAME}: it is not a committed DCP "
+            f"{volume.display_url} has no {name}: it is not a committed DCP "
             "checkpoint. Fix: pass the URL of a checkpoint directory (see `dcp-volumes ls`)."
         )
-    data = volume.read_bytes(METADATA_NAME)
-    return loads_metadata(data, redact_url(volume.url_of(METADATA_NAME)))
+    data = volume.read_bytes(name)
+    return loads_metadata(data, redact_url(volume.url_of(name)))
 
 
-def check_storage_refs(volume: Volume, metadata: Any, listing: Sequence[FileInfo]) -> list[str]:
-    """Problems with the files ``.metadata`` points into (missing, or too short)."""
+def check_storage_refs(
+    volume: Volume, metadata: Any, listing: Sequence[FileInfo], marker: str = METADATA_NAME
+) -> list[str]:
+    """Problems with the files ``marker`` (``.metadata``) points into (missing, or too short)."""
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, dict):
         return []
@@ -290,15 +361,15 @@ def check_storage_refs(volume: Volume, metadata: Any, listing: Sequence[FileInfo
         rel = getattr(info, "relative_path", None)
         if rel is None:
             continue
-        rel = _layout.inside(str(rel), f"{volume.display_url}/{METADATA_NAME}")
+        rel = _layout.inside(str(rel), f"{volume.display_url}/{marker}")
         end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
         needed[rel] = max(needed.get(rel, 0), end)
     problems = []
     for rel, end in sorted(needed.items()):
         if rel not in sizes:
-            problems.append(f"{rel}: missing (referenced by {METADATA_NAME})")
+            problems.append(f"{rel}: missing (referenced by {marker})")
         elif sizes[rel] < end:
-            problems.append(f"{rel}: {sizes[rel]} bytes, {METADATA_NAME} needs {end}")
+            problems.append(f"{rel}: {sizes[rel]} bytes, {marker} needs {end}")
     return problems
 
 
@@ -318,32 +389,48 @@ def verify_checkpoint(
     listing = volume.list("")
     names = {f.path for f in listing}
     problems: list[str] = []
-    if METADATA_NAME not in names:
-        problems.append(f"{METADATA_NAME}: missing (the checkpoint was never committed)")
+    rank_local = is_rank_local(names)
+    if rank_local:
+        markers = sorted(n for n in names if marker_rank(n) is not None)
+        manifest_names = sorted(n for n in names if manifest_rank(n) is not None)
     else:
+        markers = [METADATA_NAME] if METADATA_NAME in names else []
+        manifest_names = [MANIFEST_NAME] if MANIFEST_NAME in names else []
+        if not markers:
+            problems.append(f"{METADATA_NAME}: missing (the checkpoint was never committed)")
+    for marker in markers:
         try:
-            problems.extend(check_storage_refs(volume, read_metadata(volume), listing))
+            metadata = read_metadata(volume, marker)
+            problems.extend(check_storage_refs(volume, metadata, listing, marker))
         except CheckpointCorruptError as exc:
-            problems.append(f"{METADATA_NAME}: {exc}")
-    if MANIFEST_NAME in names:
+            problems.append(f"{marker}: {exc}")
+    world = 0
+    for manifest_name in manifest_names:
         try:
             manifest = Manifest.from_json(
-                volume.read_bytes(MANIFEST_NAME), where=volume.url_of(MANIFEST_NAME)
+                volume.read_bytes(manifest_name), where=volume.url_of(manifest_name)
             )
         except (CheckpointCorruptError, CheckpointVersionError) as exc:
-            problems.append(f"{MANIFEST_NAME}: {exc}")
-        else:
-            listed = check_listing(manifest, listing)
-            problems.extend(listed)
-            if checksums:
-                bad = {p.split(":", 1)[0] for p in listed}
-                present = [n for n in manifest.files if n not in bad]
-                problems.extend(
-                    verify_checksums(
-                        volume, manifest, names=present, concurrency=concurrency,
-                        progress=progress,
-                    )
+            problems.append(f"{manifest_name}: {exc}")
+            continue
+        recorded = manifest.extra.get("world_size")
+        if isinstance(recorded, int):
+            world = max(world, recorded)
+        listed = check_listing(manifest, listing)
+        problems.extend(listed)
+        if checksums:
+            bad = {p.split(":", 1)[0] for p in listed}
+            present = [n for n in manifest.files if n not in bad]
+            problems.extend(
+                verify_checksums(
+                    volume, manifest, names=present, concurrency=concurrency,
+                    progress=progress,
                 )
-    else:
+            )
+    if rank_local:
+        ranks, missing = expected_ranks(names, world)
+        if missing:
+            problems.insert(0, missing_ranks_problem(ranks, missing))
+    if not manifest_names:
         logger.debug("%s has no manifest: checksums not verified", volume.display_url)
     return problems

@@ -65,7 +65,7 @@ from dcp_volumes.checkpoint._discovery import (
     step_dir,
 )
 from dcp_volumes.checkpoint._manager_options import ManagerOptions
-from dcp_volumes.checkpoint._manifest import METADATA_NAME
+from dcp_volumes.checkpoint._manifest import METADATA_NAME, is_commit_marker
 from dcp_volumes.checkpoint._reader import VolumeReader
 from dcp_volumes.checkpoint._retention import (
     DEFAULT_PARTIAL_GRACE_S,
@@ -290,7 +290,8 @@ class CheckpointManager:
     def _check_target(self, step: int, name: str) -> bool:
         """Coordinator: refuse a committed step (unless overwrite); True if it must be cleared."""
         files = {f.path for f in self._volume.list(name)}
-        if f"{name}/{METADATA_NAME}" in files:
+        # A rank-local checkpoint (its __<rank>.metadata markers) is committed too.
+        if any(is_commit_marker(f.rsplit("/", 1)[-1]) for f in files):
             if not self.options.overwrite:
                 raise CheckpointExistsError(
                     f"Step {step} already has a complete checkpoint at "
@@ -372,7 +373,9 @@ class CheckpointManager:
             try:
                 info = choose_checkpoint(self._volume, self.list(), step=step,
                                          verify=self.options.verify)
-                choice = (info.step, info.name) if info is not None else None
+                if info is not None:
+                    self._check_loadable(info)
+                choice = (info.step, info.name, info.rank_local) if info is not None else None
             except Exception as exc:
                 error = exc
         self._coord.agree("choose a checkpoint to restore", error)
@@ -380,7 +383,7 @@ class CheckpointManager:
         if choice is None:
             logger.info("no complete checkpoint under %s: starting fresh", self._volume.display_url)
             return None
-        chosen_step, name = choice
+        chosen_step, name, rank_local = choice
         url = self._volume.url_of(name)
         local = self.local_dir if self._local is not None and self._local.has(name) else None
         reader = VolumeReader(
@@ -395,10 +398,23 @@ class CheckpointManager:
         with typed_errors(f"restore {url}"):
             # Read .metadata here first: where DCP fails on it, it keeps only the
             # message (its AssertionError joins the texts), not our typed error.
-            reader.read_metadata()
+            # A rank-local checkpoint: each rank loads its own __<rank>.metadata.
+            reader.read_metadata(**({"rank": self.rank} if rank_local else {}))
             dcp.load(state, checkpoint_id=url, storage_reader=reader,
                      process_group=self._coord.group, no_dist=not self._coord.distributed)
         return chosen_step
+
+    def _check_loadable(self, info: CheckpointInfo) -> None:
+        """Refuse a rank-local checkpoint saved by another number of ranks (coordinator)."""
+        if info.rank_local and info.ranks != self.world_size:
+            raise CheckpointError(
+                f"The newest complete checkpoint {info.url} (step {info.step}) is rank-local "
+                f"(saved with use_collectives=False by {info.ranks} ranks: each rank wrote its "
+                f"own __<rank>.metadata), and this job has {self.world_size} ranks. A rank-local "
+                f"checkpoint loads only on the ranks that saved it; it is not resharded. Fix: "
+                f"restart with {info.ranks} ranks, or restore(step=...) a checkpoint saved with "
+                "collectives."
+            )
 
     # -- waiting, errors, agreement ------------------------------------------------------
 

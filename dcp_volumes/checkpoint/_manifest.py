@@ -1,5 +1,10 @@
 """Per-checkpoint manifest: every data file with its size and checksum.
 
+A rank-local save (``dcp.save(..., use_collectives=False)``) commits each rank
+on its own: rank ``r`` publishes ``__r.dcp_volumes.manifest.json`` and then
+``__r.metadata`` (stock DCP's name for the rank's commit marker), and the
+checkpoint is complete when every rank's marker is there.
+
 The manifest sits beside the standard DCP files (stock readers ignore it) and
 is written just before ``.metadata``. A checkpoint is *complete* when
 ``.metadata`` exists and the files on the volume match the manifest. Stock
@@ -13,6 +18,7 @@ import io
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +46,35 @@ FORMAT_NAME = "dcp_volumes.manifest"
 FORMAT_VERSION = 1
 FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 _CHUNK = 8 * 2**20
+_RANK_MARKER = re.compile(r"^__(\d+)" + re.escape(METADATA_NAME) + "$")
+_RANK_MANIFEST = re.compile(r"^__(\d+)" + re.escape(MANIFEST_NAME) + "$")
+
+
+def rank_metadata_name(rank: int) -> str:
+    """The commit marker of ``rank`` in a rank-local checkpoint (``__3.metadata``)."""
+    return f"__{rank}{METADATA_NAME}"
+
+
+def rank_manifest_name(rank: int) -> str:
+    """The manifest of ``rank`` in a rank-local checkpoint."""
+    return f"__{rank}{MANIFEST_NAME}"
+
+
+def marker_rank(name: str) -> int | None:
+    """The rank whose commit marker ``name`` is (``__3.metadata`` -> 3), else ``None``."""
+    match = _RANK_MARKER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def manifest_rank(name: str) -> int | None:
+    """The rank whose manifest ``name`` is, else ``None``."""
+    match = _RANK_MANIFEST.match(name)
+    return int(match.group(1)) if match else None
+
+
+def is_commit_marker(name: str) -> bool:
+    """``.metadata`` or a rank's ``__r.metadata``: the files a delete removes first."""
+    return name == METADATA_NAME or marker_rank(name) is not None
 # Hashing a local file: small enough to stay in the CPU cache between read and hash.
 _HASH_CHUNK = 2**20
 
@@ -179,16 +214,19 @@ def _record_json(record: FileRecord) -> dict[str, Any]:
     return doc
 
 
-def read_manifest(volume: Volume) -> Manifest | None:
-    """The manifest of the checkpoint at ``volume``, or ``None`` for a stock checkpoint."""
+def read_manifest(volume: Volume, name: str = MANIFEST_NAME) -> Manifest | None:
+    """The manifest ``name`` of the checkpoint at ``volume``, or ``None`` for a stock checkpoint.
+
+    ``name``: a rank's manifest (``rank_manifest_name``) for a rank-local checkpoint.
+    """
     try:  # one request, not exists() + read: a load pays every round trip
-        data = volume.read_bytes(MANIFEST_NAME)
+        data = volume.read_bytes(name)
     except BucketNotFoundError:
         raise
     except VolumeNotFoundError:
-        logger.debug("%s has no %s: checksum verification skipped", volume, MANIFEST_NAME)
+        logger.debug("%s has no %s: checksum verification skipped", volume, name)
         return None
-    return Manifest.from_json(data, where=volume.url_of(MANIFEST_NAME))
+    return Manifest.from_json(data, where=volume.url_of(name))
 
 
 def check_listing(

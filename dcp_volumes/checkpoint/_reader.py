@@ -42,12 +42,15 @@ from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, Volume, reda
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._file_job import FileJob
 from dcp_volumes.checkpoint._manifest import (
+    MANIFEST_NAME,
     METADATA_NAME,
     FileRecord,
     Manifest,
     check_listing,
     check_listing_settled,
     checksum_file,
+    rank_manifest_name,
+    rank_metadata_name,
     read_manifest,
 )
 from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
@@ -108,7 +111,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
        save left files without committing. (DCP then retries with ``rank=``
        for rank-local metadata of ``use_collectives=False`` checkpoints.)
     2. (all ranks) ``set_up_storage_reader(metadata, is_coordinator, ...)``: loads
-       the manifest, if any.
+       the manifest, if any (a rank-local checkpoint: the rank's own manifest).
     3. (all ranks) ``prepare_local_plan`` and 4. (coordinator)
        ``prepare_global_plan``: passed through.
     5. (all ranks) ``read_data(plan, planner)``: checks the needed files
@@ -163,6 +166,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._metadata_error: CheckpointCorruptError | None = None
         self._manifest: Manifest | None = None
         self._manifest_loaded = False
+        self._manifest_name = MANIFEST_NAME
         self._part_size = self.options.part_size  # per load: see _split_size
         self._load_id = uuid.uuid4().hex
 
@@ -181,12 +185,13 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._storage_data = {}
         self._manifest = None
         self._manifest_loaded = False
+        self._manifest_name = MANIFEST_NAME
         self._load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Unpickle ``.metadata`` (``__{rank}.metadata`` when DCP passes ``rank=``)."""
         rank = kwargs.get("rank")
-        name = METADATA_NAME if rank is None else f"__{rank}{METADATA_NAME}"
+        name = METADATA_NAME if rank is None else rank_metadata_name(int(rank))
         # DCP asks for the rank-local file only after .metadata failed; when that
         # file is absent too, the .metadata error is the one that says what is wrong.
         earlier, self._metadata_error = self._metadata_error, None
@@ -221,6 +226,11 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             )
         self._storage_data = metadata.storage_data
         self._metadata = metadata
+        rank = kwargs.get("rank")
+        if not kwargs.get("use_collectives", True) and rank is not None:
+            # A rank-local checkpoint: this rank's files are in its own manifest.
+            self._manifest_name = rank_manifest_name(int(rank))
+            self._manifest_loaded = False
         self._load_manifest()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -304,7 +314,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
     def _load_manifest(self) -> None:
         if self._manifest_loaded:
             return
-        self._manifest = read_manifest(self._volume)
+        self._manifest = read_manifest(self._volume, self._manifest_name)
         self._manifest_loaded = True
         if self._manifest is None:
             logger.debug(

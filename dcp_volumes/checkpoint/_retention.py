@@ -38,7 +38,7 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
     sort_key,
 )
-from dcp_volumes.checkpoint._manifest import METADATA_NAME
+from dcp_volumes.checkpoint._manifest import METADATA_NAME, is_commit_marker
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +88,14 @@ def retention_victims(
 
 
 def delete_checkpoint(volume: Volume, name: str) -> None:
-    """Delete the checkpoint directory ``name`` under ``volume``, ``.metadata`` first."""
+    """Delete the checkpoint directory ``name`` under ``volume``, commit markers first.
+
+    ``.metadata``, then a rank-local checkpoint's ``__<rank>.metadata`` markers,
+    then everything else.
+    """
     volume.delete(f"{name}/{METADATA_NAME}")
+    markers = [f.path for f in volume.list(name) if is_commit_marker(f.path.rsplit("/", 1)[-1])]
+    volume.delete_many(markers)
     volume.delete_prefix(name)
 
 

@@ -49,6 +49,10 @@ from dcp_volumes.checkpoint._manifest import (
     FileRecord,
     Manifest,
     check_listing_settled,
+    is_commit_marker,
+    manifest_rank,
+    rank_manifest_name,
+    rank_metadata_name,
     read_manifest,
 )
 from dcp_volumes.checkpoint._rank_upload import (
@@ -166,6 +170,16 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
 
     ``stage`` (``dcp.async_save`` only) runs on every rank before step 0.
 
+    Rank-local saves (``dcp.save(..., use_collectives=False)``): DCP runs steps
+    3 and 5 on *every* rank, for that rank's plan alone, with no collective.
+    Each rank then checks and clears only its own files, names them with its
+    own prefix (``__3_0.distcp``) and commits itself: its manifest
+    (``__3.dcp_volumes.manifest.json``), then ``__3.metadata`` last, create-only
+    unless ``overwrite``. The checkpoint is complete when every rank's marker
+    is there; ``dcp.load`` then reads each rank's own ``__<rank>.metadata``. A
+    location holding a checkpoint saved with collectives is refused (ranks
+    cannot agree, without collectives, on who deletes it).
+
     Args:
         path: ``s3://bucket/run/step-100``, ``gs://...``, ``az://...``, ``file://...``,
             a local or mounted directory, or any fsspec URL.
@@ -244,6 +258,8 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         self._save_id = uuid.uuid4().hex
         self._is_coordinator = False
         self._rank = 0
+        self._rank_local = False
+        self._world_size: int | None = None
         self._stager = CpuStager(cache=self.options.cache_staged_state_dict)
 
     # -- identity ---------------------------------------------------------------------------
@@ -304,12 +320,12 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         if rank is None:
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._rank = int(rank)
-        if not kwargs.get("use_collectives", True):
-            raise ConfigurationError(
-                "VolumeWriter needs use_collectives=True: the coordinator gathers every "
-                "rank's file checksums into one manifest and commits the checkpoint once. "
-                "Call dcp.save/async_save without use_collectives=False."
-            )
+        self._rank_local = not kwargs.get("use_collectives", True)
+        # Recorded in a rank-local manifest so that a rank that died before writing
+        # anything still makes the checkpoint incomplete (see _discovery).
+        self._world_size = (
+            dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+        )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Check the staging directory can take this rank's bytes (all ranks)."""
@@ -318,7 +334,12 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Check the volume, refuse or clear an existing checkpoint, name files (coordinator)."""
+        """Check the volume, refuse or clear an existing checkpoint, name files (coordinator).
+
+        In a rank-local save every rank calls it with its own plan alone.
+        """
+        if self._rank_local:
+            return self._prepare_rank_local(plans)
         # A HEAD on .metadata first: unlike an existence check of the bucket, it
         # reports missing or wrong credentials as such instead of "no bucket".
         try:
@@ -327,6 +348,9 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         except VolumeNotFoundError:
             committed = False
             self._volume.check_root(create=True)  # missing bucket vs. fresh location
+        # A rank-local checkpoint here (rank 0's marker is enough, as stock DCP checks)
+        # counts as committed too: its markers would otherwise outlive its files.
+        committed = committed or self._volume.exists(rank_metadata_name(0))
         if committed:
             if not self.options.overwrite:
                 raise CheckpointExistsError(
@@ -415,7 +439,11 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit (coordinator): check all files, publish the manifest, then ``.metadata``."""
+        """Commit (coordinator): check all files, publish the manifest, then ``.metadata``.
+
+        In a rank-local save every rank commits its own files: its manifest, then
+        ``__<rank>.metadata``.
+        """
         storage_md: dict[Any, _StorageInfo] = {}
         files: dict[str, FileRecord] = {}
         for rank_results in results:
@@ -433,10 +461,15 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             metadata.storage_meta = self.storage_meta()
         if _DCP_VERSION is not None and hasattr(metadata, "version"):
             metadata.version = _DCP_VERSION
-        manifest = Manifest(
-            files=files,
-            extra={"writer": "dcp_volumes", "save_id": self._save_id, "ranks": len(results)},
-        )
+        extra: dict[str, Any] = {"writer": "dcp_volumes", "save_id": self._save_id}
+        if self._rank_local:
+            extra.update(rank_local=True, rank=self._rank, world_size=self._world_size)
+            manifest_name = rank_manifest_name(self._rank)
+            marker_name = rank_metadata_name(self._rank)
+        else:
+            extra["ranks"] = len(results)
+            manifest_name, marker_name = MANIFEST_NAME, METADATA_NAME
+        manifest = Manifest(files=files, extra=extra)
         problems, _ = check_listing_settled(self._volume, manifest)
         if problems:
             raise CheckpointCorruptError(
@@ -450,8 +483,8 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         # beside .metadata is always the committed save's own.
         exclusive = not self.options.overwrite
         try:
-            self._volume.publish(MANIFEST_NAME, manifest.to_json(), exclusive=exclusive)
-            self._volume.publish(METADATA_NAME, pickle.dumps(metadata), exclusive=exclusive)
+            self._volume.publish(manifest_name, manifest.to_json(), exclusive=exclusive)
+            self._volume.publish(marker_name, pickle.dumps(metadata), exclusive=exclusive)
         except VolumeExistsError as exc:
             raise CheckpointExistsError(
                 f"Another save is committing or committed {self._volume.display_url} while "
@@ -460,10 +493,11 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             ) from exc
         local_copy = self.local_copy_path
         if local_copy is not None:
-            Volume(local_copy).publish(MANIFEST_NAME, manifest.to_json())
+            Volume(local_copy).publish(manifest_name, manifest.to_json())
         logger.info(
-            "committed checkpoint %s: %d files, %.1f MiB",
+            "committed checkpoint %s%s: %d files, %.1f MiB",
             self._volume.display_url,
+            f" (rank {self._rank}, rank-local)" if self._rank_local else "",
             len(files),
             manifest.total_bytes / 2**20,
         )
@@ -478,14 +512,70 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         except CheckpointCorruptError:
             old = None
         self._volume.delete(METADATA_NAME)
-        logger.info("overwrite: removed .metadata of %s", self._volume.display_url)
+        listing = [f.path for f in self._volume.list()]
+        # A rank-local checkpoint's markers go first too, then its manifests.
+        self._volume.delete_many([p for p in listing if is_commit_marker(p)])
+        logger.info("overwrite: removed the commit markers of %s", self._volume.display_url)
         if old is not None:
             old_files = list(old.files)
         else:
             old_files = [
-                f.path
-                for f in self._volume.list()
-                if f.path.endswith(_layout.DATA_SUFFIX) or f.path.endswith(METADATA_NAME)
+                p for p in listing if p.endswith(_layout.DATA_SUFFIX) or is_commit_marker(p)
             ]
         self._volume.delete(MANIFEST_NAME)
+        self._volume.delete_many([p for p in listing if manifest_rank(p) is not None])
         self._volume.delete_many(old_files)
+
+    def _prepare_rank_local(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Rank-local save: check and clear this rank's own files only; name them."""
+        where = self._volume.display_url
+        marker = rank_metadata_name(self._rank)
+        try:
+            self._volume.info(marker)
+            committed = True
+        except VolumeNotFoundError:
+            committed = False
+            self._volume.check_root(create=True)
+        if self._volume.exists(METADATA_NAME):
+            raise CheckpointExistsError(
+                f"{where} holds a checkpoint saved with collectives (.metadata); a rank-local "
+                "save (use_collectives=False) cannot replace it: without collectives the ranks "
+                "cannot agree on who deletes it. Fix: save to a new location, or delete it "
+                "first (dcp-volumes gc, or remove the directory)."
+            )
+        if committed:
+            if not self.options.overwrite:
+                raise CheckpointExistsError(
+                    f"Rank {self._rank} already committed a rank-local checkpoint at {where} "
+                    f"({marker}). Fix: save to a new location, delete it, or pass "
+                    "overwrite=True to VolumeWriter to replace it."
+                )
+            self._remove_rank_files()
+        elif not self.options.overwrite:
+            self._volume.delete(rank_manifest_name(self._rank))  # a crashed save's
+        return [
+            dataclasses.replace(plan, storage_data=_RankFiles(_layout.rank_prefix(self._rank)))
+            for plan in plans
+        ]
+
+    def _remove_rank_files(self) -> None:
+        """Overwrite in a rank-local save: this rank's marker first, then its manifest, files."""
+        try:
+            old = read_manifest(self._volume, rank_manifest_name(self._rank))
+        except CheckpointCorruptError:
+            old = None
+        self._volume.delete(rank_metadata_name(self._rank))
+        if old is not None:
+            files = list(old.files)
+        else:  # a stock rank-local save: its files carry the rank's prefix
+            prefix = _layout.rank_prefix(self._rank)
+            files = [
+                f.path
+                for f in self._volume.list()
+                if f.path.rsplit("/", 1)[-1].startswith(prefix)
+                and f.path.endswith(_layout.DATA_SUFFIX)
+            ]
+        self._volume.delete(rank_manifest_name(self._rank))
+        self._volume.delete_many(files)
+        logger.info("overwrite: removed rank %d's checkpoint files at %s", self._rank,
+                    self._volume.display_url)
