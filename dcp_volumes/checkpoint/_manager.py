@@ -408,7 +408,7 @@ class CheckpointManager:
         """Refuse a rank-local checkpoint saved by another number of ranks (coordinator)."""
         if info.rank_local and info.ranks != self.world_size:
             raise CheckpointError(
-                f"The newest complete checkpoint {info.url} (step {info.step}) is rank-local "
+                f"The checkpoint to restore, {info.url} (step {info.step}), is rank-local "
                 f"(saved with use_collectives=False by {info.ranks} ranks: each rank wrote its "
                 f"own __<rank>.metadata), and this job has {self.world_size} ranks. A rank-local "
                 f"checkpoint loads only on the ranks that saved it; it is not resharded. Fix: "
