@@ -68,7 +68,8 @@ def _as_torch(ckpt: Path, tmp_path: Path) -> dict[str, Any]:
 
 
 def test_every_recipe_block_is_tested() -> None:
-    assert set(recipes()) == {"ddp_train.py", "fsdp_train.py", "titan_style.py", "titan_loop.py"}
+    assert set(recipes()) == {"ddp_train.py", "fsdp_train.py", "titan_style.py", "titan_loop.py",
+                              "lightning_train.py"}
 
 
 def test_ddp_recipe_resumes_where_an_uninterrupted_run_ends(tmp_path: Path) -> None:
@@ -129,3 +130,20 @@ def test_titan_style_recipe_resumes_and_keeps_latest_k(tmp_path: Path) -> None:
     assert_same(torch.load(tmp_path / "a8.pt"), torch.load(tmp_path / "b8.pt"))
     # interval=3 and last steps: 3, 4, 6, 8 were saved; keep_latest_k=2 keeps 6 and 8.
     assert sorted(p.name for p in root.iterdir()) == ["step-00000006", "step-00000008"]
+
+
+def test_lightning_recipe_saves_and_resumes_through_volume_classes(tmp_path: Path) -> None:
+    pl = pytest.importorskip("pytorch_lightning")
+    script = _write(tmp_path, "lightning_train.py")["lightning_train.py"]
+    root = tmp_path / "lt"
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), str(Path(pl.__file__).parents[1])])}
+    _run(_torchrun(str(script), str(root), "4", "step-4"), cwd=tmp_path, env=env)
+    assert (root / "step-4" / MANIFEST_NAME).exists()  # VolumeWriter wrote it
+    # Resumed at step 4 with max_steps=4: nothing trains, the restored state is saved again.
+    _run(_torchrun(str(script), str(root), "4", "again", str(root / "step-4")), cwd=tmp_path,
+         env=env)
+    assert (root / "again" / MANIFEST_NAME).exists()
+    a, b = _as_torch(root / "step-4", tmp_path), _as_torch(root / "again", tmp_path)
+    assert_same(a["state_dict"], b["state_dict"])
+    meta = torch.load(root / "again" / "meta.pt", weights_only=False)
+    assert meta["global_step"] == 4
