@@ -111,6 +111,23 @@ def test_rank_local_save_refuses_existing_unless_overwrite(tmp_path: Path) -> No
     assert isinstance(error, CheckpointExistsError) and "saved with collectives" in str(error)
 
 
+def test_rank_local_async_save_and_routed_save(tmp_path: Path) -> None:
+    import dcp_volumes
+
+    state = rank_state(5, 0)
+    response = dcp.async_save(state, storage_writer=VolumeWriter(tmp_path / "a"),
+                              use_collectives=False)
+    getattr(response, "upload_completion", response).result(timeout=60)
+    assert (tmp_path / "a" / rank_metadata_name(0)).exists()
+    with dcp_volumes.route([str(tmp_path / "routed")]):
+        dcp.save(state, checkpoint_id=str(tmp_path / "routed" / "s"), use_collectives=False)
+        target = blank_like(state)
+        dcp.load(target, checkpoint_id=str(tmp_path / "routed" / "s"))
+    assert_same(target, state)
+    names = _names(Volume(tmp_path / "routed" / "s"))
+    assert {rank_metadata_name(0), rank_manifest_name(0)} <= names
+
+
 # -- several ranks ----------------------------------------------------------------------------
 
 
