@@ -26,6 +26,7 @@ from dcp_volumes import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointManager,
+    CheckpointNotFoundError,
     VolumeReader,
     VolumeWriter,
 )
@@ -151,6 +152,11 @@ def _check_two_rank_checkpoints(root: str, options: dict[str, Any], tmp_path: Pa
     names = _names(volume, "step-2")
     assert {rank_metadata_name(0), rank_metadata_name(1)} <= names
     assert METADATA_NAME not in names
+    reader = VolumeReader(f"{root}/step-2", storage_options=options)
+    with pytest.raises(CheckpointNotFoundError, match=r"rank-local checkpoint .*ranks 0-1 each"):
+        reader.read_metadata()
+    with pytest.raises(CheckpointNotFoundError, match=r"ranks 0-1, not __2\.metadata"):
+        reader.read_metadata(rank=2)
     mgr = CheckpointManager(root, storage_options=options)
     infos = mgr.list()
     assert [(i.step, i.complete, i.rank_local, i.ranks) for i in infos] == [

@@ -49,6 +49,7 @@ from dcp_volumes.checkpoint._manifest import (
     check_listing,
     check_listing_settled,
     checksum_file,
+    marker_rank,
     rank_manifest_name,
     rank_metadata_name,
     read_manifest,
@@ -300,6 +301,21 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         # file a save writes, so the message points at the right one.
         marker = METADATA_NAME if name == METADATA_NAME else f"{METADATA_NAME} (nor {name})"
         present = self._volume.list()
+        ranks = sorted(r for r in (marker_rank(f.path) for f in present) if r is not None)
+        if ranks and name == METADATA_NAME:
+            return CheckpointNotFoundError(
+                f"{where} is a rank-local checkpoint (saved with use_collectives=False: ranks "
+                f"{_ranges(ranks)} each wrote __<rank>{METADATA_NAME}), so it has no "
+                f"{METADATA_NAME}; dcp.load reads each rank's own marker instead."
+            )
+        if ranks:
+            return CheckpointNotFoundError(
+                f"{where} is a rank-local checkpoint with markers for ranks {_ranges(ranks)}, "
+                f"not {name}: it was saved by other ranks (a rank-local checkpoint loads only on "
+                "the ranks that saved it; it is not resharded), or that rank's save crashed or "
+                "is still running. Fix: load it with the ranks that saved it, or load an older "
+                "checkpoint."
+            )
         if present:
             return CheckpointNotFoundError(
                 f"The checkpoint at {where} is incomplete: {len(present)} files are there but "
@@ -471,3 +487,18 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             f"checksum ({actual}, manifest {job.record.checksum}): its bytes changed after the "
             "save. Load an older checkpoint."
         )
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"`` (bounded: a job may have thousands of ranks)."""
+    parts: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    text = ", ".join(parts[:8])
+    return text + (", ..." if len(parts) > 8 else "")
