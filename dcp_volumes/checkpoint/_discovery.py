@@ -66,8 +66,9 @@ _STEP_NAME = re.compile(
 )
 # Reading many manifests is latency-bound on object stores.
 _LIST_CONCURRENCY = 16
-# A rank's data file as DCP names it (``__3_0.distcp``), possibly below a spread prefix.
-_RANK_DATA = re.compile(r"^__(\d+)_\d+" + re.escape(_layout.DATA_SUFFIX) + "$")
+# A rank's data file as stock DCP (``__3_0.distcp``) or VolumeWriter (``__3_9c1e07aa_0.distcp``)
+# names it, possibly below a spread prefix.
+_RANK_DATA = re.compile(r"^__(\d+)_(?:[0-9a-f]+_)?\d+" + re.escape(_layout.DATA_SUFFIX) + "$")
 
 
 #: Manifests already read, by (directory, size, etag, mtime, file name) of the manifest file.
