@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import uuid
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from tests.checkpoint_helpers import assert_same, blank_like, failure_of, join
 from tests.proxy import LatencyProxy
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 STOCK = {(m, n): getattr(sys.modules[m], n) for m, n, _ in TARGETS}
 
 
@@ -45,7 +45,6 @@ def _state(seed: int = 0) -> dict[str, Any]:
 def _clean_routing(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ("DCP_VOLUMES_ROUTE", "DCP_VOLUMES_ROUTE_CONFIG", "DCP_VOLUMES_STORAGE_OPTIONS"):
         monkeypatch.delenv(name, raising=False)
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     yield
     dcp_volumes.unroute()
     for (module, name), original in STOCK.items():
@@ -320,3 +319,11 @@ def test_runner_routes_an_unchanged_script(tmp_path: Path) -> None:
     assert _managed(tmp_path / "ckpt" / "s1")
     subprocess.run([*run, str(tmp_path / "plain" / "s1")], env=env, check=True, timeout=120)
     assert not _managed(tmp_path / "plain" / "s1")
+    # -m MODULE, with the prefix from --route instead of the environment.
+    (tmp_path / "trainmod.py").write_text(script.read_text())
+    env = {**env, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    del env["DCP_VOLUMES_ROUTE"]
+    subprocess.run([sys.executable, "-m", "dcp_volumes.run", "--route", str(tmp_path / "m"),
+                    "-m", "trainmod", str(tmp_path / "m" / "s1")], env=env, check=True,
+                   timeout=120)
+    assert _managed(tmp_path / "m" / "s1")

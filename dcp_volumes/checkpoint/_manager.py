@@ -368,7 +368,7 @@ class CheckpointManager:
         self._check_open()
         self._drain()
         error = self._take_error()
-        choice: tuple[int, str] | None = None
+        choice: tuple[int, str, bool] | None = None
         if error is None and self.is_coordinator:
             try:
                 info = choose_checkpoint(self._volume, self.list(), step=step,

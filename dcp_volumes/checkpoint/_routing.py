@@ -194,7 +194,7 @@ class Route:
 def _check_keywords(
     prefix: str, what: str, options: Mapping[str, Any], cls: type, own: frozenset[str]
 ) -> None:
-    params = inspect.signature(cls.__init__).parameters
+    params = inspect.signature(cls).parameters
     accepted = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     for key in options:
         if key in own:
@@ -402,7 +402,7 @@ def _toml() -> Any:
         import tomllib
     except ImportError:  # pragma: no cover - Python 3.10
         try:
-            import tomli as tomllib
+            import tomli as tomllib  # type: ignore[no-redef]
         except ImportError:
             raise ConfigurationError(
                 "A TOML routing config needs Python >= 3.11 or the tomli package. Fix: "
