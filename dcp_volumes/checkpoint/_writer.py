@@ -41,7 +41,7 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
-from dcp_volumes._volume import LAG_TOTAL_S, RetryPolicy, Volume
+from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, RetryPolicy, Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
@@ -156,7 +156,8 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
     3. (coordinator) ``prepare_global_plan``: the volume is checked (bucket,
        directory); a committed checkpoint there raises ``CheckpointExistsError``
        unless ``overwrite=True``, which deletes its ``.metadata`` first and then
-       its files, before any rank uploads; each rank gets its file prefix, which
+       its files, before any rank uploads (a manifest without ``.metadata``, of
+       a save that crashed, is cleared at commit time); each rank gets its file prefix, which
        carries a new tag per save, so no two saves write the same object.
     4. (all ranks) ``write_data``: serialise to staging files of about
        ``file_size`` bytes, upload each as soon as it is closed; the future is
@@ -336,11 +337,6 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                     "VolumeWriter to replace it."
                 )
             self._remove_committed()
-        elif not self.options.overwrite:
-            # A manifest without .metadata is a save that crashed before its commit;
-            # it is cleared so this save's create-only commit can land (nothing
-            # loads it: without .metadata it is not a checkpoint).
-            self._volume.delete(MANIFEST_NAME)
         # A new id per save, also for a writer reused without reset(): its tag
         # makes this save's file names its own.
         self._save_id = uuid.uuid4().hex
@@ -460,7 +456,12 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         exclusive = not self.options.overwrite
         published_manifest = False
         try:
-            self._volume.publish(MANIFEST_NAME, manifest.to_json(), exclusive=exclusive)
+            try:
+                self._volume.publish(MANIFEST_NAME, manifest.to_json(), exclusive=exclusive)
+            except VolumeExistsError:
+                if not self._clear_stale_manifest():
+                    raise
+                self._volume.publish(MANIFEST_NAME, manifest.to_json(), exclusive=exclusive)
             published_manifest = True
             self._volume.publish(METADATA_NAME, pickle.dumps(metadata), exclusive=exclusive)
         except VolumeExistsError as exc:
@@ -481,6 +482,27 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         )
 
     # -- internals --------------------------------------------------------------------------
+
+    def _clear_stale_manifest(self) -> bool:
+        """Remove a manifest left by a save that crashed before its commit; ``False``
+        when another save committed here instead.
+
+        A save in its commit window publishes ``.metadata`` milliseconds after its
+        manifest: one still without ``.metadata`` after ``LAG_TOTAL_S`` belongs to
+        a save that died (nothing loads it: without ``.metadata`` it is not a
+        checkpoint). Deleting it only now, not when this save starts, never
+        takes the manifest of a save that is committing.
+        """
+        for delay in (0.0, *LAG_DELAYS_S):
+            time.sleep(delay)
+            if self._volume.exists(METADATA_NAME):
+                return False
+        logger.info(
+            "removing the manifest of a save that crashed before committing %s",
+            self._volume.display_url,
+        )
+        self._volume.delete(MANIFEST_NAME)
+        return True
 
     def _withdraw(self, manifest: Manifest, published_manifest: bool) -> None:
         """Remove what this save uploaded after another save won the commit.
