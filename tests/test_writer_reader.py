@@ -21,7 +21,13 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-from dcp_volumes import CheckpointExistsError, CheckpointNotFoundError, VolumeReader, VolumeWriter
+from dcp_volumes import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    VolumeReader,
+    VolumeWriter,
+    storage_error,
+)
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME, Manifest
@@ -265,6 +271,45 @@ def test_overwrite_refused_then_allowed(tmp_path: Path) -> None:
     assert_same(out, second)
     remaining = set(_data_files(str(ck), {}))
     assert len(remaining) < len(many_files), "files of the replaced checkpoint must be removed"
+
+
+def test_a_save_replaces_the_manifest_of_a_save_that_crashed_before_its_commit(
+    tmp_path: Path,
+) -> None:
+    ck = tmp_path / "ck"
+    dcp.save(sample_state(seed=1), storage_writer=VolumeWriter(ck))
+    (ck / METADATA_NAME).unlink()  # killed between the manifest and .metadata
+    crashed = Manifest.from_json((ck / MANIFEST_NAME).read_bytes(), where="test")
+
+    state = sample_state(seed=2)
+    dcp.save(state, storage_writer=VolumeWriter(ck))
+    manifest = Manifest.from_json((ck / MANIFEST_NAME).read_bytes(), where="test")
+    assert manifest.extra["save_id"] != crashed.extra["save_id"]
+    assert not set(manifest.files) & set(crashed.files)
+    out = blank_like(state)
+    dcp.load(out, storage_reader=VolumeReader(ck, verify=True))
+    assert_same(out, state)
+
+
+def test_a_commit_that_lands_while_a_stale_manifest_is_checked_wins(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    dcp.save(sample_state(seed=1), storage_writer=VolumeWriter(ck))
+    committed = (ck / METADATA_NAME).read_bytes()
+    (ck / METADATA_NAME).unlink()
+    first_files = set(_data_files(str(ck), {}))
+    # Another job's .metadata lands while this save waits to call the manifest stale.
+    landing = threading.Timer(0.3, (ck / METADATA_NAME).write_bytes, args=(committed,))
+    landing.start()
+    try:
+        with pytest.raises(BaseException) as err:
+            dcp.save(sample_state(seed=2), storage_writer=VolumeWriter(ck))
+    finally:
+        landing.join()
+    assert isinstance(storage_error(err.value), CheckpointExistsError), err.value
+    assert set(_data_files(str(ck), {})) == first_files, "the loser's files were removed"
+    out = blank_like(sample_state(seed=1))
+    dcp.load(out, storage_reader=VolumeReader(ck, verify=True))
+    assert_same(out, sample_state(seed=1))
 
 
 def test_overwrite_failure_leaves_incomplete_not_mixed(

@@ -41,7 +41,7 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
-from dcp_volumes._volume import LAG_TOTAL_S, RetryPolicy, Volume
+from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, RetryPolicy, Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
@@ -160,7 +160,8 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
     3. (coordinator) ``prepare_global_plan``: the volume is checked (bucket,
        directory); a committed checkpoint there raises ``CheckpointExistsError``
        unless ``overwrite=True``, which deletes its ``.metadata`` first and then
-       its files, before any rank uploads; each rank gets its file prefix, which
+       its files, before any rank uploads (a manifest without ``.metadata``, of
+       a save that crashed, is cleared at commit time); each rank gets its file prefix, which
        carries a new tag per save, so no two saves write the same object.
     4. (all ranks) ``write_data``: serialise to staging files of about
        ``file_size`` bytes, upload each as soon as it is closed; the future is
@@ -360,11 +361,6 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                     "VolumeWriter to replace it."
                 )
             self._remove_committed()
-        elif not self.options.overwrite:
-            # A manifest without .metadata is a save that crashed before its commit;
-            # it is cleared so this save's create-only commit can land (nothing
-            # loads it: without .metadata it is not a checkpoint).
-            self._volume.delete(MANIFEST_NAME)
         # A new id per save, also for a writer reused without reset(): its tag
         # makes this save's file names its own.
         self._save_id = uuid.uuid4().hex
@@ -493,7 +489,12 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         exclusive = not self.options.overwrite
         published_manifest = False
         try:
-            self._volume.publish(manifest_name, manifest.to_json(), exclusive=exclusive)
+            try:
+                self._volume.publish(manifest_name, manifest.to_json(), exclusive=exclusive)
+            except VolumeExistsError:
+                if not self._clear_stale_manifest(manifest_name, marker_name):
+                    raise
+                self._volume.publish(manifest_name, manifest.to_json(), exclusive=exclusive)
             published_manifest = True
             self._volume.publish(marker_name, pickle.dumps(metadata), exclusive=exclusive)
         except VolumeExistsError as exc:
@@ -515,6 +516,28 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         )
 
     # -- internals --------------------------------------------------------------------------
+
+    def _clear_stale_manifest(self, manifest_name: str, marker_name: str) -> bool:
+        """Remove a manifest left by a save that crashed before its commit; ``False``
+        when another save committed here instead.
+
+        A save in its commit window publishes its marker (``.metadata``, or a rank's
+        ``__<rank>.metadata``) milliseconds after its manifest: one still without
+        it after ``LAG_TOTAL_S`` belongs to a save that died (nothing loads it:
+        without the marker it is not a checkpoint). Deleting it only now, not when
+        this save starts, never takes the manifest of a save that is committing.
+        """
+        for delay in (0.0, *LAG_DELAYS_S):
+            time.sleep(delay)
+            if self._volume.exists(marker_name):
+                return False
+        logger.info(
+            "removing %s of a save that crashed before committing %s",
+            manifest_name,
+            self._volume.display_url,
+        )
+        self._volume.delete(manifest_name)
+        return True
 
     def _withdraw(self, manifest: Manifest, manifest_name: str, published_manifest: bool) -> None:
         """Remove what this save uploaded after another save won the commit.
@@ -579,8 +602,6 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                     "overwrite=True to VolumeWriter to replace it."
                 )
             self._remove_rank_files()
-        elif not self.options.overwrite:
-            self._volume.delete(rank_manifest_name(self._rank))  # a crashed save's
         # Each rank's save has its own id and tag: its file names are its own.
         self._save_id = uuid.uuid4().hex
         prefix = _layout.rank_prefix(self._rank, _layout.save_tag(self._save_id))
