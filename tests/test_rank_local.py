@@ -34,6 +34,7 @@ from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
+    Manifest,
     rank_manifest_name,
     rank_metadata_name,
 )
@@ -110,6 +111,20 @@ def test_rank_local_save_refuses_existing_unless_overwrite(tmp_path: Path) -> No
                  use_collectives=False)
     error = failure_of(info.value)
     assert isinstance(error, CheckpointExistsError) and "saved with collectives" in str(error)
+
+
+def test_rank_local_save_clears_the_manifest_of_a_crashed_save(tmp_path: Path) -> None:
+    # What a rank killed in its commit window leaves: its manifest, no marker.
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    stale = Manifest(files={}, extra={"save_id": "crashed", "rank_local": True, "rank": 0})
+    (ckpt / rank_manifest_name(0)).write_bytes(stale.to_json())
+    dcp.save(rank_state(1, 0), storage_writer=VolumeWriter(ckpt), use_collectives=False)
+    doc = json.loads((ckpt / rank_manifest_name(0)).read_text())
+    assert doc["extra"]["save_id"] != "crashed" and doc["files"]
+    target = blank_like(rank_state(1, 0))
+    dcp.load(target, storage_reader=VolumeReader(ckpt, verify=True))
+    assert_same(target, rank_state(1, 0))
 
 
 def test_rank_local_async_save_and_routed_save(tmp_path: Path) -> None:
