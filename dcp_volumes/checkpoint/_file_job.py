@@ -35,6 +35,7 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._streams import FileSlice, MemoryReader
 from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
 from dcp_volumes.checkpoint._shards import (
     load_tensor,
@@ -44,13 +45,6 @@ from dcp_volumes.checkpoint._shards import (
 )
 
 logger = logging.getLogger("dcp_volumes.checkpoint._reader")
-
-# Stream transforms (e.g. compression) of stock writers with extensions; the
-# module is experimental in torch, so it may be missing.
-try:
-    from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
-except ImportError:  # pragma: no cover - torch < 2.7
-    _StorageReaderTransforms = None  # type: ignore[misc,assignment]
 
 
 @dataclass
@@ -71,6 +65,7 @@ class FileJob:
     whole: bool
     source: Volume
     from_local: bool = False
+    transforms: ReaderTransforms = field(default_factory=ReaderTransforms)
     pieces: list[tuple[int, memoryview]] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # the pieces' file offsets
     futures: list[ThreadFuture[None]] = field(default_factory=list)
@@ -216,6 +211,7 @@ class FileJob:
         """Deserialise every item from the fetched bytes and hand it to ``planner``."""
         starts = self.starts
         bounds = [(at, at + len(buf)) for at, buf in self.pieces]
+        where = redact_url(self.source.url_of(self.rel))
         for i, (req, info) in enumerate(self.reqs):
             if i in self.direct:
                 if self.file is not None:  # local: one positioned read into the target
@@ -232,7 +228,9 @@ class FileJob:
                 stream = cast(IO[bytes], MemoryReader(view))
             descriptors = getattr(info, "transform_descriptors", None)
             if descriptors:
-                stream, view = _untransform(req, descriptors, stream), None
+                # A transformed item is undone whole (as stock does), into memory.
+                untransformed = self.transforms.untransform(req, descriptors, stream, where)
+                stream, view = _read_all(untransformed, req, where), None
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(stream.read()))
                 continue
@@ -245,7 +243,7 @@ class FileJob:
                     tensor = torch.load(stream, map_location="cpu", weights_only=True)
             except Exception as exc:
                 raise CheckpointCorruptError(
-                    f"{req.storage_index.fqn} in {redact_url(self.source.url_of(self.rel))} "
+                    f"{req.storage_index.fqn} in {where} "
                     f"cannot be deserialised ({type(exc).__name__}: {exc}). The file is damaged; "
                     "load with verify=True to check it, or load an older checkpoint."
                 ) from exc
@@ -279,13 +277,13 @@ def _slice(
     return buf[offset - at : offset - at + length]
 
 
-def _untransform(req: ReadItem, descriptors: Sequence[str], stream: IO[bytes]) -> IO[bytes]:
-    if _StorageReaderTransforms is None:  # pragma: no cover - torch < 2.7
+def _read_all(stream: IO[bytes], req: ReadItem, where: str) -> IO[bytes]:
+    """The whole untransformed item, in memory; a transform that fails is damage."""
+    try:
+        return io.BytesIO(stream.read())
+    except Exception as exc:  # what a decoder raises on bad input is its own type
         raise CheckpointCorruptError(
-            f"{req.storage_index.fqn} was saved with stream transforms {list(descriptors)} "
-            "that this torch version cannot undo; load with the torch that saved it."
-        )
-    return cast(
-        IO[bytes],
-        _StorageReaderTransforms().transform_load_stream(req, descriptors, stream),
-    )
+            f"{req.storage_index.fqn} in {where} cannot be decoded by its stream transform "
+            f"({type(exc).__name__}: {exc}). The file is damaged; load with verify=True to "
+            "check it, or load an older checkpoint."
+        ) from exc

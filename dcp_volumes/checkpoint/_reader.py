@@ -40,6 +40,7 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._staging import parse_size
 from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._file_job import FileJob
 from dcp_volumes.checkpoint._manifest import (
     METADATA_NAME,
@@ -129,6 +130,10 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         part_size: largest single ranged read (bytes or e.g. ``"16MiB"``).
         coalesce_gap: merge ranges closer than this (bytes or e.g. ``"1MiB"``).
         prefetch_bytes: how far fetching may run ahead of deserialisation.
+        _extension_registry: stock DCP's ``ExtensionRegistry`` for items saved
+            with stream transforms (``_extensions=``), as ``FileSystemReader``
+            takes it; default: torch's (zstd included). Transformed items are
+            fetched and undone whole; the rest keep ranged, in-place reads.
     """
 
     options: ReaderOptions
@@ -145,8 +150,10 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         part_size: int | str = "16MiB",
         coalesce_gap: int | str = _layout.DEFAULT_COALESCE_GAP,
         prefetch_bytes: int | str = "1GiB",
+        _extension_registry: Any | None = None,
     ) -> None:
         super().__init__()
+        self._transforms = ReaderTransforms(_extension_registry)
         self.options = ReaderOptions(
             verify=verify,
             local_copy_dir=os.fspath(local_copy_dir) if local_copy_dir is not None else None,
@@ -347,7 +354,8 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             whole = record is not None and spans == [(0, record.size)]
             if record is not None and self.options.verify:
                 spans, whole = [(0, record.size)], True
-            job = FileJob(rel, reqs, spans, record, whole, self._volume)
+            job = FileJob(rel, reqs, spans, record, whole, self._volume,
+                          transforms=self._transforms)
             if record is not None:
                 self._use_local_copy(job)
             jobs.append(job)

@@ -21,7 +21,8 @@ import pickle
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,8 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
 from dcp_volumes._volume import LAG_TOTAL_S, RetryPolicy, Volume
 from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._compression import ZstdCompression
+from dcp_volumes.checkpoint._extensions import check_serialization_format, writer_transforms
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -72,6 +75,14 @@ try:
 except ImportError:  # pragma: no cover - torch < 2.4
     StorageMeta = None  # type: ignore[assignment,misc]
 
+# dcp.async_save accepts a stager's future (and answers AsyncSaveResponse) since torch 2.9.
+try:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    _STAGING_FUTURES = AsyncSaveResponse is not None
+except ImportError:  # pragma: no cover - torch < 2.9
+    _STAGING_FUTURES = False
+
 logger = logging.getLogger(__name__)
 
 
@@ -96,6 +107,8 @@ class WriterOptions:
         cache_staged_state_dict: reuse the CPU staging buffers of
             ``dcp.async_save`` across saves.
         staging_headroom: free space to leave on the staging disk.
+        async_staging: ``stage`` copies in a background thread and returns a future
+            (``dcp.async_save`` then returns an ``AsyncSaveResponse``).
     """
 
     staging_dir: str | None = None
@@ -108,6 +121,7 @@ class WriterOptions:
     prefix_spread: int = 0
     cache_staged_state_dict: bool = True
     staging_headroom: int = DEFAULT_HEADROOM_BYTES
+    async_staging: bool = False
 
     def __post_init__(self) -> None:
         if self.upload_concurrency < 1:
@@ -193,6 +207,20 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         staging_headroom: free space to leave on the staging disk beyond what
             a save needs (bytes or e.g. ``"1GiB"``).
         retry: retry policy for transient volume errors.
+        compression: ``"zstd"`` or ``ZstdCompression(level=..., threads=...)``
+            compresses every item as stock DCP's ``ZStandard`` extension does
+            (stock readers load it); the compression runs while serialising,
+            in the background part of ``dcp.async_save``.
+        async_staging: with ``dcp.async_save``, copy the state in a background
+            thread: ``async_save`` returns at once with an ``AsyncSaveResponse``
+            whose ``staging_completion`` says when training may change the
+            state again (torch >= 2.9).
+        _extensions: stock DCP's stream transforms (e.g. torch's ``ZStandard()``
+            or any ``StreamTransformExtension``), as ``FileSystemWriter`` takes
+            them; the item descriptors in ``.metadata`` are stock's. At most one.
+        serialization_format: stock's ``SerializationFormat.TORCH_SAVE`` (the
+            only format stock readers load item by item); ``SAFETENSORS`` is
+            refused with a pointer to torch's ``HuggingFaceStorageWriter``.
     """
 
     options: WriterOptions
@@ -216,8 +244,20 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         cache_staged_state_dict: bool = True,
         staging_headroom: int | str = DEFAULT_HEADROOM_BYTES,
         retry: RetryPolicy | None = None,
+        compression: str | ZstdCompression | None = None,
+        async_staging: bool = False,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = None,
     ) -> None:
         super().__init__()
+        check_serialization_format(serialization_format)
+        if async_staging and not _STAGING_FUTURES:  # pragma: no cover - torch < 2.9
+            raise ConfigurationError(
+                "async_staging=True needs torch >= 2.9, whose dcp.async_save takes a staging "
+                "future and returns AsyncSaveResponse. Upgrade torch, or drop async_staging "
+                "(staging then blocks for the host copy only)."
+            )
+        self._transforms = writer_transforms(_extensions, compression)
         self.options = WriterOptions(
             staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,
             overwrite=overwrite,
@@ -229,6 +269,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             prefix_spread=prefix_spread,
             cache_staged_state_dict=cache_staged_state_dict,
             staging_headroom=int(parse_size(staging_headroom, what="staging_headroom") or 0),
+            async_staging=bool(async_staging),
         )
         self._storage_options = dict(storage_options or {})
         self._retry = retry
@@ -244,7 +285,9 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         self._save_id = uuid.uuid4().hex
         self._is_coordinator = False
         self._rank = 0
-        self._stager = CpuStager(cache=self.options.cache_staged_state_dict)
+        self._stager = CpuStager(
+            cache=self.options.cache_staged_state_dict, background=self.options.async_staging
+        )
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -268,12 +311,16 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
 
     # -- AsyncStager ------------------------------------------------------------------------
 
-    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
+    def stage(
+        self, state_dict: STATE_DICT_TYPE
+    ) -> STATE_DICT_TYPE | ThreadFuture[STATE_DICT_TYPE]:
         """Copy ``state_dict`` to CPU buffers that later training steps cannot change.
 
         With ``cache_staged_state_dict`` the buffers are allocated on the first
         save (pinned when CUDA is present) and refreshed in place afterwards;
         they are reallocated only when the structure, a shape or a dtype changes.
+        With ``async_staging`` the copy runs in a background thread and a
+        future of the staged copy is returned at once.
         """
         return self._stager.stage(state_dict)
 
@@ -379,6 +426,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                 # Mount-path volumes get the file by rename: it must be on disk first.
                 fsync=self._volume.capabilities.local_files or local_copy is not None,
                 files_in_flight=shape.files_in_flight,
+                transforms=self._transforms,
                 upload=lambda local, rel, size: upload_file(
                     self._volume,
                     local,
