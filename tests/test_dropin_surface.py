@@ -154,3 +154,32 @@ def test_async_staging_of_cuda_tensors_sees_the_state_as_of_the_call(tmp_path: P
     dcp.load(out, storage_reader=VolumeReader(tmp_path / "ck"))
     assert torch.equal(out["w"], expected["w"]) and out["step"] == 3
     writer.close()
+
+
+def test_file_system_writer_call_runs_unchanged(tmp_path: Path) -> None:
+    """The keywords of a FileSystemWriter call, as a user wrote them, work with VolumeWriter."""
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    state = sample_state(big_mib=1)
+    ck = tmp_path / "ck"
+    writer = VolumeWriter(
+        ck,
+        single_file_per_rank=False,
+        sync_files=False,
+        thread_count=4,
+        per_thread_copy_ahead=10_000_000,
+        cache_staged_state_dict=False,
+        overwrite=True,
+        _extensions=[ZStandard()],
+        serialization_format=SerializationFormat.TORCH_SAVE,
+    )
+    dcp.save(state, storage_writer=writer)
+    md = FileSystemReader(ck).read_metadata()
+    # single_file_per_rank=False: one file per item, as FileSystemWriter writes them.
+    paths = [info.relative_path for info in md.storage_data.values()]
+    assert len(set(paths)) == len(paths) == len(md.storage_data)
+    out = blank_like(state)
+    dcp.load(out, storage_reader=FileSystemReader(ck))
+    assert_same(out, state)
+    dcp.save(state, storage_writer=writer)  # overwrite=True, as the stock default

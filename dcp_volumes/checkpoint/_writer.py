@@ -109,6 +109,8 @@ class WriterOptions:
         staging_headroom: free space to leave on the staging disk.
         async_staging: ``stage`` copies in a background thread and returns a future
             (``dcp.async_save`` then returns an ``AsyncSaveResponse``).
+        sync_files: fsync staged files that become the checkpoint's own (mount
+            volumes, the local tier); stock's ``sync_files``.
     """
 
     staging_dir: str | None = None
@@ -122,6 +124,7 @@ class WriterOptions:
     cache_staged_state_dict: bool = True
     staging_headroom: int = DEFAULT_HEADROOM_BYTES
     async_staging: bool = False
+    sync_files: bool = True
 
     def __post_init__(self) -> None:
         if self.upload_concurrency < 1:
@@ -221,6 +224,20 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         serialization_format: stock's ``SerializationFormat.TORCH_SAVE`` (the
             only format stock readers load item by item); ``SAFETENSORS`` is
             refused with a pointer to torch's ``HuggingFaceStorageWriter``.
+        single_file_per_rank: stock's keyword: ``False`` writes every item to a
+            file of its own (as ``FileSystemWriter`` does); ``True`` (default)
+            cuts a rank's files at ``file_size``.
+        sync_files: stock's keyword: ``False`` skips the fsync of files on a
+            mount volume or in the local tier (faster, not crash-safe there).
+        thread_count: stock's keyword, accepted so that code written for
+            ``FileSystemWriter`` runs unchanged; it has no effect: this writer
+            serialises in one thread and uploads ``upload_concurrency``
+            streams at once.
+        per_thread_copy_ahead: stock's keyword for its GPU copy-ahead,
+            accepted likewise without effect (``stage`` makes the host copy).
+
+    Unlike stock writers, ``overwrite`` defaults to ``False`` (stock announces
+    the same change): a committed checkpoint is never replaced by accident.
     """
 
     options: WriterOptions
@@ -248,6 +265,10 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         async_staging: bool = False,
         _extensions: Sequence[Any] | None = None,
         serialization_format: Any = None,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int | None = None,
+        per_thread_copy_ahead: int | None = None,
     ) -> None:
         super().__init__()
         check_serialization_format(serialization_format)
@@ -265,12 +286,22 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             local_copy_dir=os.fspath(local_copy_dir) if local_copy_dir is not None else None,
             upload_concurrency=upload_concurrency,
             part_size=int(parse_size(part_size, what="part_size") or 0),
-            file_size=int(parse_size(file_size, what="file_size") or 0),
+            # One item per file (stock's single_file_per_rank=False): any item overflows 1 byte.
+            file_size=(
+                int(parse_size(file_size, what="file_size") or 0) if single_file_per_rank else 1
+            ),
             prefix_spread=prefix_spread,
             cache_staged_state_dict=cache_staged_state_dict,
             staging_headroom=int(parse_size(staging_headroom, what="staging_headroom") or 0),
             async_staging=bool(async_staging),
+            sync_files=bool(sync_files),
         )
+        if thread_count is not None or per_thread_copy_ahead is not None:
+            logger.debug(
+                "VolumeWriter ignores thread_count/per_thread_copy_ahead (FileSystemWriter's); "
+                "it uploads upload_concurrency=%d streams at once",
+                upload_concurrency,
+            )
         self._storage_options = dict(storage_options or {})
         self._retry = retry
         self._volume = Volume(path, storage_options=self._storage_options, retry=retry)
@@ -424,7 +455,8 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                 prefix_spread=self.options.prefix_spread,
                 file_size=shape.file_size,
                 # Mount-path volumes get the file by rename: it must be on disk first.
-                fsync=self._volume.capabilities.local_files or local_copy is not None,
+                fsync=self.options.sync_files
+                and (self._volume.capabilities.local_files or local_copy is not None),
                 files_in_flight=shape.files_in_flight,
                 transforms=self._transforms,
                 upload=lambda local, rel, size: upload_file(
