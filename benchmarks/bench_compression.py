@@ -9,9 +9,11 @@ Three real-looking states, each ``--size-mib`` of raw tensor bytes:
   weights and bool masks: very compressible.
 
 Each is saved and loaded, side by side in one run, by ``VolumeWriter`` /
-``VolumeReader`` without and with ``compression=ZstdCompression(level)``, and
+``VolumeReader`` without and with ``compression=ZstdCompression(level, threads)``
+(default: level 1, no worker threads, as ``compression="zstd"``), and
 by stock ``FsspecWriter`` / ``FsspecReader`` (s3fs) without and with torch's
-``ZStandard()`` extension, to moto's S3 server (its own process) on two links:
+``ZStandard()`` extension (zstd's level 3), to moto's S3 server (its own
+process) on two links:
 ``loopback`` (straight to the server) and ``remote`` (a proxy in its own
 process adding 20 ms before each request and capping each connection at
 200 Mbit/s, the remote link of the other benchmarks). Every load is checked
@@ -22,7 +24,7 @@ Usage::
 
     python benchmarks/bench_compression.py            # 64 MiB per state, 2 repeats
     python benchmarks/bench_compression.py --quick    # 8 MiB, 1 repeat, ours only (smoke test)
-    python benchmarks/bench_compression.py --size-mib 256 --repeats 3 --level 1
+    python benchmarks/bench_compression.py --size-mib 256 --repeats 3 --level 3 --threads 2
 
 Writes benchmarks/results/compression.json and .png (``--quick``:
 compression_quick.*), or under ``DCP_VOLUMES_BENCH_RESULTS``. Self-contained:
@@ -184,15 +186,14 @@ def link_endpoint(server: MotoServer, link: str) -> Iterator[str]:
 
 
 def run_method(
-    method: str, url: str, opts: dict[str, Any], state: dict[str, Any], level: int
+    method: str, url: str, opts: dict[str, Any], state: dict[str, Any], level: int, threads: int
 ) -> tuple[float, float, int]:
     """(save seconds, load seconds, stored bytes) of ``method``; raises on wrong data."""
     zstd = method.endswith("+ zstd")
     out = blank(state)
     if method.startswith("ours"):
-        writer = VolumeWriter(
-            url, storage_options=opts, compression=ZstdCompression(level=level) if zstd else None
-        )
+        codec = ZstdCompression(level=level, threads=threads) if zstd else None
+        writer = VolumeWriter(url, storage_options=opts, compression=codec)
         reader: Any = VolumeReader(url, storage_options=opts)
     else:
         writer = FsspecWriter(url, _extensions=[ZStandard()] if zstd else None, **opts)
@@ -214,7 +215,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=64, help="raw bytes per state")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--level", type=int, default=3, help="zstd level of our writer")
+    parser.add_argument("--level", type=int, default=1, help="zstd level of our writer")
+    parser.add_argument("--threads", type=int, default=0, help="zstd threads of our writer")
     parser.add_argument("--quick", action="store_true",
                         help="8 MiB, 1 repeat, without the stock writer (smoke test)")
     args = parser.parse_args()
@@ -239,7 +241,7 @@ def main() -> None:
                         for _ in range(args.repeats):
                             url = f"{bucket}/{uuid.uuid4().hex[:8]}"
                             save_s, load_s, stored = run_method(
-                                method, url, opts, state, args.level
+                                method, url, opts, state, args.level, args.threads
                             )
                             saves.append(save_s)
                             loads.append(load_s)
@@ -257,6 +259,7 @@ def main() -> None:
                               flush=True)
     report = {
         "config": {"size_mib": args.size_mib, "repeats": args.repeats, "level": args.level,
+                   "threads": args.threads,
                    "quick": args.quick, "methods": methods, "links": links,
                    "remote_latency_s": REMOTE_LATENCY_S,
                    "remote_bandwidth_bps": REMOTE_BANDWIDTH_BPS, "zstd_library": zstd_library()},

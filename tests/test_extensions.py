@@ -226,6 +226,7 @@ def test_damaged_compressed_item_is_reported_as_damage(tmp_path: Path) -> None:
     err = storage_error(info.value)
     assert isinstance(err, CheckpointCorruptError), failure_of(info.value)
     assert str(err).startswith("t in ") and "cannot be decoded" in str(err)
+    assert "stream.zstd/1" in str(err)
 
 
 @pytest.mark.parametrize(
@@ -349,4 +350,23 @@ def test_checkpoint_manager_saves_compressed_through_writer_options(tmp_path: Pa
     out = _blank(state)
     with CheckpointManager(root) as mgr:
         assert mgr.restore(out) == 5
+    assert_same(out, state)
+
+
+def test_writer_and_reader_with_extensions_pickle(tmp_path: Path) -> None:
+    """The PROCESS async checkpointer pickles the writer on every save."""
+    import pickle
+
+    ck = str(tmp_path / "ck")
+    # The original stays alive, as the checkpointer's does: it owns the staging dir.
+    original = VolumeWriter(ck, compression=ZstdCompression(level=5, threads=1))
+    writer = pickle.loads(pickle.dumps(original))
+    state = _compressible_state()
+    dcp.save(state, storage_writer=writer)
+    assert all(i.transform_descriptors == ["stream.zstd/1"]
+               for i in _metadata(ck, {}).storage_data.values())
+    reader = pickle.loads(pickle.dumps(
+        VolumeReader(ck, _extension_registry=get_test_extension_registry())))
+    out = _blank(state)
+    dcp.load(out, storage_reader=reader)
     assert_same(out, state)

@@ -32,7 +32,9 @@ except ImportError:  # pragma: no cover - torch < 2.7
 EXTENSIONS_AVAILABLE = ZStandard is not None
 REGISTRY_NAME = "stream.zstd"
 DESCRIPTOR = f"{REGISTRY_NAME}/1"
-DEFAULT_LEVEL = 3
+# Level 1, not zstd's 3: on tensor data it compresses about twice as fast for
+# the same ratio (better on integer tensors), and a save must outrun the link.
+DEFAULT_LEVEL = 1
 # zstd's fast levels go below -7 but buy little more speed; above 22 there is nothing.
 MIN_LEVEL, MAX_LEVEL = -7, 22
 # What the compressors write per call: large enough that a call costs little.
@@ -128,8 +130,8 @@ class ZstdCompression(StreamTransformExtension):  # type: ignore[misc,valid-type
     like torch's ``ZStandard``, whose on-disk format it shares.
 
     Args:
-        level: zstd level, -7 (fastest) to 22 (smallest); 3 is zstd's default
-            and compresses faster than most links upload.
+        level: zstd level, -7 (fastest) to 22 (smallest); default 1, which on
+            tensor data gives about level 3's ratio at twice its speed.
         threads: compressor worker threads per item: 0 compresses in the
             save's serialising thread; ``N >= 1`` uses N workers (helps large
             tensors); -1 one per CPU core.
@@ -188,11 +190,19 @@ class ZstdCompression(StreamTransformExtension):  # type: ignore[misc,valid-type
         return cast(IO[bytes], _StdlibWriter(zstd, target, self.level, self._workers()))
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
-        """A stream that decompresses ``input`` (one stored item) as it is read."""
+        """``input`` (one stored item, read whole) decompressed into memory.
+
+        Readers need the whole item in memory anyway (``torch.load`` seeks);
+        one decompress call over it runs without the GIL, where a streaming
+        reader takes it back for every block.
+        """
         name, zstd = _require_backend()
+        data = input.read()
         if name == "zstandard":
-            return cast(IO[bytes], zstd.ZstdDecompressor().stream_reader(input))
-        return cast(IO[bytes], zstd.ZstdFile(input, "rb"))
+            out = zstd.ZstdDecompressor().decompressobj().decompress(data)
+        else:
+            out = zstd.decompress(data)
+        return io.BytesIO(out)
 
 
 def resolve(compression: str | ZstdCompression | None) -> ZstdCompression | None:

@@ -4,15 +4,17 @@
 extensions' streams and records their descriptors in the item's
 ``_StorageInfo.transform_descriptors``; ``FileSystemReader`` looks the
 descriptors up in an ``ExtensionRegistry`` to undo them. ``VolumeWriter`` and
-``VolumeReader`` use torch's own transform classes for this, so the bytes and
-``.metadata`` are stock's, both ways. Torch (2.7+) marks the API experimental;
+``VolumeWriter`` uses torch's own writer-side transforms, and the reader
+undoes them in the order torch's reader does, so the bytes and ``.metadata``
+are stock's, both ways. Torch (2.7+) marks the API experimental;
 on a torch without it, asking for an extension is refused with a message.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
-from typing import IO, Any, cast
+from typing import IO, Any
 
 from torch.distributed.checkpoint.planner import ReadItem
 
@@ -24,14 +26,10 @@ try:
         ExtensionRegistry,
         StreamTransformExtension,
     )
-    from torch.distributed.checkpoint.filesystem import (
-        _StorageReaderTransforms,
-        _StorageWriterTransforms,
-    )
+    from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 except ImportError:  # pragma: no cover - torch < 2.7
     ExtensionRegistry = None  # type: ignore[misc,assignment]
     StreamTransformExtension = None  # type: ignore[misc,assignment]
-    _StorageReaderTransforms = None  # type: ignore[misc,assignment]
     _StorageWriterTransforms = None  # type: ignore[misc,assignment]
 
 try:
@@ -104,24 +102,38 @@ class ReaderTransforms:
     def untransform(
         self, req: ReadItem, descriptors: Sequence[str], stream: IO[bytes], where: str
     ) -> IO[bytes]:
-        """``stream`` (one stored item) as the bytes the writer's planner produced."""
-        if _StorageReaderTransforms is None:  # pragma: no cover - torch < 2.7
+        """``stream`` (one stored item) as the bytes the writer's planner produced.
+
+        Reads the item whole into memory. An extension that cannot be found or
+        built raises ``ConfigurationError``; one that fails on the bytes,
+        ``CheckpointCorruptError``.
+        """
+        if ExtensionRegistry is None:  # pragma: no cover - torch < 2.7
             raise CheckpointCorruptError(
                 f"{req.storage_index.fqn} in {where} was saved with stream transforms "
                 f"{list(descriptors)} that this torch cannot undo; load with torch >= 2.7."
             )
         registry = self.registry if self.registry is not None else default_registry()
         try:
-            return cast(
-                IO[bytes],
-                _StorageReaderTransforms(registry).transform_load_stream(req, descriptors, stream),
-            )
+            extensions = registry.from_descriptor_list(descriptors)
         except ValueError as exc:  # torch's registry: an unknown or unusable extension
             raise ConfigurationError(
                 f"{req.storage_index.fqn} in {where} was saved with stream transforms "
                 f"{list(descriptors)} that cannot be undone here ({exc}). Fix: pass "
                 "VolumeReader(_extension_registry=...) with the extension registered, or "
                 "install its library (zstd: pip install 'dcp_volumes[zstd]')."
+            ) from exc
+        try:
+            # In the order torch's FileSystemReader applies them (stock's format).
+            for ext in extensions:
+                if isinstance(ext, StreamTransformExtension):
+                    stream = ext.transform_from(stream)
+            return io.BytesIO(stream.read())
+        except Exception as exc:  # what a decoder raises on bad input is its own type
+            raise CheckpointCorruptError(
+                f"{req.storage_index.fqn} in {where} cannot be decoded by its stream "
+                f"transforms {list(descriptors)} ({type(exc).__name__}: {exc}). The file is "
+                "damaged; load with verify=True to check it, or load an older checkpoint."
             ) from exc
 
 

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
@@ -207,11 +208,50 @@ class FileJob:
             self.file.close()
             self.file = None
 
-    def deliver(self, planner: LoadPlanner) -> None:
-        """Deserialise every item from the fetched bytes and hand it to ``planner``."""
+    def deliver(self, planner: LoadPlanner, decoders: Decoders | None = None) -> None:
+        """Deserialise every item from the fetched bytes and hand it to ``planner``.
+
+        ``decoders``: threads that undo the stream transforms (decompress) of the
+        next items while this thread deserialises the current one.
+        """
         starts = self.starts
         bounds = [(at, at + len(buf)) for at, buf in self.pieces]
         where = redact_url(self.source.url_of(self.rel))
+
+        def raw(info: Any) -> tuple[IO[bytes], memoryview | None]:
+            if self.file is not None:
+                return cast(IO[bytes], FileSlice(self.file, info.offset, info.length)), None
+            view = _slice(self.pieces, starts, bounds, info.offset, info.length)
+            return cast(IO[bytes], MemoryReader(view)), view
+
+        def decode(i: int) -> IO[bytes]:
+            req, info = self.reqs[i]
+            stream, _ = raw(info)
+            return self.transforms.untransform(req, info.transform_descriptors, stream, where)
+
+        coded = [
+            i
+            for i, (_, info) in enumerate(self.reqs)
+            if i not in self.direct and getattr(info, "transform_descriptors", None)
+        ]
+        ahead: dict[int, ThreadFuture[IO[bytes]]] = {}
+        try:
+            self._deliver(planner, raw, decode, coded, ahead, decoders, where)
+        finally:
+            for f in ahead.values():
+                f.cancel()
+
+    def _deliver(
+        self,
+        planner: LoadPlanner,
+        raw: Callable[[Any], tuple[IO[bytes], memoryview | None]],
+        decode: Callable[[int], IO[bytes]],
+        coded: list[int],
+        ahead: dict[int, ThreadFuture[IO[bytes]]],
+        decoders: Decoders | None,
+        where: str,
+    ) -> None:
+        queued = 0  # coded[:queued] are submitted
         for i, (req, info) in enumerate(self.reqs):
             if i in self.direct:
                 if self.file is not None:  # local: one positioned read into the target
@@ -220,17 +260,21 @@ class FileJob:
                 planner.commit_tensor(req, self.targets[i])
                 continue
             stream: IO[bytes]
-            view = None
-            if self.file is not None:
-                stream = cast(IO[bytes], FileSlice(self.file, info.offset, info.length))
+            view: memoryview | None = None
+            if getattr(info, "transform_descriptors", None):
+                # A transformed item is undone whole (as stock does), into memory,
+                # by the decoder threads a few items ahead of this one.
+                if decoders is None:
+                    stream = decode(i)
+                else:
+                    while queued < len(coded) and len(ahead) < decoders.window:
+                        ahead[coded[queued]] = decoders.pool.submit(decode, coded[queued])
+                        queued += 1
+                    stream = ahead.pop(i).result()
+                if isinstance(stream, io.BytesIO) and req.type != LoadItemType.BYTE_IO:
+                    view = stream.getbuffer()  # deserialised in place: no copy
             else:
-                view = _slice(self.pieces, starts, bounds, info.offset, info.length)
-                stream = cast(IO[bytes], MemoryReader(view))
-            descriptors = getattr(info, "transform_descriptors", None)
-            if descriptors:
-                # A transformed item is undone whole (as stock does), into memory.
-                untransformed = self.transforms.untransform(req, descriptors, stream, where)
-                stream, view = _read_all(untransformed, req, where), None
+                stream, view = raw(info)
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(stream.read()))
                 continue
@@ -258,6 +302,14 @@ class FileJob:
             planner.commit_tensor(req, target)
 
 
+@dataclass(frozen=True)
+class Decoders:
+    """Threads that undo items' stream transforms, and how many items they may run ahead."""
+
+    pool: ThreadPoolExecutor
+    window: int
+
+
 def _scratch(nbytes: int) -> memoryview:
     # Uninitialised: zero-filling (bytearray) costs as much as the copy it precedes.
     return memoryview(np.empty(nbytes, dtype=np.uint8))  # type: ignore[arg-type]
@@ -275,15 +327,3 @@ def _slice(
         return memoryview(b"")
     at, buf = pieces[_layout.find_span(starts, bounds, offset, offset + length)]
     return buf[offset - at : offset - at + length]
-
-
-def _read_all(stream: IO[bytes], req: ReadItem, where: str) -> IO[bytes]:
-    """The whole untransformed item, in memory; a transform that fails is damage."""
-    try:
-        return io.BytesIO(stream.read())
-    except Exception as exc:  # what a decoder raises on bad input is its own type
-        raise CheckpointCorruptError(
-            f"{req.storage_index.fqn} in {where} cannot be decoded by its stream transform "
-            f"({type(exc).__name__}: {exc}). The file is damaged; load with verify=True to "
-            "check it, or load an older checkpoint."
-        ) from exc

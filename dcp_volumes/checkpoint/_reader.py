@@ -41,7 +41,7 @@ from dcp_volumes._staging import parse_size
 from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
-from dcp_volumes.checkpoint._file_job import FileJob
+from dcp_volumes.checkpoint._file_job import Decoders, FileJob
 from dcp_volumes.checkpoint._manifest import (
     METADATA_NAME,
     FileRecord,
@@ -243,6 +243,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._load_manifest()
         jobs = self._plan_jobs(plan)
         self._part_size = self._split_size(sum(job.nbytes for job in jobs))
+        decoders = self._decoders(jobs)
         with ThreadPoolExecutor(
             max_workers=self.options.read_concurrency, thread_name_prefix="dcpv-read"
         ) as pool:
@@ -267,7 +268,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                         listing = None
                     self._finish_job(pool, job, planner)
                     in_flight -= job.nbytes
-                    job.deliver(planner)
+                    job.deliver(planner, decoders)
                     direct += len(job.direct)
                     job.pieces.clear()
                     job.starts.clear()
@@ -279,6 +280,9 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                         f.cancel()
                     job.close()
                 raise
+            finally:
+                if decoders is not None:
+                    decoders.pool.shutdown(wait=True, cancel_futures=True)
         logger.debug(
             "%s: %d of %d items read straight into their target tensors",
             self._volume.display_url,
@@ -360,6 +364,21 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                 self._use_local_copy(job)
             jobs.append(job)
         return jobs
+
+    @staticmethod
+    def _decoders(jobs: Sequence[FileJob]) -> Decoders | None:
+        """Threads to decompress (undo stream transforms) ahead, if any item needs it.
+
+        Decompression is CPU work that releases the GIL: one thread per core
+        keeps it off the critical path, a window of twice that bounds the
+        decoded bytes held ahead.
+        """
+        if not any(getattr(info, "transform_descriptors", None)
+                   for job in jobs for _, info in job.reqs):
+            return None
+        workers = max(1, min(8, os.cpu_count() or 1))
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcpv-decode")
+        return Decoders(pool, window=2 * workers)
 
     def _check_sizes(self, jobs: Sequence[FileJob], listing: Sequence[FileInfo]) -> None:
         """Every file the plan reads exists with the manifest's size (before any is used)."""
