@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import io
 import threading
 from collections.abc import Iterator
@@ -370,3 +371,38 @@ def test_writer_and_reader_with_extensions_pickle(tmp_path: Path) -> None:
     out = _blank(state)
     dcp.load(out, storage_reader=reader)
     assert_same(out, state)
+
+
+@pytest.fixture
+def stdlib_zstd(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Our zstd code on the standard library's API (compression.zstd, or its backport)."""
+    from dcp_volumes.checkpoint import _compression
+
+    for name in ("compression.zstd", "backports.zstd"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        monkeypatch.setattr(_compression, "_BACKEND", (name, module))
+        yield
+        return
+    pytest.skip("neither compression.zstd (Python 3.14+) nor backports.zstd is installed")
+
+
+@pytest.mark.usefixtures("stdlib_zstd")
+@pytest.mark.parametrize("threads", [0, 2])
+def test_standard_library_zstd_writes_what_torch_reads(tmp_path: Path, threads: int) -> None:
+    from dcp_volumes.checkpoint._compression import zstd_library
+
+    assert zstd_library() in ("compression.zstd", "backports.zstd")
+    state = _compressible_state()
+    ck = str(tmp_path / "ck")
+    dcp.save(state, storage_writer=VolumeWriter(
+        ck, compression=ZstdCompression(level=3, threads=threads)))
+    for reader in (FileSystemReader(ck), VolumeReader(ck, verify=True)):  # zstandard, stdlib
+        out = _blank(state)
+        dcp.load(out, storage_reader=reader)
+        assert_same(out, state)
+    plain = sum(t.numel() * t.element_size() for t in state.values()
+                if isinstance(t, torch.Tensor))
+    assert Manifest.from_json(Volume(ck).read_bytes(MANIFEST_NAME)).total_bytes < plain / 2

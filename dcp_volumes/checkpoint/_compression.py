@@ -7,8 +7,9 @@ The level and the worker threads only change how hard the compressor works,
 never the format (any zstd decoder reads any level).
 
 The zstd library is the first of these that is installed: ``zstandard``
-(``pip install 'dcp_volumes[zstd]'``, the one torch's ``ZStandard`` uses) or
-the standard library's ``compression.zstd`` (Python 3.14+).
+(``pip install 'dcp_volumes[zstd]'``, the one torch's ``ZStandard`` uses),
+the standard library's ``compression.zstd`` (Python 3.14+) or its backport
+``backports.zstd``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ _WRITE_SIZE = 1 << 20
 
 
 def _find_backend() -> tuple[str, ModuleType] | None:
-    for name in ("zstandard", "compression.zstd"):
+    # backports.zstd: the standard library's compression.zstd for Python < 3.14.
+    for name in ("zstandard", "compression.zstd", "backports.zstd"):
         try:
             return name, importlib.import_module(name)
         except ImportError:
@@ -99,8 +101,11 @@ class _StdlibWriter(io.RawIOBase):
 
     def __init__(self, zstd: ModuleType, output: IO[bytes], level: int, threads: int) -> None:
         super().__init__()
-        options = {zstd.CompressionParameter.nb_workers: threads} if threads else None
-        self._compressor = zstd.ZstdCompressor(level=level, options=options)
+        # Either level= or options=, not both: the level goes into the options.
+        options = {zstd.CompressionParameter.compression_level: level}
+        if threads:
+            options[zstd.CompressionParameter.nb_workers] = threads
+        self._compressor = zstd.ZstdCompressor(options=options)
         self._end = zstd.ZstdCompressor.FLUSH_FRAME
         self._out = output
 
