@@ -406,3 +406,16 @@ def test_standard_library_zstd_writes_what_torch_reads(tmp_path: Path, threads: 
     plain = sum(t.numel() * t.element_size() for t in state.values()
                 if isinstance(t, torch.Tensor))
     assert Manifest.from_json(Volume(ck).read_bytes(MANIFEST_NAME)).total_bytes < plain / 2
+
+
+def test_missing_zstd_library_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dcp_volumes import BackendNotInstalledError
+    from dcp_volumes.checkpoint import _compression
+
+    monkeypatch.setattr(_compression, "_BACKEND", None)
+    with pytest.raises(BackendNotInstalledError, match=r"dcp_volumes\[zstd\]"):
+        VolumeWriter(tmp_path / "ck", compression="zstd")
+    # Reading falls back to torch's own decoder (which finds zstandard or pyzstd itself).
+    assert isinstance(ZstdCompression.from_descriptor("1"), ZStandard)

@@ -113,7 +113,7 @@ class ReaderTransforms:
                 f"{req.storage_index.fqn} in {where} was saved with stream transforms "
                 f"{list(descriptors)} that this torch cannot undo; load with torch >= 2.7."
             )
-        registry = self.registry if self.registry is not None else default_registry()
+        registry: Any = self.registry if self.registry is not None else default_registry()
         try:
             extensions = registry.from_descriptor_list(descriptors)
         except ValueError as exc:  # torch's registry: an unknown or unusable extension

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -131,7 +131,9 @@ class CpuStager:
             staged = self._copy(state_dict, sync=stream.synchronize)
         return staged
 
-    def _copy(self, state_dict: STATE_DICT_TYPE, sync: Any = None) -> STATE_DICT_TYPE:
+    def _copy(
+        self, state_dict: STATE_DICT_TYPE, sync: Callable[[], None] | None = None
+    ) -> STATE_DICT_TYPE:
         """A copy of ``state_dict`` on CPU; returns once the copy is complete."""
         if _copy_state_dict is None or _create_cpu_state_dict is None:  # pragma: no cover
             if self._fallback is None:
