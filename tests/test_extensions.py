@@ -419,3 +419,16 @@ def test_missing_zstd_library_names_the_extra(
         VolumeWriter(tmp_path / "ck", compression="zstd")
     # Reading falls back to torch's own decoder (which finds zstandard or pyzstd itself).
     assert isinstance(ZstdCompression.from_descriptor("1"), ZStandard)
+
+
+def test_local_tier_holds_the_compressed_files(tmp_path: Path) -> None:
+    """The local copy is the stored (compressed) bytes: its checksums match the manifest."""
+    state = _compressible_state()
+    ck, tier = str(tmp_path / "vol" / "step-1"), tmp_path / "tier"
+    dcp.save(state, storage_writer=VolumeWriter(ck, compression="zstd", local_copy_dir=tier))
+    manifest = Manifest.from_json(Volume(ck).read_bytes(MANIFEST_NAME))
+    for rel, record in manifest.files.items():
+        assert checksum_bytes((tier / "step-1" / rel).read_bytes()) == record.checksum
+    out = _blank(state)
+    dcp.load(out, storage_reader=VolumeReader(ck, local_copy_dir=tier))
+    assert_same(out, state)
