@@ -432,3 +432,18 @@ def test_local_tier_holds_the_compressed_files(tmp_path: Path) -> None:
     out = _blank(state)
     dcp.load(out, storage_reader=VolumeReader(ck, local_copy_dir=tier))
     assert_same(out, state)
+
+
+def test_decoding_ahead_within_a_byte_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a budget below one item, items are decoded one at a time, in order."""
+    from dcp_volumes.checkpoint import _reader
+
+    ck = str(tmp_path / "ck")
+    state = _compressible_state()
+    dcp.save(state, storage_writer=VolumeWriter(ck, compression="zstd"))
+    monkeypatch.setattr(_reader, "_DECODE_AHEAD_BYTES", 1)
+    out = _blank(state)
+    dcp.load(out, storage_reader=VolumeReader(ck))
+    assert_same(out, state)

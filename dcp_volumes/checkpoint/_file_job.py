@@ -267,8 +267,16 @@ class FileJob:
                 if decoders is None:
                     stream = decode(i)
                 else:
+                    # Ahead: at most `window` items and `budget` stored bytes (always
+                    # the current one), so big tensors are not all decoded at once.
+                    held = sum(self.reqs[j][1].length for j in ahead)
                     while queued < len(coded) and len(ahead) < decoders.window:
-                        ahead[coded[queued]] = decoders.pool.submit(decode, coded[queued])
+                        nxt = coded[queued]
+                        size = self.reqs[nxt][1].length
+                        if ahead and held + size > decoders.budget:
+                            break
+                        ahead[nxt] = decoders.pool.submit(decode, nxt)
+                        held += size
                         queued += 1
                     stream = ahead.pop(i).result()
                 if isinstance(stream, io.BytesIO) and req.type != LoadItemType.BYTE_IO:
@@ -304,10 +312,12 @@ class FileJob:
 
 @dataclass(frozen=True)
 class Decoders:
-    """Threads that undo items' stream transforms, and how many items they may run ahead."""
+    """Threads that undo items' stream transforms, and how far they may run ahead:
+    ``window`` items and ``budget`` stored bytes at most."""
 
     pool: ThreadPoolExecutor
     window: int
+    budget: int
 
 
 def _scratch(nbytes: int) -> memoryview:

@@ -61,6 +61,8 @@ except ImportError:  # pragma: no cover - torch < 2.4
 
 logger = logging.getLogger(__name__)
 
+# Stored (compressed) bytes decoded ahead of deserialisation, at most.
+_DECODE_AHEAD_BYTES = 256 * 2**20
 # Smallest GET a file is split into to feed idle streams.
 _MIN_SPLIT = 4 * 2**20
 
@@ -370,15 +372,15 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         """Threads to decompress (undo stream transforms) ahead, if any item needs it.
 
         Decompression is CPU work that releases the GIL: one thread per core
-        keeps it off the critical path, a window of twice that bounds the
-        decoded bytes held ahead.
+        keeps it off the critical path; twice that many items, and at most
+        ``_DECODE_AHEAD_BYTES`` of stored bytes, are decoded ahead.
         """
         if not any(getattr(info, "transform_descriptors", None)
                    for job in jobs for _, info in job.reqs):
             return None
         workers = max(1, min(8, os.cpu_count() or 1))
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcpv-decode")
-        return Decoders(pool, window=2 * workers)
+        return Decoders(pool, window=2 * workers, budget=_DECODE_AHEAD_BYTES)
 
     def _check_sizes(self, jobs: Sequence[FileJob], listing: Sequence[FileInfo]) -> None:
         """Every file the plan reads exists with the manifest's size (before any is used)."""
