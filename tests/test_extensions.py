@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -447,3 +448,24 @@ def test_decoding_ahead_within_a_byte_budget(
     out = _blank(state)
     dcp.load(out, storage_reader=VolumeReader(ck))
     assert_same(out, state)
+
+
+def test_cli_inspect_shows_stored_bytes_and_transforms(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dcp_volumes.cli import main
+
+    state = _compressible_state()
+    root = tmp_path / "run"
+    dcp.save(state, storage_writer=VolumeWriter(root / "step-00000001", compression="zstd"))
+    dcp.save(state, storage_writer=VolumeWriter(root / "step-00000002"))
+    capsys.readouterr()
+    assert main(["inspect", str(root / "step-00000001"), "--json"]) == 0
+    packed = json.loads(capsys.readouterr().out)
+    assert main(["inspect", str(root / "step-00000002"), "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert packed["transforms"] == ["stream.zstd/1"] and plain["transforms"] == []
+    assert packed["tensor_bytes"] == plain["tensor_bytes"]
+    assert packed["stored_bytes"] < plain["tensor_bytes"] / 2 < plain["stored_bytes"]
+    assert main(["inspect", str(root / "step-00000001")]) == 0
+    assert "stored (stream.zstd/1)" in capsys.readouterr().out.splitlines()[0]
