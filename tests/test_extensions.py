@@ -469,3 +469,19 @@ def test_cli_inspect_shows_stored_bytes_and_transforms(
     assert packed["stored_bytes"] < plain["tensor_bytes"] / 2 < plain["stored_bytes"]
     assert main(["inspect", str(root / "step-00000001")]) == 0
     assert "stored (stream.zstd/1)" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_zstd_compression_is_a_stock_extension_too(tmp_path: Path) -> None:
+    """ZstdCompression in stock FileSystemWriter's _extensions: stock's reader decodes it."""
+    state = _compressible_state()
+    ck = tmp_path / "ck"
+    dcp.save(state, storage_writer=FileSystemWriter(
+        ck, _extensions=[ZstdCompression(level=5, threads=2)]))
+    out = _blank(state)
+    dcp.load(out, storage_reader=FileSystemReader(ck))  # torch's default registry
+    assert_same(out, state)
+    assert sum(f.stat().st_size for f in ck.glob("*.distcp")) < raw_size(state) / 2
+
+
+def raw_size(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
