@@ -177,7 +177,10 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
        a save that crashed, is cleared at commit time); each rank gets its file prefix, which
        carries a new tag per save, so no two saves write the same object.
     4. (all ranks) ``write_data``: serialise to staging files of about
-       ``file_size`` bytes, upload each as soon as it is closed; the future is
+       ``file_size`` bytes (each item through the stream transforms, i.e.
+       compressed, when ``compression``/``_extensions`` are given; in
+       ``dcp.async_save`` this is the background part), upload each as soon
+       as it is closed; the future is
        complete when every file of this rank is on the volume with its size
        verified.
     5. (coordinator) ``finish``: verify all files are listed with their sizes,
