@@ -26,6 +26,7 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._volume._retry import RetryPolicy
 
 if _typing.TYPE_CHECKING:
+    from dcp_volumes.checkpoint._compression import ZstdCompression
     from dcp_volumes.checkpoint._discovery import CheckpointInfo
     from dcp_volumes.checkpoint._manager import CheckpointManager
     from dcp_volumes.checkpoint._reader import VolumeReader
@@ -47,6 +48,7 @@ _LAZY = {
     "active_routes": "dcp_volumes.checkpoint._routing",
     "route": "dcp_volumes.checkpoint._routing",
     "unroute": "dcp_volumes.checkpoint._routing",
+    "ZstdCompression": "dcp_volumes.checkpoint._compression",
     "FileCache": "dcp_volumes.data._cache",
     "VolumeDataset": "dcp_volumes.data._dataset",
     "DataLoader": "dcp_volumes.data._loader",
@@ -95,6 +97,7 @@ __all__ = [
     "VolumeNotFoundError",
     "VolumeReader",
     "VolumeWriter",
+    "ZstdCompression",
     "__version__",
     "active_routes",
     "route",

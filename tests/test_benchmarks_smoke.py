@@ -21,7 +21,8 @@ from tests.emulators import Azurite, repo_root
 BENCH_DIR = repo_root() / "benchmarks"
 BENCHES = sorted(p.name for p in BENCH_DIR.glob("bench_*.py"))
 # The JSON each of ours writes in --quick mode (others: exit code and output only).
-QUICK_JSON = {"bench_checkpoint.py": "checkpoint_quick.json", "bench_data.py": "data_quick.json"}
+QUICK_JSON = {"bench_checkpoint.py": "checkpoint_quick.json", "bench_data.py": "data_quick.json",
+              "bench_compression.py": "compression_quick.json"}
 AZURITE_JSON = {"bench_checkpoint.py": "checkpoint_azurite_quick.json",
                 "bench_data.py": "data_azurite_quick.json"}
 
@@ -63,6 +64,8 @@ def test_quick_run(name: str, tmp_path: Path) -> None:
         _check_checkpoint(_load(tmp_path, QUICK_JSON[name]))
     elif name == "bench_data.py":
         _check_data(_load(tmp_path, QUICK_JSON[name]))
+    elif name == "bench_compression.py":
+        _check_compression(_load(tmp_path, QUICK_JSON[name]))
 
 
 @pytest.mark.emulator
@@ -105,6 +108,20 @@ def _check_checkpoint(report: dict[str, Any], *, s3: bool = True) -> None:
         assert {"vw_reader", "fsspec_reader", "raw_get"} <= set(res["loads"])
         checks = res["targets"]["checks"]
         assert {"vw_sync", "vw_async", "vw_reader"} <= set(checks)
+
+
+def _check_compression(report: dict[str, Any]) -> None:
+    rows = report["rows"]
+    assert {(r["link"], r["method"]) for r in rows} >= {
+        ("loopback", "ours"), ("loopback", "ours + zstd"), ("remote", "ours"),
+        ("remote", "ours + zstd")}
+    assert all(r["save_median_s"] > 0 and r["load_median_s"] > 0 for r in rows)
+    ratio = {r["state"]: r["ratio"] for r in rows if r["method"] == "ours + zstd"}
+    # Deterministic states: noise barely compresses, integers and zeros a lot.
+    assert 1.0 <= ratio["fp32 random"] < 1.2 < ratio["int + sparse"]
+    assert ratio["fp32 random"] < ratio["bf16 + Adam"] < ratio["int + sparse"]
+    # Uncompressed files hold the raw bytes plus torch.save's headers.
+    assert all(0.95 < r["ratio"] <= 1.0 for r in rows if not r["method"].endswith("zstd"))
 
 
 def _check_data(report: dict[str, Any]) -> None:
