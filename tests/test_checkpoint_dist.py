@@ -180,3 +180,25 @@ def test_dtensor_saved_on_two_loads_on_three_and_one(tmp_path: Path) -> None:
 def test_async_save_process_checkpointer_two_ranks(s3_bucket: tuple[str, dict[str, Any]]) -> None:
     url, opts = s3_bucket
     assert run_ranks(_async_process, 2, url, opts, timeout=240) == [True, True]
+
+
+def _local_copy_twice(rank: int, world: int, url: str, local: str) -> list[str]:
+    """Both ranks of one node keep their local copy in one directory; saved twice."""
+    warnings.simplefilter("ignore")
+    for seed in (1, 2):
+        own = {f"rank{rank}": sample_state(seed=seed + 10 * rank, big_mib=1)}
+        dcp.save(own, storage_writer=VolumeWriter(
+            url, local_copy_dir=local, overwrite=True, file_size="512KiB"))
+    out = blank_like(own)
+    dcp.load(out, storage_reader=VolumeReader(url, local_copy_dir=local, verify=True))
+    assert_same(out, own)
+    return sorted(Manifest.from_json(Volume(url).read_bytes(MANIFEST_NAME)).files)
+
+
+def test_ranks_sharing_a_local_copy_directory_keep_each_others_files(tmp_path: Path) -> None:
+    local = tmp_path / "nvme"
+    names = run_ranks(_local_copy_twice, 2, str(tmp_path / "vol" / "step-3"), str(local))[0]
+    # The second save replaced each rank's own files of the first and nothing else:
+    # the local copy is exactly the committed checkpoint's files, of both ranks.
+    kept = sorted(str(p.relative_to(local / "step-3")) for p in local.rglob("*.distcp"))
+    assert kept == names and {n[:4] for n in names} == {"__0_", "__1_"}, (kept, names)

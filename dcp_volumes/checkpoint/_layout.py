@@ -40,7 +40,12 @@ def rank_prefix(rank: int, tag: str) -> str:
     Stock DCP names files ``__{rank}_{i}``: two jobs saving one checkpoint id at
     once would overwrite each other's shards before one of them fails to commit.
     """
-    return f"__{rank}_{tag}_"
+    return f"{rank_name_start(rank)}{tag}_"
+
+
+def rank_name_start(rank: int) -> str:
+    """How the names of every data file of ``rank`` start, in any save (``__3_``)."""
+    return f"__{rank}_"
 
 
 def save_tag(save_id: str) -> str:

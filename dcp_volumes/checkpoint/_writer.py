@@ -14,6 +14,7 @@ them, because ``.metadata`` holds only stock types.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -461,9 +462,10 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         keep = self.options.keep_staging or self.options.local_copy_dir is not None
         local_copy = self.local_copy_path
         if local_copy is not None:
-            # An earlier save of this checkpoint name left its files here (under
-            # other names now): this save's copy replaces them.
-            StagingArea.remove(local_copy)
+            # The ranks of a node share this directory. An earlier save of this
+            # checkpoint name left this rank's files here (under other names now):
+            # this save's copy replaces them; other ranks' files are theirs.
+            _remove_local_files(local_copy, _layout.rank_name_start(self._rank))
             save_dir = local_copy
             os.makedirs(save_dir, exist_ok=True)
         else:
@@ -504,7 +506,11 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         except BaseException:
             # A failed save's files are never trusted (the local tier's included, as
             # it has no manifest); removing them gives the disk space back.
-            if not self.options.keep_staging:
+            if self.options.keep_staging:
+                pass
+            elif local_copy is not None:
+                _remove_local_files(save_dir, prefix)
+            else:
                 StagingArea.remove(save_dir)
             raise
         finally:
@@ -711,3 +717,12 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         self._volume.delete_many(files)
         logger.info("overwrite: removed rank %d's checkpoint files at %s", self._rank,
                     self._volume.display_url)
+
+
+def _remove_local_files(local_copy: str, name_prefix: str) -> None:
+    """Remove the data files starting with ``name_prefix`` from a local copy directory."""
+    for dirpath, _, names in os.walk(local_copy):
+        for name in names:
+            if name.startswith(name_prefix) and name.endswith(_layout.DATA_SUFFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(dirpath, name))
