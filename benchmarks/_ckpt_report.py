@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import MiB, fmt, format_table, pyplot
+from benchmarks._common import fmt, format_table, pyplot
 
 # Our writers in the order the tables show them.
 OURS = ("vw_async_fresh", "vw_sync_fresh", "vw_async", "vw_sync", "vw_async_f32")
@@ -79,6 +79,47 @@ def summary_table(report: dict[str, Any]) -> str:
                     verdict(own),
                 ]
             )
+    return format_table(headers, rows)
+
+
+def headline_cells(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cells of the headline table: 2 ranks x 128 MiB where run, else the biggest."""
+    cfg = report["config"]
+    size = 128 if 128 in cfg["sizes_mib_per_rank"] else max(cfg["sizes_mib_per_rank"])
+    ranks = 2 if 2 in cfg["ranks"] else max(cfg["ranks"])
+    return [c for c in report["cells"] if c["size_mib"] == size and c["world_size"] == ranks]
+
+
+def headline_table(report: dict[str, Any]) -> str:
+    """Every method of the headline cell, one column pair per link: blocking / e2e (x floor)."""
+    cells = headline_cells(report)
+    if not cells:
+        return ""
+    methods = list(dict.fromkeys(m for c in cells for m in c["saves"]))
+    headers = ["method"] + [f"{c['link']}: blocking / e2e s (x floor)" for c in cells]
+    rows = []
+    for m in methods:
+        row = [cells[0]["saves"].get(m, {}).get("label", m)]
+        for c in cells:
+            s = c["saves"].get(m)
+            if not s or not s["e2e_s"]:
+                row.append("-" if not s else "FAILED")
+                continue
+            row.append(f"{fmt(s['steady_blocking_s'])} / {fmt(s['steady_e2e_s'])} "
+                       f"({fmt(s['x_floor'])}x)")
+        rows.append(row)
+    for reader in ("raw_get", "raw_ranged", "fsspec_reader", "s3tc_reader", "vw_reader",
+                   "vw_reader_reshard"):
+        if not any(reader in c["loads"] for c in cells):
+            continue
+        first = next(c["loads"][reader] for c in cells if reader in c["loads"])
+        row = [first["label"] + (f" ({first['world_size']} ranks)" if "world_size" in first
+                                 else "")]
+        for c in cells:
+            r = c["loads"].get(reader)
+            row.append(f"{fmt(r['steady_s'])} ({fmt(r['x_floor'])}x)" if r and r["seconds"]
+                       else "-")
+        rows.append(row)
     return format_table(headers, rows)
 
 
@@ -177,6 +218,7 @@ def _headline_cells(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(report: dict[str, Any]) -> str:
     """Every table of a run, for results/<stem>.md."""
     out = [f"# {report['config']['target']}: `{report['command']}`", "",
+           "## Headline cell", "", headline_table(report), "",
            "## Targets per cell (ours)", "", summary_table(report), ""]
     for cell in report["cells"]:
         t = cell["targets"]
@@ -312,6 +354,3 @@ def plot_all(report: dict[str, Any], stem_path: Path) -> list[Path]:
     paths.append(path)
     return paths
 
-
-def state_mib(cell: dict[str, Any]) -> float:
-    return cell["state_bytes_per_rank"] / MiB

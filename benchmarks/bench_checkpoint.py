@@ -370,6 +370,7 @@ def summarise(
         loads["vw_reader_reshard"] = row
     out = {
         "target": target.name,
+        "scheme": target.scheme,
         "link": job.link,
         "state_bytes_per_rank": state,
         "size_mib": job.size_bytes // MiB,
@@ -421,7 +422,7 @@ def check_targets(res: dict[str, Any]) -> dict[str, Any]:
     raws = [saves[m]["steady_e2e_s"] for m in RAW_SAVES if _ok(saves.get(m))]
     floor = min(raws) if raws else math.nan
     memcpy = saves["memcpy"]["steady_e2e_s"] if _ok(saves.get("memcpy")) else math.nan
-    peers = PEERS + (("local_fs",) if res["target"] == "dir" or "/" in res["target"] else ())
+    peers = PEERS + (("local_fs",) if res["scheme"] == "file" else ())
     ok_peers = [p for p in peers if _ok(saves.get(p))]
     best_peer_name = min(ok_peers, key=lambda p: saves[p]["steady_e2e_s"], default=None)
     best_peer = saves[best_peer_name]["steady_e2e_s"] if best_peer_name else math.nan
@@ -487,8 +488,10 @@ def goodput_report(cells: list[dict[str, Any]], model: GoodputModel) -> dict[str
     }
     for cell in cells:
         writers = {}
+        # Floors are no writers; FileSystemWriter to local disk is one only on a directory.
+        floors = ("memcpy", *RAW_SAVES, *(("local_fs",) if cell["scheme"] != "file" else ()))
         for m, s in cell["saves"].items():
-            if m in ("memcpy", *RAW_SAVES) or not _ok(s):
+            if m in floors or not _ok(s):
                 continue
             best = model.best(s["steady_blocking_s"], s["steady_e2e_s"])
             writers[m] = {"blocking_s": s["steady_blocking_s"], "e2e_s": s["steady_e2e_s"], **best}

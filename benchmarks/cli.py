@@ -194,6 +194,12 @@ def run_checkpoint(args: argparse.Namespace, command: str, out: Any = None) -> i
         print(json.dumps(report, default=str), file=stream)
         return 0
     print(f"\n## checkpoints on {cfg.target.name}: `{command}`\n", file=stream)
+    head = rep.headline_cells(report)
+    if head:
+        print(f"### {head[0]['world_size']} ranks x {head[0]['size_mib']} MiB, steady state "
+              f"(loads: x the download floor)\n", file=stream)
+        print(rep.headline_table(report), file=stream)
+        print("\n### targets per cell (ours)\n", file=stream)
     print(rep.summary_table(report), file=stream)
     if report["local_tier"]:
         print("\n## restore from the local tier\n", file=stream)
