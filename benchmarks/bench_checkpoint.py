@@ -222,8 +222,16 @@ def _links(cfg: CheckpointConfig, server: Any) -> Iterator[dict[str, str]]:
         }
 
 
-def run(cfg: CheckpointConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the matrix; returns the report (JSON-ready)."""
+def run(
+    cfg: CheckpointConfig,
+    progress: Callable[[str], None] | None = None,
+    partial: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run the matrix; returns the report (JSON-ready).
+
+    ``partial(report)`` is called after every cell, so a run cut short (a
+    timeout, Ctrl-C) still leaves the cells it finished.
+    """
     from tqdm import tqdm
 
     say = progress or (lambda text: tqdm.write(text, file=sys.stderr))
@@ -273,6 +281,8 @@ def run(cfg: CheckpointConfig, progress: Callable[[str], None] | None = None) ->
                 report["cells"].append(cell)
                 say(cell_line(cell))
                 bar.update()
+                if partial is not None:
+                    partial(report)
         if cfg.local_tier:
             from benchmarks.bench_local_tier import restore_comparison
 

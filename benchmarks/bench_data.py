@@ -247,8 +247,8 @@ def make_files(
     keys = tuple(
         "/".join(p for p in (target.prefix, name, f"f{i:05d}.bin") if p) for i in range(count)
     )
-    root = store_url(dataclasses.replace(target, prefix=""), server, BUCKET)
-    bucket = root if target.scheme == "file" else (target.bucket or BUCKET)
+    bucket_url = store_url(dataclasses.replace(target, prefix=""), server, BUCKET)
+    bucket = bucket_url if target.scheme == "file" else (target.bucket or BUCKET)
     store = raw_store(target.scheme, server.storage_options(), bucket, 32)
     local = root / "local"
 
@@ -261,7 +261,7 @@ def make_files(
 
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(one, range(count)))
-    return FileSet(name, keys, size, str(local), target.scheme, root, bucket, target.prefix)
+    return FileSet(name, keys, size, str(local), target.scheme, bucket_url, bucket, target.prefix)
 
 
 # ---------------------------------------------------------------------------

@@ -181,11 +181,13 @@ def run_checkpoint(args: argparse.Namespace, command: str, out: Any = None) -> i
                 f"--target {cfg.target.name}: there is no server to put the remote link's proxy "
                 "in front of; use --link loopback (or give --endpoint)"
             )
-    report = run(cfg)
     stem = cfg.target.stem("checkpoint") + ("_quick" if cfg.quick else "")
     stem += "_tbf" if "tbf" in cfg.links else ""
     if args.vw_file_size:
         stem += f"_file_size_{args.vw_file_size.lower()}"
+    # Every finished cell lands on disk at once: a run cut short keeps them.
+    report = run(cfg, partial=lambda doc: write_json(f"{stem}.partial.json", doc))
+    results_path(f"{stem}.partial.json").unlink(missing_ok=True)
     json_path = write_json(f"{stem}.json", report)
     md_path = results_path(f"{stem}.md")
     md_path.write_text(rep.markdown(report) + "\n")
