@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+
+
+def data_file(ck: Path, index: int, *, rank: int = 0) -> Path:
+    """The ``index``-th data file of ``rank`` in the local checkpoint ``ck``.
+
+    VolumeWriter names them ``__{rank}_{save tag}_{index}.distcp``; the tag is
+    new per save, so tests find a file by its rank and index.
+    """
+    found = [p for p in ck.rglob("*.distcp")
+             if p.name.startswith(f"__{rank}_") and p.stem.rsplit("_", 1)[-1] == str(index)]
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} data files of rank {rank} with index {index} in {ck}")
+    return found[0]
 
 
 def sample_state(seed: int = 0, *, big_mib: int = 2) -> dict[str, Any]:

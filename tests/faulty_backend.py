@@ -42,6 +42,9 @@ class Faults:
         calls, then it is back.
     short: location substrings whose reads come back ``short_by`` bytes short
         (the listing and ``head`` still say the full size).
+    refuse_uploads_after: after this many ``upload()`` calls, every later one
+        is refused with ``PermissionError`` naming the location (a store that
+        starts refusing writes part-way through a save).
     """
 
     stale_lists: int = 0
@@ -52,6 +55,7 @@ class Faults:
     vanish_calls: int = 1
     short: Sequence[str] = ()
     short_by: int = 1
+    refuse_uploads_after: int | None = None
     seed: int = 0
     # Counters: calls by method, faults by kind.
     calls: Counter[str] = field(default_factory=Counter)
@@ -179,6 +183,11 @@ class FaultyBackend:
     def upload(self, local_path: str, path: str, *, size: int, part_size: int,
                concurrency: int, move: bool) -> None:
         self._count("upload")
+        f = self.faults
+        if f.refuse_uploads_after is not None and f.calls["upload"] > f.refuse_uploads_after:
+            with self._lock:
+                f.faults["refused upload"] += 1
+            raise PermissionError(f"upload of {path} refused (injected)")
         self.inner.upload(local_path, path, size=size, part_size=part_size,
                           concurrency=concurrency, move=move)
         self._wrote(path)

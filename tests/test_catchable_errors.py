@@ -20,13 +20,14 @@ from dcp_volumes import (
     VolumeWriter,
     storage_error,
 )
+from tests.checkpoint_helpers import data_file
 
 
 def _damaged_checkpoint(ck: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"w": torch.arange(64.0)}, storage_writer=VolumeWriter(ck), no_dist=True)
-    data = ck / "__0_0.distcp"
+    data = data_file(ck, 0)
     raw = bytearray(data.read_bytes())
     raw[-100] ^= 0xFF  # same size, other bytes: only the checksum can tell
     data.write_bytes(bytes(raw))
@@ -44,7 +45,8 @@ def test_storage_error_finds_the_typed_error_inside_dcps_exception(tmp_path: Pat
         _load(tmp_path / "ck")
     assert not isinstance(err.value, DcpVolumesError)  # DCP's CheckpointException
     typed = storage_error(err.value)
-    assert isinstance(typed, CheckpointCorruptError) and "__0_0.distcp" in str(typed)
+    assert isinstance(typed, CheckpointCorruptError)
+    assert data_file(tmp_path / "ck", 0).name in str(typed)
     assert storage_error(ValueError("unrelated")) is None
 
 

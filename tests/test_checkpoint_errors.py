@@ -30,7 +30,7 @@ from dcp_volumes import (
     VolumeWriter,
 )
 from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME
-from tests.checkpoint_helpers import blank_like, failure_of, join, sample_state
+from tests.checkpoint_helpers import blank_like, data_file, failure_of, join, sample_state
 from tests.emulators import Azurite, MotoServer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -286,20 +286,21 @@ def _flip_a_byte(shard: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "damage", "expected"),
+    ("index", "damage", "expected"),
     [
-        pytest.param("__0_1.distcp", Path.unlink, "missing", id="missing_shard"),
-        pytest.param("__0_0.distcp", _truncate, "manifest says", id="shorter_than_manifest"),
-        pytest.param("__0_1.distcp", _flip_a_byte, "checksum", id="flipped_byte_fails_checksum"),
+        pytest.param(1, Path.unlink, "missing", id="missing_shard"),
+        pytest.param(0, _truncate, "manifest says", id="shorter_than_manifest"),
+        pytest.param(1, _flip_a_byte, "checksum", id="flipped_byte_fails_checksum"),
     ],
 )
-def test_damaged_shard(tmp_path: Path, name: str, damage: Any, expected: str) -> None:
+def test_damaged_shard(tmp_path: Path, index: int, damage: Any, expected: str) -> None:
     ck = tmp_path / "ck"
     state = sample_state(big_mib=1)
     dcp.save(state, storage_writer=VolumeWriter(ck, file_size="512KiB"))
-    damage(ck / name)
+    shard = data_file(ck, index)
+    damage(shard)
     err = _load_error(VolumeReader(ck), state)
-    assert isinstance(err, CheckpointCorruptError) and name in str(err)
+    assert isinstance(err, CheckpointCorruptError) and shard.name in str(err)
     assert expected in str(err)
 
 

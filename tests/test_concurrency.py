@@ -217,3 +217,90 @@ def test_one_cache_shared_by_two_datasets(root: tuple[str, dict[str, Any]],
     Volume(f"{url}/c", storage_options=opts).publish("extra.bin", b"x" * size)
     fc.fetch(f"{url}/c/extra.bin", storage_options=opts)
     assert fc.usage() <= limit, (fc.usage(), limit)
+
+
+# -- two jobs saving the same checkpoint id at once ------------------------------------------
+
+_RACE_MIB = 24  # per rank: uploads long enough that the two jobs' saves overlap
+
+
+def _race_state(job: int, rank: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 * job + rank)
+    n = _RACE_MIB * 2**20 // 4 // 6
+    return {f"r{rank}.t{i}": torch.randn(n, generator=g) for i in range(6)}
+
+
+def _race_rank(rank: int, world: int, url: str, opts: dict[str, Any], job: int,
+               meeting: str, staging: str) -> tuple[str, float, float]:
+    """One rank of one job: meet the other job's ranks, then save to the shared id."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_volumes import CheckpointExistsError, VolumeWriter, storage_error
+
+    state = _race_state(job, rank)
+    own_staging = os.path.join(staging, f"r{rank}")
+    os.makedirs(own_staging, exist_ok=True)
+    Path(meeting, f"job{job}-rank{rank}").touch()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(meeting)) < 2 * world:  # every rank of both jobs is ready
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other job's ranks never arrived")
+        time.sleep(0.005)
+    started = time.time()
+    try:
+        dcp.save(state, storage_writer=VolumeWriter(
+            url, storage_options=opts, staging_dir=own_staging))
+        outcome = "committed"
+    except BaseException as exc:
+        if not isinstance(storage_error(exc), CheckpointExistsError):
+            raise
+        outcome = "exists"
+    return outcome, started, time.time()
+
+
+def _race_job(url: str, opts: dict[str, Any], job: int, meeting: str, staging: str,
+              barrier: Any, out: Any) -> None:
+    from tests.dist import run_ranks
+
+    try:
+        barrier.wait(timeout=60)
+        out.put(("ok", (job, run_ranks(_race_rank, 2, url, opts, job, meeting, staging,
+                                        timeout=180))))
+    except BaseException as exc:
+        out.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def test_two_jobs_saving_the_same_checkpoint_id_at_once(
+        root: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    """Exactly one job commits; the other gets CheckpointExistsError on every rank and
+    leaves nothing behind; the checkpoint holds the winner's bytes, verified."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_volumes import VolumeReader
+    from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME, read_manifest
+
+    url, opts = root
+    ck = f"{url}/step-1"
+    meeting = tmp_path / "meeting"
+    meeting.mkdir()
+    results = _run(_race_job, *[(ck, opts, job, str(meeting), str(tmp_path / f"st{job}"))
+                                for job in (0, 1)])
+    by_job = dict(r[1] for r in results)
+    outcomes = {job: {o for o, _, _ in ranks} for job, ranks in by_job.items()}
+    assert sorted(map(sorted, outcomes.values())) == [["committed"], ["exists"]], outcomes
+    winner = next(job for job, o in outcomes.items() if o == {"committed"})
+    # The saves ran at the same time (else this would test nothing).
+    spans = [(s, e) for ranks in by_job.values() for _, s, e in ranks]
+    assert max(s for s, _ in spans) < min(e for _, e in spans), spans
+
+    volume = Volume(ck, storage_options=opts)
+    manifest = read_manifest(volume)
+    assert manifest is not None
+    listed = {f.path for f in volume.list()}
+    assert listed == set(manifest.files) | {MANIFEST_NAME, METADATA_NAME}, (
+        "the losing job's files must be gone, the winner's all there")
+    expected = {k: v for rank in (0, 1) for k, v in _race_state(winner, rank).items()}
+    out = {k: torch.zeros_like(v) for k, v in expected.items()}
+    dcp.load(out, storage_reader=VolumeReader(ck, storage_options=opts, verify=True),
+             no_dist=True)
+    assert all(torch.equal(out[k], expected[k]) for k in expected)

@@ -21,10 +21,17 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-from dcp_volumes import CheckpointExistsError, CheckpointNotFoundError, VolumeReader, VolumeWriter
+from dcp_volumes import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    VolumeReader,
+    VolumeWriter,
+    storage_error,
+)
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME, Manifest
+from tests import faulty_backend
 from tests.checkpoint_helpers import assert_same, blank_like, failure_of, join, sample_state
 from tests.emulators import LatencyProxy, MotoServer
 
@@ -266,20 +273,63 @@ def test_overwrite_refused_then_allowed(tmp_path: Path) -> None:
     assert len(remaining) < len(many_files), "files of the replaced checkpoint must be removed"
 
 
-def test_overwrite_failure_leaves_incomplete_not_mixed(tmp_path: Path) -> None:
+def test_a_save_replaces_the_manifest_of_a_save_that_crashed_before_its_commit(
+    tmp_path: Path,
+) -> None:
+    ck = tmp_path / "ck"
+    dcp.save(sample_state(seed=1), storage_writer=VolumeWriter(ck))
+    (ck / METADATA_NAME).unlink()  # killed between the manifest and .metadata
+    crashed = Manifest.from_json((ck / MANIFEST_NAME).read_bytes(), where="test")
+
+    state = sample_state(seed=2)
+    dcp.save(state, storage_writer=VolumeWriter(ck))
+    manifest = Manifest.from_json((ck / MANIFEST_NAME).read_bytes(), where="test")
+    assert manifest.extra["save_id"] != crashed.extra["save_id"]
+    assert not set(manifest.files) & set(crashed.files)
+    out = blank_like(state)
+    dcp.load(out, storage_reader=VolumeReader(ck, verify=True))
+    assert_same(out, state)
+
+
+def test_a_commit_that_lands_while_a_stale_manifest_is_checked_wins(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    dcp.save(sample_state(seed=1), storage_writer=VolumeWriter(ck))
+    committed = (ck / METADATA_NAME).read_bytes()
+    (ck / METADATA_NAME).unlink()
+    first_files = set(_data_files(str(ck), {}))
+    # Another job's .metadata lands while this save waits to call the manifest stale.
+    landing = threading.Timer(0.3, (ck / METADATA_NAME).write_bytes, args=(committed,))
+    landing.start()
+    try:
+        with pytest.raises(BaseException) as err:
+            dcp.save(sample_state(seed=2), storage_writer=VolumeWriter(ck))
+    finally:
+        landing.join()
+    assert isinstance(storage_error(err.value), CheckpointExistsError), err.value
+    assert set(_data_files(str(ck), {})) == first_files, "the loser's files were removed"
+    out = blank_like(sample_state(seed=1))
+    dcp.load(out, storage_reader=VolumeReader(ck, verify=True))
+    assert_same(out, sample_state(seed=1))
+
+
+def test_overwrite_failure_leaves_incomplete_not_mixed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ck = tmp_path / "ck"
     old = sample_state(seed=1, big_mib=1)
-    dcp.save(old, storage_writer=VolumeWriter(ck))  # one data file: __0_0.distcp
-    old_first = (ck / "__0_0.distcp").read_bytes()
-    # Fault: a directory where the new save's second file must go makes its upload fail.
-    (ck / "__0_1.distcp").mkdir()
-    (ck / "__0_1.distcp" / "blocker").write_text("x")
+    dcp.save(old, storage_writer=VolumeWriter(ck))
+    old_files = set(_data_files(str(ck), {}))
+    # Fault: the store refuses the new save's second upload.
+    faults = faulty_backend.Faults(refuse_uploads_after=1)
+    faulty_backend.install(monkeypatch, faults)
 
     new = sample_state(seed=2, big_mib=1)
-    with pytest.raises(BaseException, match=r"__0_1\.distcp"):
+    with pytest.raises(BaseException, match=r"upload of .*\.distcp refused"):
         dcp.save(new, storage_writer=VolumeWriter(ck, overwrite=True, file_size="256KiB"))
+    assert faults.faults["refused upload"] >= 1
     assert not (ck / METADATA_NAME).exists(), "a failed overwrite must leave no .metadata"
-    assert (ck / "__0_0.distcp").read_bytes() != old_first, "the new first file was uploaded"
+    left = set(_data_files(str(ck), {}))
+    assert left and not left & old_files, "the old files were removed, the new first one uploaded"
     with pytest.raises(CheckpointNotFoundError, match="incomplete"):
         VolumeReader(ck).read_metadata()
 
@@ -299,7 +349,8 @@ def test_local_copy_is_kept_and_preferred(tmp_path: Path, caplog: pytest.LogCapt
     assert sorted(_data_files(str(ck), {})) == [n for n in local_files if n.endswith(".distcp")]
 
     # Damage one file on the volume: the intact local copy is read instead.
-    victim = ck / "__0_0.distcp"
+    first, second = sorted(_data_files(str(ck), {}))[:2]
+    victim = ck / first
     original = victim.read_bytes()
     damaged = bytearray(original)
     damaged[len(damaged) // 2] ^= 0xFF
@@ -312,14 +363,14 @@ def test_local_copy_is_kept_and_preferred(tmp_path: Path, caplog: pytest.LogCapt
 
     # Damage a local file too, restore the volume: that file falls back to the volume, logged.
     victim.write_bytes(original)
-    local_victim = local_root / "step-5" / "__0_1.distcp"
+    local_victim = local_root / "step-5" / second
     local_bytes = local_victim.read_bytes()
     local_victim.write_bytes(local_bytes[:-1] + bytes([local_bytes[-1] ^ 0xFF]))
     out = blank_like(state)
     with caplog.at_level(logging.INFO, logger="dcp_volumes"):
         dcp.load(out, storage_reader=VolumeReader(ck, local_copy_dir=local_root))
     assert_same(out, state)
-    assert any("__0_1.distcp" in r.getMessage() and "volume" in r.getMessage()
+    assert any(second in r.getMessage() and "volume" in r.getMessage()
                for r in caplog.records)
 
 

@@ -2,10 +2,12 @@
 
 Shared by the writer and the reader so that both agree on the layout:
 
-* data files are named like stock DCP's (``__{rank}_{i}.distcp``), optionally
-  under a hashed sub-prefix (``3f/__0_1.distcp``) to spread keys over several
-  prefixes for object stores that throttle per prefix; the prefix is part of
-  the ``relative_path`` in ``.metadata``, so stock readers find the files;
+* data files are named like stock DCP's, with a tag of the save between rank
+  and index (``__{rank}_{tag}_{i}.distcp``), so two saves of one checkpoint
+  id never write the same object; optionally under a hashed sub-prefix
+  (``3f/__0_9c1e07aa_1.distcp``) to spread keys over several prefixes for
+  object stores that throttle per prefix; the name is the ``relative_path``
+  in ``.metadata``, so stock readers find the files;
 * the local copy of a checkpoint (the "local tier") lives in
   ``local_copy_dir/<checkpoint name>``;
 * neighbouring byte ranges of one file are merged before fetching;
@@ -32,13 +34,22 @@ DATA_SUFFIX = ".distcp"
 DEFAULT_COALESCE_GAP = 2**20
 
 
-def rank_prefix(rank: int) -> str:
-    """The file-name prefix of a rank's data files, as stock DCP writes it."""
-    return f"__{rank}_"
+def rank_prefix(rank: int, tag: str) -> str:
+    """The file-name prefix of a rank's data files in the save tagged ``tag``.
+
+    Stock DCP names files ``__{rank}_{i}``: two jobs saving one checkpoint id at
+    once would overwrite each other's shards before one of them fails to commit.
+    """
+    return f"__{rank}_{tag}_"
+
+
+def save_tag(save_id: str) -> str:
+    """The short tag of a save in its file names (8 hex digits of its id)."""
+    return save_id[:8]
 
 
 def data_file_name(prefix: str, index: int) -> str:
-    """Name of the ``index``-th data file with ``prefix`` (``__0_`` -> ``__0_3.distcp``)."""
+    """Name of the ``index``-th data file with ``prefix`` (``__0_ab_`` -> ``__0_ab_3.distcp``)."""
     return f"{prefix}{index}{DATA_SUFFIX}"
 
 

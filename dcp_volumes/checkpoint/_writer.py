@@ -41,7 +41,7 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
-from dcp_volumes._volume import LAG_TOTAL_S, RetryPolicy, Volume
+from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, RetryPolicy, Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
@@ -156,7 +156,9 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
     3. (coordinator) ``prepare_global_plan``: the volume is checked (bucket,
        directory); a committed checkpoint there raises ``CheckpointExistsError``
        unless ``overwrite=True``, which deletes its ``.metadata`` first and then
-       its files, before any rank uploads; each rank gets its file prefix.
+       its files, before any rank uploads (a manifest without ``.metadata``, of
+       a save that crashed, is cleared at commit time); each rank gets its file prefix, which
+       carries a new tag per save, so no two saves write the same object.
     4. (all ranks) ``write_data``: serialise to staging files of about
        ``file_size`` bytes, upload each as soon as it is closed; the future is
        complete when every file of this rank is on the volume with its size
@@ -187,7 +189,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         part_size: multipart part size (bytes or e.g. ``"32MiB"``, >= 5 MiB).
         file_size: largest size of one data file (bytes or e.g. ``"256MiB"``).
         prefix_spread: ``N >= 2`` spreads the files over ``N`` hashed
-            sub-prefixes (``3f/__0_1.distcp``) for stores that throttle per
+            sub-prefixes (``3f/__0_9c1e07aa_1.distcp``) for stores that throttle per
             prefix; stock readers still find them via ``.metadata``.
         cache_staged_state_dict: reuse the CPU staging buffers across saves.
         staging_headroom: free space to leave on the staging disk beyond what
@@ -335,25 +337,28 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                     "VolumeWriter to replace it."
                 )
             self._remove_committed()
-        elif not self.options.overwrite:
-            # A manifest without .metadata is a save that crashed before its commit;
-            # it is cleared so this save's create-only commit can land (nothing
-            # loads it: without .metadata it is not a checkpoint).
-            self._volume.delete(MANIFEST_NAME)
+        # A new id per save, also for a writer reused without reset(): its tag
+        # makes this save's file names its own.
+        self._save_id = uuid.uuid4().hex
+        tag = _layout.save_tag(self._save_id)
         return [
-            dataclasses.replace(plan, storage_data=_RankFiles(_layout.rank_prefix(i)))
+            dataclasses.replace(plan, storage_data=_RankFiles(_layout.rank_prefix(i, tag)))
             for i, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Serialise this rank's items to staging files and upload them (all ranks)."""
         storage = plan.storage_data
-        prefix = storage.prefix if isinstance(storage, _RankFiles) else _layout.rank_prefix(
-            self._rank
-        )
+        if isinstance(storage, _RankFiles):
+            prefix = storage.prefix
+        else:
+            prefix = _layout.rank_prefix(self._rank, _layout.save_tag(self._save_id))
         keep = self.options.keep_staging or self.options.local_copy_dir is not None
         local_copy = self.local_copy_path
         if local_copy is not None:
+            # An earlier save of this checkpoint name left its files here (under
+            # other names now): this save's copy replaces them.
+            StagingArea.remove(local_copy)
             save_dir = local_copy
             os.makedirs(save_dir, exist_ok=True)
         else:
@@ -449,14 +454,22 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         # saves committing one location at once exactly one lands, and the manifest
         # beside .metadata is always the committed save's own.
         exclusive = not self.options.overwrite
+        published_manifest = False
         try:
-            self._volume.publish(MANIFEST_NAME, manifest.to_json(), exclusive=exclusive)
+            try:
+                self._volume.publish(MANIFEST_NAME, manifest.to_json(), exclusive=exclusive)
+            except VolumeExistsError:
+                if not self._clear_stale_manifest():
+                    raise
+                self._volume.publish(MANIFEST_NAME, manifest.to_json(), exclusive=exclusive)
+            published_manifest = True
             self._volume.publish(METADATA_NAME, pickle.dumps(metadata), exclusive=exclusive)
         except VolumeExistsError as exc:
+            self._withdraw(manifest, published_manifest)
             raise CheckpointExistsError(
                 f"Another save is committing or committed {self._volume.display_url} while "
-                "this one ran; this save was not committed. Fix: give each save its own "
-                "location or pass overwrite=True."
+                "this one ran; this save was not committed and its files were removed. Fix: "
+                "give each save its own location or pass overwrite=True."
             ) from exc
         local_copy = self.local_copy_path
         if local_copy is not None:
@@ -469,6 +482,43 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         )
 
     # -- internals --------------------------------------------------------------------------
+
+    def _clear_stale_manifest(self) -> bool:
+        """Remove a manifest left by a save that crashed before its commit; ``False``
+        when another save committed here instead.
+
+        A save in its commit window publishes ``.metadata`` milliseconds after its
+        manifest: one still without ``.metadata`` after ``LAG_TOTAL_S`` belongs to
+        a save that died (nothing loads it: without ``.metadata`` it is not a
+        checkpoint). Deleting it only now, not when this save starts, never
+        takes the manifest of a save that is committing.
+        """
+        for delay in (0.0, *LAG_DELAYS_S):
+            time.sleep(delay)
+            if self._volume.exists(METADATA_NAME):
+                return False
+        logger.info(
+            "removing the manifest of a save that crashed before committing %s",
+            self._volume.display_url,
+        )
+        self._volume.delete(MANIFEST_NAME)
+        return True
+
+    def _withdraw(self, manifest: Manifest, published_manifest: bool) -> None:
+        """Remove what this save uploaded after another save won the commit.
+
+        Its data files have names of their own (the save tag), so the winner's
+        files stay untouched; its manifest is removed only if it is still this
+        save's own (the winner's commit may have landed beside it).
+        """
+        if published_manifest:
+            try:
+                current = read_manifest(self._volume)
+            except CheckpointCorruptError:
+                current = None  # not a manifest of this save's
+            if current is not None and current.extra.get("save_id") == self._save_id:
+                self._volume.delete(MANIFEST_NAME)
+        self._volume.delete_many(list(manifest.files))
 
     def _remove_committed(self) -> None:
         """Delete the committed checkpoint here: ``.metadata`` first, so it turns incomplete."""
