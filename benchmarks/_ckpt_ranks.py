@@ -453,6 +453,13 @@ class Saver:
         return e2e, e2e
 
 
+def free_pooled_buffers() -> None:
+    """Empty dcp_volumes' staging pool (what ``CheckpointManager.close`` does)."""
+    from dcp_volumes.checkpoint._stager import free_pooled_buffers as free
+
+    free()
+
+
 def server_cpu(job: Job) -> float:
     """CPU seconds the server's processes (and their children) have used so far."""
     import psutil
@@ -485,6 +492,9 @@ def run_save_method(
     # Rank 0 drops each previous save between saves; its client exists before the
     # baseline, so its memory is not counted as the method's.
     cleaner = job.raw(4, direct=True) if rank == 0 else None
+    # A process-wide staging pool a previous method filled would hide this
+    # method's own staging memory (and first-save cost) from its figures.
+    free_pooled_buffers()
     release_free_memory()
     barrier()
     # Taken before the method allocates anything: its writer, buffers and

@@ -293,7 +293,8 @@ def serve(target: Target, *buckets: str, memory_bytes: int = 0) -> Iterator[Any]
                 f"radosgw is not installed: run `{INSTALL_COMMAND}` (Debian packages), "
                 "or give --endpoint of an S3 server you run"
             )
-        server = RadosGW(memstore_bytes=max(2 << 30, 3 * memory_bytes))
+        # Memstore reserves nothing: RAM is used as data arrives.
+        server = RadosGW(memstore_bytes=max(8 << 30, 2 * memory_bytes))
     elif target.name == "azurite":
         if Azurite.find_binary() is None:
             raise TargetError(

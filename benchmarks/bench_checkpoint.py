@@ -215,6 +215,36 @@ def _purge_cell(job: Job) -> None:
 
 
 @contextlib.contextmanager
+def _collecting_garbage(server: Any, period_s: float = 10.0) -> Iterator[None]:
+    """Run the server's garbage collector every ``period_s`` while a cell runs.
+
+    radosgw frees deleted objects' data only when its collector runs (every
+    ~30 s here), and its memstore OSD blocks every write once full: a cell
+    deletes each save as the next starts, faster than that.
+    """
+    collect = getattr(server, "collect_garbage", None)
+    if not callable(collect):
+        yield
+        return
+    import threading
+
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(period_s):
+            with contextlib.suppress(Exception):  # best effort; the next round retries
+                collect()
+
+    thread = threading.Thread(target=loop, name="rgw-gc", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+
+
+@contextlib.contextmanager
 def _links(cfg: CheckpointConfig, server: Any) -> Iterator[dict[str, str]]:
     with contextlib.ExitStack() as stack:
         yield {
@@ -260,7 +290,8 @@ def run(
     }
     t_start = time.perf_counter()
     biggest = max(cfg.sizes_mib) * MiB * max(cfg.ranks)
-    with serve(cfg.target, BUCKET, memory_bytes=biggest * 4) as server, _links(
+    # Kept saves (loads read them) plus saves deleted but not yet collected.
+    with serve(cfg.target, BUCKET, memory_bytes=biggest * 8) as server, _links(
         cfg, server
     ) as endpoints:
         bar = tqdm(total=len(cells), desc="checkpoint cells", unit="cell", file=sys.stderr)
@@ -270,7 +301,8 @@ def run(
                 job = make_job(cfg, server, link, endpoints[link], size, ranks)
                 t0 = time.perf_counter()
                 try:
-                    cell = run_cell(cfg, job, ranks)
+                    with _collecting_garbage(server):
+                        cell = run_cell(cfg, job, ranks)
                 finally:
                     _purge_cell(job)
                     collect = getattr(server, "collect_garbage", None)
