@@ -26,6 +26,7 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._volume._retry import RetryPolicy
 
 if _typing.TYPE_CHECKING:
+    from dcp_volumes.checkpoint._compression import ZstdCompression
     from dcp_volumes.checkpoint._discovery import CheckpointInfo
     from dcp_volumes.checkpoint._manager import CheckpointManager
     from dcp_volumes.checkpoint._reader import VolumeReader
@@ -41,6 +42,7 @@ _LAZY = {
     "CheckpointManager": "dcp_volumes.checkpoint._manager",
     "VolumeReader": "dcp_volumes.checkpoint._reader",
     "VolumeWriter": "dcp_volumes.checkpoint._writer",
+    "ZstdCompression": "dcp_volumes.checkpoint._compression",
     "FileCache": "dcp_volumes.data._cache",
     "VolumeDataset": "dcp_volumes.data._dataset",
     "DataLoader": "dcp_volumes.data._loader",
@@ -87,6 +89,7 @@ __all__ = [
     "VolumeNotFoundError",
     "VolumeReader",
     "VolumeWriter",
+    "ZstdCompression",
     "__version__",
     "storage_error",
 ]

@@ -20,7 +20,7 @@ class ConfigurationError(DcpVolumesError, ValueError):
 
 
 class BackendNotInstalledError(DcpVolumesError, ImportError):
-    """The fsspec implementation for a URL's protocol is not installed."""
+    """A library a feature needs is not installed (an fsspec protocol's, zstd)."""
 
 
 class VolumeError(DcpVolumesError, OSError):

@@ -393,14 +393,25 @@ def _entries(metadata: Any) -> list[dict[str, Any]]:
 def _inspect(args: argparse.Namespace, out: Output) -> int:
     cvol, info = _single(_volume(args, args.url))
     step = info.step if info is not None else None
-    entries = _entries(read_metadata(cvol))
+    metadata = read_metadata(cvol)
+    entries = _entries(metadata)
     tensor_bytes = sum(e["nbytes"] or 0 for e in entries)
+    # What the data files hold: items' stored lengths, and the stream transforms
+    # (e.g. stream.zstd/1 for compression) they were written with.
+    stored = list((getattr(metadata, "storage_data", None) or {}).values())
+    stored_bytes = sum(int(getattr(i, "length", 0) or 0) for i in stored)
+    transforms = sorted(
+        {"+".join(getattr(i, "transform_descriptors", None) or ()) for i in stored} - {""}
+    )
     out.json({"url": cvol.display_url, "step": step,
               "complete": info.complete if info else None,
-              "tensor_bytes": tensor_bytes, "entries": entries})
+              "tensor_bytes": tensor_bytes, "stored_bytes": stored_bytes,
+              "transforms": transforms, "entries": entries})
+    how = f" ({', '.join(transforms)})" if transforms else ""
     out.line(f"{cvol.display_url}  step {step}  "
              f"{'complete' if info is None or info.complete else 'PARTIAL'}  "
-             f"{len(entries)} entries, {human_size(tensor_bytes)} of tensors")
+             f"{len(entries)} entries, {human_size(tensor_bytes)} of tensors, "
+             f"{human_size(stored_bytes)} stored{how}")
     rows = [["NAME", "DTYPE", "SHAPE", "CHUNKS"]]
     for e in entries:
         if e["kind"] == "tensor":

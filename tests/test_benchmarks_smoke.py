@@ -2,9 +2,9 @@
 
 Slow (a quick run takes a minute or two on 2 cores), so the runs are few: both
 benchmarks on moto's loopback, the checkpoint matrix's remote link with a few
-methods, and Azurite. The benchmarks start their own servers; their JSON and
-plots go to a temp dir (``DCP_VOLUMES_BENCH_RESULTS``), so committed results
-stay untouched.
+methods, Azurite, and the compression benchmark (``bench_compression.py``).
+The benchmarks start their own servers; their JSON and plots go to a temp dir
+(``DCP_VOLUMES_BENCH_RESULTS``), so committed results stay untouched.
 """
 
 from __future__ import annotations
@@ -79,6 +79,33 @@ def test_quick_checkpoint_on_azurite(tmp_path: Path) -> None:
     report = _load(tmp_path, "checkpoint_azurite_quick")
     assert report["config"]["target"] == "azurite"
     _check_checkpoint(report, links={"loopback"}, s3tc=False, local_tier=False, reshard=False)
+
+
+def test_quick_compression_benchmark(tmp_path: Path) -> None:
+    env = {**os.environ, "DCP_VOLUMES_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_compression", "--quick"],
+        cwd=repo_root(), env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, (
+        f"bench_compression --quick exited {proc.returncode}\n--- stdout ---\n"
+        f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
+    )
+    _check_compression(_load(tmp_path, "compression_quick"))
+
+
+def _check_compression(report: dict[str, Any]) -> None:
+    rows = report["rows"]
+    assert {(r["link"], r["method"]) for r in rows} >= {
+        ("loopback", "ours"), ("loopback", "ours + zstd"), ("remote", "ours"),
+        ("remote", "ours + zstd")}
+    assert all(r["save_median_s"] > 0 and r["load_median_s"] > 0 for r in rows)
+    ratio = {r["state"]: r["ratio"] for r in rows if r["method"] == "ours + zstd"}
+    # Deterministic states: noise barely compresses, integers and zeros a lot.
+    assert 1.0 <= ratio["fp32 random"] < 1.2 < ratio["int + sparse"]
+    assert ratio["fp32 random"] < ratio["bf16 + Adam"] < ratio["int + sparse"]
+    # Uncompressed files hold the raw bytes plus torch.save's headers.
+    assert all(0.95 < r["ratio"] <= 1.0 for r in rows if not r["method"].endswith("zstd"))
 
 
 def _check_checkpoint(

@@ -12,6 +12,8 @@ EXPECTED = {
     "VolumeDataset",
     "VolumeReader",
     "VolumeWriter",
+    # compression="zstd" with a level and threads (VolumeWriter(compression=...))
+    "ZstdCompression",
     # the retry/timeout policy the classes above take as retry=
     "RetryPolicy",
     # errors users catch

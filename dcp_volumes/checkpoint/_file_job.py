@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
@@ -35,6 +36,7 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._streams import FileSlice, MemoryReader
 from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
 from dcp_volumes.checkpoint._shards import (
     load_tensor,
@@ -44,13 +46,6 @@ from dcp_volumes.checkpoint._shards import (
 )
 
 logger = logging.getLogger("dcp_volumes.checkpoint._reader")
-
-# Stream transforms (e.g. compression) of stock writers with extensions; the
-# module is experimental in torch, so it may be missing.
-try:
-    from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
-except ImportError:  # pragma: no cover - torch < 2.7
-    _StorageReaderTransforms = None  # type: ignore[misc,assignment]
 
 
 @dataclass
@@ -71,6 +66,7 @@ class FileJob:
     whole: bool
     source: Volume
     from_local: bool = False
+    transforms: ReaderTransforms = field(default_factory=ReaderTransforms)
     pieces: list[tuple[int, memoryview]] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # the pieces' file offsets
     futures: list[ThreadFuture[None]] = field(default_factory=list)
@@ -212,10 +208,50 @@ class FileJob:
             self.file.close()
             self.file = None
 
-    def deliver(self, planner: LoadPlanner) -> None:
-        """Deserialise every item from the fetched bytes and hand it to ``planner``."""
+    def deliver(self, planner: LoadPlanner, decoders: Decoders | None = None) -> None:
+        """Deserialise every item from the fetched bytes and hand it to ``planner``.
+
+        ``decoders``: threads that undo the stream transforms (decompress) of the
+        next items while this thread deserialises the current one.
+        """
         starts = self.starts
         bounds = [(at, at + len(buf)) for at, buf in self.pieces]
+        where = redact_url(self.source.url_of(self.rel))
+
+        def raw(info: Any) -> tuple[IO[bytes], memoryview | None]:
+            if self.file is not None:
+                return cast(IO[bytes], FileSlice(self.file, info.offset, info.length)), None
+            view = _slice(self.pieces, starts, bounds, info.offset, info.length)
+            return cast(IO[bytes], MemoryReader(view)), view
+
+        def decode(i: int) -> IO[bytes]:
+            req, info = self.reqs[i]
+            stream, _ = raw(info)
+            return self.transforms.untransform(req, info.transform_descriptors, stream, where)
+
+        coded = [
+            i
+            for i, (_, info) in enumerate(self.reqs)
+            if i not in self.direct and getattr(info, "transform_descriptors", None)
+        ]
+        ahead: dict[int, ThreadFuture[IO[bytes]]] = {}
+        try:
+            self._deliver(planner, raw, decode, coded, ahead, decoders, where)
+        finally:
+            for f in ahead.values():
+                f.cancel()
+
+    def _deliver(
+        self,
+        planner: LoadPlanner,
+        raw: Callable[[Any], tuple[IO[bytes], memoryview | None]],
+        decode: Callable[[int], IO[bytes]],
+        coded: list[int],
+        ahead: dict[int, ThreadFuture[IO[bytes]]],
+        decoders: Decoders | None,
+        where: str,
+    ) -> None:
+        queued = 0  # coded[:queued] are submitted
         for i, (req, info) in enumerate(self.reqs):
             if i in self.direct:
                 if self.file is not None:  # local: one positioned read into the target
@@ -224,15 +260,29 @@ class FileJob:
                 planner.commit_tensor(req, self.targets[i])
                 continue
             stream: IO[bytes]
-            view = None
-            if self.file is not None:
-                stream = cast(IO[bytes], FileSlice(self.file, info.offset, info.length))
+            view: memoryview | None = None
+            if getattr(info, "transform_descriptors", None):
+                # A transformed item is undone whole (as stock does), into memory,
+                # by the decoder threads a few items ahead of this one.
+                if decoders is None:
+                    stream = decode(i)
+                else:
+                    # Ahead: at most `window` items and `budget` stored bytes (always
+                    # the current one), so big tensors are not all decoded at once.
+                    held = sum(self.reqs[j][1].length for j in ahead)
+                    while queued < len(coded) and len(ahead) < decoders.window:
+                        nxt = coded[queued]
+                        size = self.reqs[nxt][1].length
+                        if ahead and held + size > decoders.budget:
+                            break
+                        ahead[nxt] = decoders.pool.submit(decode, nxt)
+                        held += size
+                        queued += 1
+                    stream = ahead.pop(i).result()
+                if isinstance(stream, io.BytesIO) and req.type != LoadItemType.BYTE_IO:
+                    view = stream.getbuffer()  # deserialised in place: no copy
             else:
-                view = _slice(self.pieces, starts, bounds, info.offset, info.length)
-                stream = cast(IO[bytes], MemoryReader(view))
-            descriptors = getattr(info, "transform_descriptors", None)
-            if descriptors:
-                stream, view = _untransform(req, descriptors, stream), None
+                stream, view = raw(info)
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(stream.read()))
                 continue
@@ -245,7 +295,7 @@ class FileJob:
                     tensor = torch.load(stream, map_location="cpu", weights_only=True)
             except Exception as exc:
                 raise CheckpointCorruptError(
-                    f"{req.storage_index.fqn} in {redact_url(self.source.url_of(self.rel))} "
+                    f"{req.storage_index.fqn} in {where} "
                     f"cannot be deserialised ({type(exc).__name__}: {exc}). The file is damaged; "
                     "load with verify=True to check it, or load an older checkpoint."
                 ) from exc
@@ -258,6 +308,16 @@ class FileJob:
                 )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+
+@dataclass(frozen=True)
+class Decoders:
+    """Threads that undo items' stream transforms, and how far they may run ahead:
+    ``window`` items and ``budget`` stored bytes at most."""
+
+    pool: ThreadPoolExecutor
+    window: int
+    budget: int
 
 
 def _scratch(nbytes: int) -> memoryview:
@@ -277,15 +337,3 @@ def _slice(
         return memoryview(b"")
     at, buf = pieces[_layout.find_span(starts, bounds, offset, offset + length)]
     return buf[offset - at : offset - at + length]
-
-
-def _untransform(req: ReadItem, descriptors: Sequence[str], stream: IO[bytes]) -> IO[bytes]:
-    if _StorageReaderTransforms is None:  # pragma: no cover - torch < 2.7
-        raise CheckpointCorruptError(
-            f"{req.storage_index.fqn} was saved with stream transforms {list(descriptors)} "
-            "that this torch version cannot undo; load with the torch that saved it."
-        )
-    return cast(
-        IO[bytes],
-        _StorageReaderTransforms().transform_load_stream(req, descriptors, stream),
-    )

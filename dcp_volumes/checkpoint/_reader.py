@@ -40,7 +40,8 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._staging import parse_size
 from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
-from dcp_volumes.checkpoint._file_job import FileJob
+from dcp_volumes.checkpoint._extensions import ReaderTransforms
+from dcp_volumes.checkpoint._file_job import Decoders, FileJob
 from dcp_volumes.checkpoint._manifest import (
     METADATA_NAME,
     FileRecord,
@@ -60,6 +61,8 @@ except ImportError:  # pragma: no cover - torch < 2.4
 
 logger = logging.getLogger(__name__)
 
+# Stored (compressed) bytes decoded ahead of deserialisation, at most.
+_DECODE_AHEAD_BYTES = 256 * 2**20
 # Smallest GET a file is split into to feed idle streams.
 _MIN_SPLIT = 4 * 2**20
 
@@ -129,6 +132,10 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         part_size: largest single ranged read (bytes or e.g. ``"16MiB"``).
         coalesce_gap: merge ranges closer than this (bytes or e.g. ``"1MiB"``).
         prefetch_bytes: how far fetching may run ahead of deserialisation.
+        _extension_registry: stock DCP's ``ExtensionRegistry`` for items saved
+            with stream transforms (``_extensions=``), as ``FileSystemReader``
+            takes it; default: torch's (zstd included). Transformed items are
+            fetched and undone whole; the rest keep ranged, in-place reads.
     """
 
     options: ReaderOptions
@@ -145,8 +152,10 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         part_size: int | str = "16MiB",
         coalesce_gap: int | str = _layout.DEFAULT_COALESCE_GAP,
         prefetch_bytes: int | str = "1GiB",
+        _extension_registry: Any | None = None,
     ) -> None:
         super().__init__()
+        self._transforms = ReaderTransforms(_extension_registry)
         self.options = ReaderOptions(
             verify=verify,
             local_copy_dir=os.fspath(local_copy_dir) if local_copy_dir is not None else None,
@@ -236,6 +245,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._load_manifest()
         jobs = self._plan_jobs(plan)
         self._part_size = self._split_size(sum(job.nbytes for job in jobs))
+        decoders = self._decoders(jobs)
         with ThreadPoolExecutor(
             max_workers=self.options.read_concurrency, thread_name_prefix="dcpv-read"
         ) as pool:
@@ -260,7 +270,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                         listing = None
                     self._finish_job(pool, job, planner)
                     in_flight -= job.nbytes
-                    job.deliver(planner)
+                    job.deliver(planner, decoders)
                     direct += len(job.direct)
                     job.pieces.clear()
                     job.starts.clear()
@@ -272,6 +282,9 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                         f.cancel()
                     job.close()
                 raise
+            finally:
+                if decoders is not None:
+                    decoders.pool.shutdown(wait=True, cancel_futures=True)
         logger.debug(
             "%s: %d of %d items read straight into their target tensors",
             self._volume.display_url,
@@ -347,11 +360,27 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             whole = record is not None and spans == [(0, record.size)]
             if record is not None and self.options.verify:
                 spans, whole = [(0, record.size)], True
-            job = FileJob(rel, reqs, spans, record, whole, self._volume)
+            job = FileJob(rel, reqs, spans, record, whole, self._volume,
+                          transforms=self._transforms)
             if record is not None:
                 self._use_local_copy(job)
             jobs.append(job)
         return jobs
+
+    @staticmethod
+    def _decoders(jobs: Sequence[FileJob]) -> Decoders | None:
+        """Threads to decompress (undo stream transforms) ahead, if any item needs it.
+
+        Decompression is CPU work that releases the GIL: one thread per core
+        keeps it off the critical path; twice that many items, and at most
+        ``_DECODE_AHEAD_BYTES`` of stored bytes, are decoded ahead.
+        """
+        if not any(getattr(info, "transform_descriptors", None)
+                   for job in jobs for _, info in job.reqs):
+            return None
+        workers = max(1, min(8, os.cpu_count() or 1))
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcpv-decode")
+        return Decoders(pool, window=2 * workers, budget=_DECODE_AHEAD_BYTES)
 
     def _check_sizes(self, jobs: Sequence[FileJob], listing: Sequence[FileInfo]) -> None:
         """Every file the plan reads exists with the manifest's size (before any is used)."""

@@ -37,6 +37,14 @@ from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
 # Slack per item on top of the raw tensor bytes (torch.save's zip headers).
 _ITEM_OVERHEAD = 4096
 
+# Stock DCP's stream transforms (torch >= 2.7; experimental there, so guarded).
+try:
+    from torch.distributed.checkpoint.filesystem import (
+        _StorageWriterTransforms as StreamTransforms,
+    )
+except ImportError:  # pragma: no cover - torch < 2.7
+    StreamTransforms = None  # type: ignore[misc,assignment]
+
 # upload(local_path, relative_path, size): put one closed file on the volume.
 Upload = Callable[[str, str, int], None]
 
@@ -154,10 +162,16 @@ def write_and_upload(
     fsync: bool,
     files_in_flight: int,
     upload: Upload,
+    transforms: StreamTransforms | None = None,
 ) -> tuple[list[WriteResult], int, int]:
     """Serialise ``items`` into files of at most ``file_size`` bytes of tensor data (plus
     headers; or one item larger than that), uploading each once closed, so
     what the uploads hold in flight stays within files in flight x file size.
+
+    ``transforms`` (``_extensions=``, compression) wrap each item's bytes on
+    their way into the file, as stock DCP's writer does: the offsets, lengths
+    and checksums are those of the stored (transformed) bytes, and the item's
+    transform descriptors go into ``.metadata``.
 
     Returns the write results, the bytes written and the number of files,
     once every upload has finished. The first failure (serialising or
@@ -166,7 +180,7 @@ def write_and_upload(
     """
     results: list[WriteResult] = []
     uploads: list[ThreadFuture[None]] = []
-    pending: list[tuple[WriteItem, int, int]] = []
+    pending: list[tuple[WriteItem, int, int, list[str] | None]] = []
     state: dict[str, Any] = {"file": None, "rel": "", "total": 0, "index": 0, "data": 0}
 
     def close_and_upload(pool: ThreadPoolExecutor) -> None:
@@ -176,12 +190,17 @@ def write_and_upload(
         record = current.close(fsync=fsync)
         state["total"] += record.size
         rel = state["rel"]
-        for item, offset, length in pending:
+        for item, offset, length, descriptors in pending:
+            info = (
+                _StorageInfo(rel, offset, length)
+                if descriptors is None
+                else _StorageInfo(rel, offset, length, transform_descriptors=descriptors)
+            )
             results.append(
                 WriteResult(
                     index=item.index,
                     size_in_bytes=length,
-                    storage_data=WrittenItem(_StorageInfo(rel, offset, length), record),
+                    storage_data=WrittenItem(info, record),
                 )
             )
         pending.clear()
@@ -206,16 +225,9 @@ def write_and_upload(
                 current: HashingFile = state["file"]
                 offset = current.tell()
                 data = planner.resolve_data(item)
-                if isinstance(data, io.BytesIO):
-                    current.write(data.getbuffer())
-                else:
-                    # torch.save streams each storage as a memoryview: no copy in RAM.
-                    tensor = plain_cpu_tensor(data)
-                    current.expect_tensor(tensor)
-                    torch.save(tensor, cast(IO[bytes], current))
-                    del tensor
+                descriptors = _write_item(current, data, item, transforms)
                 written = current.tell() - offset
-                pending.append((item, offset, written))
+                pending.append((item, offset, written, descriptors))
                 state["data"] += _data_bytes(item) if item.tensor_data is not None else written
                 del data
             close_and_upload(pool)
@@ -247,6 +259,32 @@ def write_and_upload(
                     other.cancel()
                 raise cast(BaseException, f.exception())
     return results, state["total"], state["index"]
+
+
+def _write_item(
+    file: HashingFile,
+    data: io.BytesIO | torch.Tensor,
+    item: WriteItem,
+    transforms: StreamTransforms | None,
+) -> list[str] | None:
+    """Serialise one item into ``file``; returns its transform descriptors (None: none)."""
+    out: IO[bytes] = cast(IO[bytes], file)
+    descriptors: list[str] = []
+    if transforms is not None:
+        out, descriptors = transforms.transform_save_stream(item, cast(io.IOBase, file))
+    if isinstance(data, io.BytesIO):
+        out.write(data.getbuffer())
+    else:
+        # torch.save streams each storage as a memoryview: no copy in RAM.
+        tensor = plain_cpu_tensor(data)
+        if not descriptors:  # only untransformed data lies in the file as it is in memory
+            file.expect_tensor(tensor)
+        torch.save(tensor, out)
+        del tensor
+    if transforms is not None:
+        out.close()  # ends the transform (a compressor's last frame); the file stays open
+    # As stock: no descriptors field at all for an item without transforms.
+    return descriptors or None
 
 
 def load_tensor(view: memoryview) -> torch.Tensor:

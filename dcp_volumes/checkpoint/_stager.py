@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -85,19 +86,54 @@ def free_pooled_buffers() -> None:
 
 
 class CpuStager:
-    """Blocking copy of a state dict to CPU, into cached buffers when ``cache`` is set.
+    """Copy of a state dict to CPU, into cached buffers when ``cache`` is set.
+
+    ``background``: ``stage`` returns a future at once and copies in a thread
+    of its own (with CUDA, on a stream of its own that first waits for the
+    work queued before ``stage``); the state must not change until the future
+    is done. Otherwise ``stage`` returns once the copy is complete.
 
     Not picklable on purpose: it holds the buffers, which must stay in the
     training process.
     """
 
-    def __init__(self, *, cache: bool) -> None:
+    def __init__(self, *, cache: bool, background: bool = False) -> None:
         self.cache = cache
+        self.background = background
         self._buffers: STATE_DICT_TYPE | None = None
         self._signature: Any = None
         self._fallback: BlockingAsyncStager | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._cuda_stream: Any = None
 
-    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
+    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | Future[STATE_DICT_TYPE]:
+        """A copy of ``state_dict`` on CPU, or (``background``) a future of it."""
+        if not self.background:
+            return self._copy(state_dict)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpv-stage")
+        ready = None
+        if torch.cuda.is_available():
+            # The copy must see the state as of this call: its stream waits for
+            # what the caller's stream has queued so far, and nothing later.
+            if self._cuda_stream is None:
+                self._cuda_stream = torch.cuda.Stream()
+            ready = torch.cuda.Event()
+            ready.record()
+        return self._executor.submit(self._copy_on_stream, state_dict, ready)
+
+    def _copy_on_stream(self, state_dict: STATE_DICT_TYPE, ready: Any) -> STATE_DICT_TYPE:
+        if ready is None:
+            return self._copy(state_dict)
+        stream = self._cuda_stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            staged = self._copy(state_dict, sync=stream.synchronize)
+        return staged
+
+    def _copy(
+        self, state_dict: STATE_DICT_TYPE, sync: Callable[[], None] | None = None
+    ) -> STATE_DICT_TYPE:
         """A copy of ``state_dict`` on CPU; returns once the copy is complete."""
         if _copy_state_dict is None or _create_cpu_state_dict is None:  # pragma: no cover
             if self._fallback is None:
@@ -123,7 +159,8 @@ class CpuStager:
         # type_check=False: objects other than tensors are deep-copied, whatever their type.
         staged = _copy_state_dict(state_dict, target, non_blocking=pin, type_check=False)
         if pin:
-            torch.cuda.synchronize()  # non-blocking device-to-host copies must land first
+            # Non-blocking device-to-host copies must land first.
+            (sync or torch.cuda.synchronize)()
         return staged
 
     def release(self) -> None:
@@ -134,7 +171,10 @@ class CpuStager:
         self._signature = None
 
     def close(self) -> None:
-        """Give the buffers back to the pool."""
+        """Give the buffers back to the pool (after a background copy in flight)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
         self.release()
         if self._fallback is not None:
             self._fallback.close()
@@ -142,7 +182,9 @@ class CpuStager:
 
     def __getstate__(self) -> dict[str, Any]:
         # A pickled writer (PROCESS async checkpointer) gets an empty stager.
-        return {"cache": self.cache}
+        return {"cache": self.cache, "background": self.background}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(cache=state["cache"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            cache=state["cache"], background=state.get("background", False)
+        )

@@ -21,7 +21,8 @@ import pickle
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,8 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
 from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, RetryPolicy, Volume
 from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._compression import ZstdCompression
+from dcp_volumes.checkpoint._extensions import check_serialization_format, writer_transforms
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -72,6 +75,14 @@ try:
 except ImportError:  # pragma: no cover - torch < 2.4
     StorageMeta = None  # type: ignore[assignment,misc]
 
+# dcp.async_save accepts a stager's future (and answers AsyncSaveResponse) since torch 2.9.
+try:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    _STAGING_FUTURES = AsyncSaveResponse is not None
+except ImportError:  # pragma: no cover - torch < 2.9
+    _STAGING_FUTURES = False
+
 logger = logging.getLogger(__name__)
 
 
@@ -96,6 +107,10 @@ class WriterOptions:
         cache_staged_state_dict: reuse the CPU staging buffers of
             ``dcp.async_save`` across saves.
         staging_headroom: free space to leave on the staging disk.
+        async_staging: ``stage`` copies in a background thread and returns a future
+            (``dcp.async_save`` then returns an ``AsyncSaveResponse``).
+        sync_files: fsync staged files that become the checkpoint's own (mount
+            volumes, the local tier); stock's ``sync_files``.
     """
 
     staging_dir: str | None = None
@@ -108,6 +123,8 @@ class WriterOptions:
     prefix_spread: int = 0
     cache_staged_state_dict: bool = True
     staging_headroom: int = DEFAULT_HEADROOM_BYTES
+    async_staging: bool = False
+    sync_files: bool = True
 
     def __post_init__(self) -> None:
         if self.upload_concurrency < 1:
@@ -160,7 +177,10 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
        a save that crashed, is cleared at commit time); each rank gets its file prefix, which
        carries a new tag per save, so no two saves write the same object.
     4. (all ranks) ``write_data``: serialise to staging files of about
-       ``file_size`` bytes, upload each as soon as it is closed; the future is
+       ``file_size`` bytes (each item through the stream transforms, i.e.
+       compressed, when ``compression``/``_extensions`` are given; in
+       ``dcp.async_save`` this is the background part), upload each as soon
+       as it is closed; the future is
        complete when every file of this rank is on the volume with its size
        verified.
     5. (coordinator) ``finish``: verify all files are listed with their sizes,
@@ -195,6 +215,34 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         staging_headroom: free space to leave on the staging disk beyond what
             a save needs (bytes or e.g. ``"1GiB"``).
         retry: retry policy for transient volume errors.
+        compression: ``"zstd"`` or ``ZstdCompression(level=..., threads=...)``
+            compresses every item as stock DCP's ``ZStandard`` extension does
+            (stock readers load it); the compression runs while serialising,
+            in the background part of ``dcp.async_save``.
+        async_staging: with ``dcp.async_save``, copy the state in a background
+            thread: ``async_save`` returns at once with an ``AsyncSaveResponse``
+            whose ``staging_completion`` says when training may change the
+            state again (torch >= 2.9).
+        _extensions: stock DCP's stream transforms (e.g. torch's ``ZStandard()``
+            or any ``StreamTransformExtension``), as ``FileSystemWriter`` takes
+            them; the item descriptors in ``.metadata`` are stock's. At most one.
+        serialization_format: stock's ``SerializationFormat.TORCH_SAVE`` (the
+            only format stock readers load item by item); ``SAFETENSORS`` is
+            refused with a pointer to torch's ``HuggingFaceStorageWriter``.
+        single_file_per_rank: stock's keyword: ``False`` writes every item to a
+            file of its own (as ``FileSystemWriter`` does); ``True`` (default)
+            cuts a rank's files at ``file_size``.
+        sync_files: stock's keyword: ``False`` skips the fsync of files on a
+            mount volume or in the local tier (faster, not crash-safe there).
+        thread_count: stock's keyword, accepted so that code written for
+            ``FileSystemWriter`` runs unchanged; it has no effect: this writer
+            serialises in one thread and uploads ``upload_concurrency``
+            streams at once.
+        per_thread_copy_ahead: stock's keyword for its GPU copy-ahead,
+            accepted likewise without effect (``stage`` makes the host copy).
+
+    Unlike stock writers, ``overwrite`` defaults to ``False`` (stock announces
+    the same change): a committed checkpoint is never replaced by accident.
     """
 
     options: WriterOptions
@@ -218,8 +266,24 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         cache_staged_state_dict: bool = True,
         staging_headroom: int | str = DEFAULT_HEADROOM_BYTES,
         retry: RetryPolicy | None = None,
+        compression: str | ZstdCompression | None = None,
+        async_staging: bool = False,
+        _extensions: Sequence[Any] | None = None,
+        serialization_format: Any = None,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int | None = None,
+        per_thread_copy_ahead: int | None = None,
     ) -> None:
         super().__init__()
+        check_serialization_format(serialization_format)
+        if async_staging and not _STAGING_FUTURES:  # pragma: no cover - torch < 2.9
+            raise ConfigurationError(
+                "async_staging=True needs torch >= 2.9, whose dcp.async_save takes a staging "
+                "future and returns AsyncSaveResponse. Upgrade torch, or drop async_staging "
+                "(staging then blocks for the host copy only)."
+            )
+        self._transforms = writer_transforms(_extensions, compression)
         self.options = WriterOptions(
             staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,
             overwrite=overwrite,
@@ -227,11 +291,22 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             local_copy_dir=os.fspath(local_copy_dir) if local_copy_dir is not None else None,
             upload_concurrency=upload_concurrency,
             part_size=int(parse_size(part_size, what="part_size") or 0),
-            file_size=int(parse_size(file_size, what="file_size") or 0),
+            # One item per file (stock's single_file_per_rank=False): any item overflows 1 byte.
+            file_size=(
+                int(parse_size(file_size, what="file_size") or 0) if single_file_per_rank else 1
+            ),
             prefix_spread=prefix_spread,
             cache_staged_state_dict=cache_staged_state_dict,
             staging_headroom=int(parse_size(staging_headroom, what="staging_headroom") or 0),
+            async_staging=bool(async_staging),
+            sync_files=bool(sync_files),
         )
+        if thread_count is not None or per_thread_copy_ahead is not None:
+            logger.debug(
+                "VolumeWriter ignores thread_count/per_thread_copy_ahead (FileSystemWriter's); "
+                "it uploads upload_concurrency=%d streams at once",
+                upload_concurrency,
+            )
         self._storage_options = dict(storage_options or {})
         self._retry = retry
         self._volume = Volume(path, storage_options=self._storage_options, retry=retry)
@@ -246,7 +321,9 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         self._save_id = uuid.uuid4().hex
         self._is_coordinator = False
         self._rank = 0
-        self._stager = CpuStager(cache=self.options.cache_staged_state_dict)
+        self._stager = CpuStager(
+            cache=self.options.cache_staged_state_dict, background=self.options.async_staging
+        )
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -270,12 +347,16 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
 
     # -- AsyncStager ------------------------------------------------------------------------
 
-    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
+    def stage(
+        self, state_dict: STATE_DICT_TYPE
+    ) -> STATE_DICT_TYPE | ThreadFuture[STATE_DICT_TYPE]:
         """Copy ``state_dict`` to CPU buffers that later training steps cannot change.
 
         With ``cache_staged_state_dict`` the buffers are allocated on the first
         save (pinned when CUDA is present) and refreshed in place afterwards;
         they are reallocated only when the structure, a shape or a dtype changes.
+        With ``async_staging`` the copy runs in a background thread and a
+        future of the staged copy is returned at once.
         """
         return self._stager.stage(state_dict)
 
@@ -382,8 +463,10 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                 prefix_spread=self.options.prefix_spread,
                 file_size=shape.file_size,
                 # Mount-path volumes get the file by rename: it must be on disk first.
-                fsync=self._volume.capabilities.local_files or local_copy is not None,
+                fsync=self.options.sync_files
+                and (self._volume.capabilities.local_files or local_copy is not None),
                 files_in_flight=shape.files_in_flight,
+                transforms=self._transforms,
                 upload=lambda local, rel, size: upload_file(
                     self._volume,
                     local,

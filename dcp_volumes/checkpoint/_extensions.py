@@ -1,0 +1,158 @@
+"""Stock DCP's stream extensions (``_extensions=``, ``_extension_registry=``), ours too.
+
+``FileSystemWriter(_extensions=[...])`` passes each item's bytes through the
+extensions' streams and records their descriptors in the item's
+``_StorageInfo.transform_descriptors``; ``FileSystemReader`` looks the
+descriptors up in an ``ExtensionRegistry`` to undo them. ``VolumeWriter`` and
+``VolumeWriter`` uses torch's own writer-side transforms, and the reader
+undoes them in the order torch's reader does, so the bytes and ``.metadata``
+are stock's, both ways. Torch (2.7+) marks the API experimental;
+on a torch without it, asking for an extension is refused with a message.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import IO, Any
+
+from torch.distributed.checkpoint.planner import ReadItem
+
+from dcp_volumes._exceptions import CheckpointCorruptError, ConfigurationError
+from dcp_volumes.checkpoint._compression import ZstdCompression, resolve
+
+try:
+    from torch.distributed.checkpoint._extension import (
+        ExtensionRegistry,
+        StreamTransformExtension,
+    )
+    from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
+except ImportError:  # pragma: no cover - torch < 2.7
+    ExtensionRegistry = None  # type: ignore[misc,assignment]
+    StreamTransformExtension = None  # type: ignore[misc,assignment]
+    _StorageWriterTransforms = None  # type: ignore[misc,assignment]
+
+try:
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+except ImportError:  # pragma: no cover - torch < 2.8
+    SerializationFormat = None  # type: ignore[misc,assignment]
+
+
+def writer_transforms(
+    extensions: Sequence[Any] | None, compression: str | ZstdCompression | None
+) -> Any | None:
+    """Torch's writer-side transforms for ``_extensions`` plus ``compression`` (None: none)."""
+    chosen = list(extensions or ())
+    zstd = resolve(compression)
+    if zstd is not None:
+        chosen.append(zstd)
+    if not chosen:
+        return None
+    if _StorageWriterTransforms is None:  # pragma: no cover - torch < 2.7
+        raise ConfigurationError(
+            "_extensions= and compression= need torch >= 2.7, whose DCP has stream "
+            "extensions. Upgrade torch, or save without them."
+        )
+    for ext in chosen:
+        if not isinstance(ext, StreamTransformExtension):
+            raise ConfigurationError(
+                f"_extensions holds {ext!r}, which is not a StreamTransformExtension (from "
+                "torch.distributed.checkpoint._extension); only stream transforms change "
+                "how items are stored."
+            )
+    if len(chosen) > 1:
+        # Torch's reader undoes a chain in the order it was applied, not the reverse
+        # (seen on torch 2.13): a stock reader could not load such a checkpoint.
+        raise ConfigurationError(
+            f"{len(chosen)} stream transforms were given ({', '.join(map(repr, chosen))}, "
+            "counting compression=); stock DCP readers undo a chain of them in the wrong "
+            "order, so the checkpoint would not load. Use one: either compression= or a "
+            "single _extensions entry."
+        )
+    return _StorageWriterTransforms(chosen)
+
+
+def default_registry() -> Any | None:
+    """Torch's default registry with our zstd decoder (it also reads ``compression.zstd``)."""
+    if ExtensionRegistry is None:  # pragma: no cover - torch < 2.7
+        return None
+    registry = ExtensionRegistry()
+    registry.register(ZstdCompression)
+    return registry
+
+
+class ReaderTransforms:
+    """Undoes the stream transforms named by an item's descriptors (reader side).
+
+    Args:
+        registry: an ``ExtensionRegistry`` as ``FileSystemReader`` takes it;
+            ``None``: torch's defaults plus ``ZstdCompression``.
+    """
+
+    def __init__(self, registry: Any | None = None) -> None:
+        if registry is not None and ExtensionRegistry is not None and not isinstance(
+            registry, ExtensionRegistry
+        ):
+            raise ConfigurationError(
+                f"_extension_registry={registry!r} is not a torch ExtensionRegistry; build one "
+                "with ExtensionRegistry() and register(YourExtension)."
+            )
+        self.registry = registry
+
+    def untransform(
+        self, req: ReadItem, descriptors: Sequence[str], stream: IO[bytes], where: str
+    ) -> IO[bytes]:
+        """``stream`` (one stored item) as the bytes the writer's planner produced.
+
+        Reads the item whole into memory. An extension that cannot be found or
+        built raises ``ConfigurationError``; one that fails on the bytes,
+        ``CheckpointCorruptError``.
+        """
+        if ExtensionRegistry is None:  # pragma: no cover - torch < 2.7
+            raise CheckpointCorruptError(
+                f"{req.storage_index.fqn} in {where} was saved with stream transforms "
+                f"{list(descriptors)} that this torch cannot undo; load with torch >= 2.7."
+            )
+        registry: Any = self.registry if self.registry is not None else default_registry()
+        try:
+            extensions = registry.from_descriptor_list(descriptors)
+        except ValueError as exc:  # torch's registry: an unknown or unusable extension
+            raise ConfigurationError(
+                f"{req.storage_index.fqn} in {where} was saved with stream transforms "
+                f"{list(descriptors)} that cannot be undone here ({exc}). Fix: pass "
+                "VolumeReader(_extension_registry=...) with the extension registered, or "
+                "install its library (zstd: pip install 'dcp_volumes[zstd]')."
+            ) from exc
+        try:
+            # In the order torch's FileSystemReader applies them (stock's format).
+            for ext in extensions:
+                if isinstance(ext, StreamTransformExtension):
+                    stream = ext.transform_from(stream)
+            return io.BytesIO(stream.read())
+        except Exception as exc:  # what a decoder raises on bad input is its own type
+            raise CheckpointCorruptError(
+                f"{req.storage_index.fqn} in {where} cannot be decoded by its stream "
+                f"transforms {list(descriptors)} ({type(exc).__name__}: {exc}). The file is "
+                "damaged; load with verify=True to check it, or load an older checkpoint."
+            ) from exc
+
+
+def check_serialization_format(fmt: Any) -> None:
+    """Refuse every ``serialization_format`` but stock's ``TORCH_SAVE`` (None: the default)."""
+    if fmt is None:
+        return
+    name = getattr(fmt, "value", fmt)
+    if name == "torch_save":
+        return
+    if name == "safetensors":
+        raise ConfigurationError(
+            "VolumeWriter writes DCP's torch_save format (what FileSystemReader, FsspecReader "
+            "and VolumeReader load item by item); serialization_format=SAFETENSORS writes "
+            "files only torch's HuggingFace reader understands. Fix: drop "
+            "serialization_format, or use torch's HuggingFaceStorageWriter for safetensors."
+        )
+    known = [f.value for f in SerializationFormat] if SerializationFormat is not None else []
+    raise ConfigurationError(
+        f"serialization_format={fmt!r} is unknown (torch offers {known}); VolumeWriter writes "
+        "SerializationFormat.TORCH_SAVE."
+    )
