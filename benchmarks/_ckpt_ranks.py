@@ -1,8 +1,11 @@
 """Rank-side half of bench_checkpoint.py: what each gloo rank does and times.
 
 Every rank holds its own state dict (distinct keys per rank, so DCP's
-de-duplication of replicated tensors never drops one) and runs the methods it
-is given in order. A method is a number of saves (or loads); for each save the
+de-duplication of replicated tensors never drops one): by default a model and
+its Adam state (``shape="mixed"``: a few large tensors, a dozen medium ones and
+many small ones, each parameter with ``exp_avg``, ``exp_avg_sq`` and a
+one-element ``step``), or ``shape="uniform"`` tensors of one size. It runs the
+methods it is given in order. A method is a number of saves (or loads); for each save the
 rank records the time until the call gave control back to training
 (``blocking_s``) and until the checkpoint was committed (``e2e_s``), and its
 RSS peak above the RSS it had just before the method began.
@@ -22,8 +25,18 @@ Save methods:
 ``fsspec_async``    ``dcp.async_save`` with ``FsspecWriter`` (thread_count=8).
 ``s3tc``            ``dcp.save`` with s3torchconnector's ``S3StorageWriter``
                     (thread_count=8; S3 only).
+``torch_save``      ``torch.save`` of the rank's state to a local file, then the
+                    file uploaded as one object (parallel parts where the store has
+                    them): what a job without DCP does.
 ``vw_sync/_async``  ``dcp.save`` / ``dcp.async_save`` with ``VolumeWriter``,
                     one writer reused across saves (its staging buffers too).
+``vw_sync_fresh``   the same with a new ``VolumeWriter`` for every save (the README's
+``vw_async_fresh``  first example, and how most training code calls DCP).
+
+Every save also records the CPU time it cost: this rank's process (all its
+threads; ``time.process_time``) and, on rank 0, the server's processes
+(``Job.server_pids``, psutil), read after a barrier so every rank's requests
+are in.
 
 ``load`` runs the readers: parallel whole-object GETs of the raw chunks,
 parallel ranged GETs of the raw multipart object (the download floor is the
@@ -39,6 +52,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -48,8 +62,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from _common import MiB, RssSampler, current_rss, max_rss_lifetime, release_free_memory
-from _raw import (
+
+from benchmarks._common import MiB, RssSampler, current_rss, max_rss_lifetime, release_free_memory
+from benchmarks._raw import (
     ByteSource,
     RawStore,
     chunk_size,
@@ -69,8 +84,11 @@ SAVE_METHODS = (
     "fsspec_t8",
     "fsspec_async",
     "s3tc",
+    "torch_save",
     "vw_sync",
     "vw_async",
+    "vw_sync_fresh",
+    "vw_async_fresh",
     "vw_async_f32",
 )
 LOAD_METHODS = (
@@ -86,7 +104,9 @@ LOAD_METHODS = (
 S3_ONLY = frozenset({"s3tc", "s3tc_reader"})
 RAW_SAVES = ("raw_put", "raw_multipart")
 RAW_LOADS = ("raw_get", "raw_ranged")
-ASYNC_METHODS = frozenset({"fsspec_async", "vw_async", "vw_async_f32"})
+ASYNC_METHODS = frozenset({"fsspec_async", "vw_async", "vw_async_fresh", "vw_async_f32"})
+VW_METHODS = ("vw_sync", "vw_async", "vw_sync_fresh", "vw_async_fresh", "vw_async_f32")
+FRESH_WRITER = frozenset({"vw_sync_fresh", "vw_async_fresh"})
 # A non-default VolumeWriter setting shown beside the defaults: files of 32 MiB
 # (default 256 MiB) go up as single PUTs and read back as whole-object GETs.
 SMALL_FILES = {"file_size": "32MiB"}
@@ -117,12 +137,25 @@ class Job:
     load_repeats: int = 2
     load_source: str | None = None  # checkpoint URL the DCP readers load
     keep: tuple[str, ...] = field(default=())  # methods whose last save the loads need
+    shape: str = "mixed"  # the state: "mixed" (model + Adam) or "uniform" tensors
+    multipart: bool = True  # whether the store has a parallel-parts upload
+    server_pids: tuple[int, ...] = ()  # the server's processes, for its CPU time
+    # Loading on another world size: the ranks whose saved state each rank reads
+    # (rank r loads the states of saved ranks s with s % world_size == r).
+    saved_world_size: int = 0
+    s3tc: bool = False  # whether s3torchconnector's rows apply to the store
 
     @property
     def loads(self) -> tuple[str, ...]:
-        """The readers that apply to this store."""
-        s3 = self.scheme == "s3"
-        return tuple(m for m in LOAD_METHODS if s3 or m not in S3_ONLY)
+        """The readers that apply to this store and to what was saved."""
+        skip = set() if self.s3tc else set(S3_ONLY)
+        if not self.multipart or "raw_multipart" not in self.methods:
+            skip.add("raw_ranged")
+        if "raw_put" not in self.methods:
+            skip.add("raw_get")
+        if "vw_async_f32" not in self.methods:
+            skip.add("vw_reader_f32")
+        return tuple(m for m in LOAD_METHODS if m not in skip)
 
     def raw(self, pool: int, *, direct: bool = False) -> RawStore:
         """The store's own SDK on the link (or, ``direct``, on the server itself)."""
@@ -131,6 +164,8 @@ class Job:
 
 
 def url(job: Job, *parts: str) -> str:
+    if job.scheme == "file":  # a directory: the "bucket" is its absolute path
+        return os.path.join(job.bucket, job.prefix, *parts)
     return f"{job.scheme}://{job.bucket}/" + "/".join((job.prefix, *parts))
 
 
@@ -147,22 +182,76 @@ def raw_prefix(job: Job, method: str, rank: int, i: int) -> str:
 # ---------------------------------------------------------------------------
 
 
-def make_state(rank: int, size_bytes: int, tensor_bytes: int) -> dict[str, Any]:
-    """``size_bytes`` of float32 tensors with keys unique to this rank."""
+SMALL_TENSOR = 16 * 1024  # norms and biases
+LAYERS = 12
+
+
+def param_sizes(size_bytes: int) -> list[tuple[str, int]]:
+    """(name, bytes) of a model's parameters whose Adam state totals ``size_bytes``.
+
+    A third of the state is parameters (then ``exp_avg`` and ``exp_avg_sq``):
+    half of them in two large tensors (embedding and output), the other half in
+    ``LAYERS`` medium weights, plus three small tensors per layer.
+    """
+    budget = max(3 * 4096, size_bytes // 3)
+    large = budget // 4
+    medium = max(4096, (budget - 2 * large - 3 * LAYERS * SMALL_TENSOR) // LAYERS)
+    sizes = [("embed.weight", large), ("output.weight", large)]
+    for i in range(LAYERS):
+        sizes.append((f"layer{i:02d}.weight", medium))
+        sizes += [(f"layer{i:02d}.{n}", SMALL_TENSOR) for n in ("norm.weight", "norm.bias", "bias")]
+    return sizes
+
+
+def make_state(
+    rank: int, size_bytes: int, tensor_bytes: int, shape: str = "mixed"
+) -> dict[str, Any]:
+    """About ``size_bytes`` of float32 tensors with keys unique to this rank."""
     import torch
 
     gen = torch.Generator().manual_seed(1234 + rank)
-    n = max(1, size_bytes // tensor_bytes)
-    numel = tensor_bytes // 4
-    return {
-        "model": {
-            f"rank{rank}.layer{i:03d}.weight": torch.rand(numel, generator=gen) for i in range(n)
+    if shape == "uniform":
+        n = max(1, size_bytes // tensor_bytes)
+        numel = tensor_bytes // 4
+        return {
+            "model": {
+                f"rank{rank}.layer{i:03d}.weight": torch.rand(numel, generator=gen)
+                for i in range(n)
+            }
         }
-    }
+    if shape != "mixed":
+        raise ValueError(f"unknown state shape {shape!r}: use 'mixed' or 'uniform'")
+    model: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    for name, nbytes in param_sizes(size_bytes):
+        key = f"rank{rank}.{name}"
+        model[key] = torch.rand(nbytes // 4, generator=gen)
+        optim[key] = {
+            "exp_avg": torch.rand(nbytes // 4, generator=gen),
+            "exp_avg_sq": torch.rand(nbytes // 4, generator=gen),
+            "step": torch.full((1,), 1000.0),
+        }
+    return {"model": model, "optim": {"state": optim}}
 
 
-def state_tensors(state: dict[str, Any]) -> list[Any]:
-    return list(state["model"].values())
+def merged_state(ranks: list[int], size_bytes: int, tensor_bytes: int, shape: str) -> Any:
+    """The states of several saved ranks in one dict (a load on a smaller world)."""
+    out: dict[str, Any] = {}
+    for r in ranks:
+        part = make_state(r, size_bytes, tensor_bytes, shape)
+        for top, sub in part.items():
+            if top == "optim":
+                out.setdefault("optim", {"state": {}})["state"].update(sub["state"])
+            else:
+                out.setdefault(top, {}).update(sub)
+    return out
+
+
+def state_tensors(state: Any) -> list[Any]:
+    """Every tensor of a (nested) state dict, in a fixed order."""
+    if isinstance(state, dict):
+        return [t for k in sorted(state) for t in state_tensors(state[k])]
+    return [state]
 
 
 def state_bytes(state: dict[str, Any]) -> int:
@@ -171,7 +260,7 @@ def state_bytes(state: dict[str, Any]) -> int:
 
 def byte_source(state: dict[str, Any]) -> ByteSource:
     """Zero-copy byte views of the tensors: the raw transfers move exactly these bytes."""
-    return ByteSource([memoryview(t.numpy()).cast("B") for t in state_tensors(state)])
+    return ByteSource([memoryview(t.reshape(-1).numpy()).cast("B") for t in state_tensors(state)])
 
 
 def fingerprint(state: dict[str, Any]) -> list[float]:
@@ -258,16 +347,43 @@ class Saver:
             self.pool = ThreadPoolExecutor(UPLOAD_STREAMS)
             self.src = byte_source(state)
             self.chunk = chunk_size(self.src.total, UPLOAD_STREAMS)
-        elif method in ("vw_sync", "vw_async", "vw_async_f32"):
-            from dcp_volumes import VolumeWriter
+        elif method == "torch_save":
+            self.store = job.raw(UPLOAD_STREAMS * 2)
+            self.pool = ThreadPoolExecutor(UPLOAD_STREAMS)
+        elif method in VW_METHODS and method not in FRESH_WRITER:
+            self.writer = self.volume_writer()
 
-            options = {**job.vw_options, **(SMALL_FILES if method == "vw_async_f32" else {})}
-            self.writer = VolumeWriter(
-                url(job, method),
-                storage_options=job.storage_options,
-                staging_dir=self.tmp,
-                **options,
-            )
+    def volume_writer(self) -> Any:
+        from dcp_volumes import VolumeWriter
+
+        m = self.method
+        options = {**self.job.vw_options, **(SMALL_FILES if m == "vw_async_f32" else {})}
+        return VolumeWriter(
+            url(self.job, m),
+            storage_options=self.job.storage_options,
+            staging_dir=self.tmp,
+            **options,
+        )
+
+    def torch_save_upload(self, i: int) -> None:
+        """torch.save to a local file, then that file up as one object."""
+        import mmap
+
+        import torch
+
+        path = os.path.join(self.tmp, f"save{i}.pt")
+        torch.save(self.state, path)
+        key = raw_prefix(self.job, "torch_save", self.rank, i) + ".pt"
+        assert self.pool is not None
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            src = ByteSource([memoryview(mm)])
+            part = chunk_size(src.total, UPLOAD_STREAMS)
+            if self.job.multipart and src.total > part:
+                put_multipart(self.store, self.pool, key, src, part)
+            else:
+                self.store.put(key, src.read(0, src.total))
+            del src
+        os.unlink(path)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -321,16 +437,47 @@ class Saver:
                 thread_count=PEER_THREADS,
             )
             _dcp_sync(self.state, w)
-        elif m == "vw_sync":
-            _dcp_sync(self.state, self.writer, save_url(job, m, i))
-        elif m in ("vw_async", "vw_async_f32"):
-            blocking, fut = _dcp_async(self.state, self.writer, save_url(job, m, i))
+        elif m == "torch_save":
+            self.torch_save_upload(i)
+        elif m in ("vw_sync", "vw_sync_fresh"):
+            writer = self.volume_writer() if m in FRESH_WRITER else self.writer
+            _dcp_sync(self.state, writer, save_url(job, m, i))
+        elif m in ("vw_async", "vw_async_f32", "vw_async_fresh"):
+            writer = self.volume_writer() if m in FRESH_WRITER else self.writer
+            blocking, fut = _dcp_async(self.state, writer, save_url(job, m, i))
             fut.result()
             return blocking, time.perf_counter() - t0
         else:
             raise ValueError(f"unknown method {m!r}")
         e2e = time.perf_counter() - t0
         return e2e, e2e
+
+
+def free_pooled_buffers() -> None:
+    """Empty dcp_volumes' staging pool (what ``CheckpointManager.close`` does)."""
+    from dcp_volumes.checkpoint._stager import free_pooled_buffers as free
+
+    free()
+
+
+def server_cpu(job: Job) -> float:
+    """CPU seconds the server's processes (and their children) have used so far."""
+    import psutil
+
+    total = 0.0
+    for pid in job.server_pids:
+        try:
+            proc = psutil.Process(pid)
+            procs = [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            continue  # gone: it counts nothing more
+        for p in procs:
+            try:
+                t = p.cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+    return total
 
 
 def run_save_method(
@@ -345,6 +492,9 @@ def run_save_method(
     # Rank 0 drops each previous save between saves; its client exists before the
     # baseline, so its memory is not counted as the method's.
     cleaner = job.raw(4, direct=True) if rank == 0 else None
+    # A process-wide staging pool a previous method filled would hide this
+    # method's own staging memory (and first-save cost) from its figures.
+    free_pooled_buffers()
     release_free_memory()
     barrier()
     # Taken before the method allocates anything: its writer, buffers and
@@ -366,9 +516,21 @@ def run_save_method(
                 os.sync()
             barrier()
             sampler.reset()
+            server0 = server_cpu(job) if rank == 0 else 0.0
+            cpu0 = time.process_time()
             blocking, e2e = saver.save(i)
+            cpu = time.process_time() - cpu0
+            peak = sampler.peak - baseline
+            barrier()  # every rank's requests are in before the server's CPU is read
+            server = server_cpu(job) - server0 if rank == 0 else 0.0
             saves.append(
-                {"blocking_s": blocking, "e2e_s": e2e, "peak_extra": sampler.peak - baseline}
+                {
+                    "blocking_s": blocking,
+                    "e2e_s": e2e,
+                    "peak_extra": peak,
+                    "cpu_s": cpu,
+                    "server_cpu_s": server,
+                }
             )
     except _FAILURES as exc:
         error = _describe(exc)
@@ -434,6 +596,8 @@ def _raw_loads(
         for _ in range(job.load_repeats):
             np.frombuffer(buf, dtype=np.uint8)[:] = 0  # a load that reads nothing must not pass
             barrier()
+            server0 = server_cpu(job) if rank == 0 else 0.0
+            cpu0 = time.process_time()
             t0 = time.perf_counter()
             if name == "raw_get":
                 prefix = raw_prefix(job, "raw_put", rank, job.repeats - 1)
@@ -443,7 +607,12 @@ def _raw_loads(
                 # As many ranges as streams, as a reader that fills its streams would.
                 per = max(MiB, -(-src.total // DOWNLOAD_STREAMS))
                 get_ranges(store, pool, key, buf, per)
-            runs.append({"e2e_s": time.perf_counter() - t0, "verified": src.equals(buf)})
+            dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            barrier()
+            server = server_cpu(job) - server0 if rank == 0 else 0.0
+            runs.append(
+                {"e2e_s": dt, "verified": src.equals(buf), "cpu_s": cpu, "server_cpu_s": server}
+            )
     return runs
 
 
@@ -470,10 +639,22 @@ def run_loads(
                         t.zero_()  # a load that reads nothing must not pass
                     reader = _make_reader(job, name)
                     barrier()
+                    server0 = server_cpu(job) if rank == 0 else 0.0
+                    cpu0 = time.process_time()
                     t0 = time.perf_counter()
                     dcp.load(state, storage_reader=reader)
                     dt = time.perf_counter() - t0
-                    runs.append({"e2e_s": dt, "verified": fingerprint(state) == expected})
+                    cpu = time.process_time() - cpu0
+                    barrier()
+                    server = server_cpu(job) - server0 if rank == 0 else 0.0
+                    runs.append(
+                        {
+                            "e2e_s": dt,
+                            "verified": fingerprint(state) == expected,
+                            "cpu_s": cpu,
+                            "server_cpu_s": server,
+                        }
+                    )
         except _FAILURES as exc:
             error = _describe(exc)
         out[name] = {"runs": runs, "error": error}
@@ -486,6 +667,46 @@ def run_loads(
 # ---------------------------------------------------------------------------
 # The rank entry point (run through tests/dist.py run_ranks)
 # ---------------------------------------------------------------------------
+
+
+def reshard_load(
+    job: Job, rank: int, world_size: int, barrier: Callable[[], None]
+) -> dict[str, Any]:
+    """Load a checkpoint saved by ``job.saved_world_size`` ranks on ``world_size`` ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_volumes import VolumeReader
+
+    mine = [s for s in range(job.saved_world_size) if s % world_size == rank]
+    state = merged_state(mine, job.size_bytes, job.tensor_bytes, job.shape)
+    expected = fingerprint(state)
+    runs: list[dict[str, Any]] = []
+    error = None
+    try:
+        for _ in range(job.load_repeats):
+            for t in state_tensors(state):
+                t.zero_()
+            reader = VolumeReader(job.load_source or "", storage_options=job.storage_options)
+            barrier()
+            cpu0 = time.process_time()
+            t0 = time.perf_counter()
+            dcp.load(state, storage_reader=reader)
+            dt = time.perf_counter() - t0
+            runs.append(
+                {
+                    "e2e_s": dt,
+                    "verified": fingerprint(state) == expected,
+                    "cpu_s": time.process_time() - cpu0,
+                    "server_cpu_s": 0.0,
+                }
+            )
+    except _FAILURES as exc:
+        error = _describe(exc)
+    barrier()
+    return {
+        "state_bytes": state_bytes(state),
+        "methods": {"load_reshard": {"vw_reader": {"runs": runs, "error": error}}},
+    }
 
 
 def _import_everything() -> None:
@@ -526,14 +747,22 @@ def rank_main(rank: int, world_size: int, jobs: tuple[Job, ...]) -> list[dict[st
     _import_everything()
     out = []
     state: dict[str, Any] | None = None
+    made: tuple[Any, ...] = ()
     for job in jobs:
-        if state is None or state_bytes(state) != job.size_bytes:
-            state = make_state(rank, job.size_bytes, job.tensor_bytes)
-        if job.scheme == "s3":
-            # s3torchconnector takes its endpoint from the environment only.
+        if job.saved_world_size and job.saved_world_size != world_size:
+            out.append(reshard_load(job, rank, world_size, barrier))
+            continue
+        if state is None or made != (job.size_bytes, job.tensor_bytes, job.shape):
+            state = None
+            release_free_memory()
+            state = make_state(rank, job.size_bytes, job.tensor_bytes, job.shape)
+            made = (job.size_bytes, job.tensor_bytes, job.shape)
+        if job.s3tc:
+            # s3torchconnector takes its endpoint and credentials from the environment.
             os.environ["AWS_ENDPOINT_URL"] = job.endpoint
-            os.environ.setdefault("AWS_ACCESS_KEY_ID", job.storage_options["key"])
-            os.environ.setdefault("AWS_SECRET_ACCESS_KEY", job.storage_options["secret"])
+            for var, opt in (("AWS_ACCESS_KEY_ID", "key"), ("AWS_SECRET_ACCESS_KEY", "secret")):
+                if opt in job.storage_options:
+                    os.environ.setdefault(var, str(job.storage_options[opt]))
             os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
         results: dict[str, Any] = {"state_bytes": state_bytes(state), "methods": {}}
         with RssSampler() as sampler:
@@ -551,7 +780,11 @@ def rank_main(rank: int, world_size: int, jobs: tuple[Job, ...]) -> list[dict[st
                 if rank == 0 and method not in ("memcpy", "local_fs", "load"):
                     purge(job, f"{job.prefix}/{method}", keep_last=method in job.keep)
                 if rank == 0 and not job.isolated:
-                    print(f"[{job.link}] {method}: {time.perf_counter() - t0:.1f} s", flush=True)
+                    print(
+                        f"  [{job.link}] {method}: {time.perf_counter() - t0:.1f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 barrier()
         out.append(results)
     return out

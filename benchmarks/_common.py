@@ -1,8 +1,8 @@
-"""Shared plumbing of the benchmarks: paths, servers, memory sampling, tables, output.
+"""Shared plumbing of the benchmarks: paths, links, memory sampling, tables, output.
 
-The benchmarks are scripts (``python benchmarks/bench_X.py``), not a package:
-each one puts the repository root on ``sys.path`` through this module so that
-``dcp_volumes`` and ``tests.emulators`` import from the working tree.
+The benchmarks are a package run from a repository checkout (``python -m
+benchmarks ...`` or ``dcp-volumes bench ...``): they import ``dcp_volumes`` and
+``tests.emulators`` from the same working tree.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ MiB = 1 << 20
 # looks like to one client stream (per-request round trip, per-stream cap).
 REMOTE_LATENCY_S = 0.020
 REMOTE_BANDWIDTH_BPS = 200e6
+# The "tbf" link: the kernel's token bucket on ``lo`` of a network namespace the
+# run re-executes itself in (``benchmarks.cli``); the rate is for all streams
+# together (a NIC's limit), with no added latency (``tc netem`` is absent here).
+TBF_ENV = "DCP_VOLUMES_BENCH_TBF_RATE"
+LINKS = ("loopback", "remote", "tbf")
 
 
 def _latency_proxy_class() -> Any:
@@ -222,6 +227,11 @@ class ProxyProcess:
         self.requests: dict[tuple[str, str], int] = {}
 
     @property
+    def pid(self) -> int | None:
+        """The proxy's process id while it runs."""
+        return None if self._proc is None else int(self._proc.pid)
+
+    @property
     def endpoint(self) -> str:
         if not self.port:
             raise RuntimeError("proxy is not started")
@@ -265,11 +275,19 @@ class ProxyProcess:
 @contextlib.contextmanager
 def link_endpoint(server: Any, link: str) -> Iterator[str]:
     """The endpoint to use for ``link``: the server itself, or a proxy in front of it."""
+    if link == "tbf":
+        if not os.environ.get(TBF_ENV):
+            raise RuntimeError(
+                "the tbf link needs the run inside its shaped network namespace: "
+                "use `python -m benchmarks ... --link tbf`, which re-executes itself there"
+            )
+        yield server.endpoint  # lo itself is shaped
+        return
     if link == "loopback":
         yield server.endpoint
         return
     if link != "remote":
-        raise ValueError(f"unknown link {link!r}: use 'loopback' or 'remote'")
+        raise ValueError(f"unknown link {link!r}: use one of {', '.join(LINKS)}")
     with ProxyProcess(server.host, server.port) as proxy:
         yield proxy.endpoint
 

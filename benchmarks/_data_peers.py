@@ -20,7 +20,7 @@ from fsspec.core import split_protocol
 from torch.utils.data import Dataset
 
 if TYPE_CHECKING:
-    from _raw import RawStore
+    from benchmarks._raw import RawStore
 
 
 def to_tensor(data: bytes | bytearray) -> torch.Tensor:

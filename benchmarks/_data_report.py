@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from _common import REMOTE_BANDWIDTH_BPS, REMOTE_LATENCY_S, MiB, format_table, pyplot
+from benchmarks._common import REMOTE_BANDWIDTH_BPS, REMOTE_LATENCY_S, MiB, format_table, pyplot
 
 LABELS = {
     "local": "local disk, plain Dataset",

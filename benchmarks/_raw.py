@@ -12,8 +12,11 @@ object for every range):
   of the one object.
 
 S3 goes through boto3 (``S3Raw``), Azure Blob through azure-storage-blob
-(``AzureRaw``); both stand behind ``RawStore``, so the loops here run
-unchanged on either (``raw_store`` picks one by URL scheme).
+(``AzureRaw``), GCS through gcsfs (``GcsRaw``: the emulator speaks only the
+JSON API, and gcsfs has no parallel-parts upload, so GCS has the single-PUT
+shape only) and a local directory through plain files (``LocalRaw``); all
+stand behind ``RawStore``, so the loops here run unchanged on any of them
+(``raw_store`` picks one by URL scheme).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from _common import MiB
+from benchmarks._common import MiB
 
 S3_MIN_PART = 5 * MiB
 # One request per GET on Azure too (its SDK splits larger reads into chunks).
@@ -64,7 +67,9 @@ class RawStore(Protocol):
 # ---------------------------------------------------------------------------
 
 
-def boto3_client(endpoint: str, pool: int, *, key: str = "testing", secret: str = "testing") -> Any:
+def boto3_client(
+    endpoint: str | None, pool: int, *, key: str | None = "testing", secret: str | None = "testing"
+) -> Any:
     """A boto3 S3 client for the emulator at ``endpoint`` with ``pool`` connections."""
     import boto3
     from botocore.config import Config
@@ -220,6 +225,107 @@ class AzureRaw:
             self.container.delete_blobs(*names[i : i + AZURE_DELETE_BATCH])
 
 
+# ---------------------------------------------------------------------------
+# GCS: gcsfs; a local directory: files
+# ---------------------------------------------------------------------------
+
+
+class GcsRaw:
+    """A bucket through gcsfs (thread-safe: its sync calls run on one event loop)."""
+
+    def __init__(self, storage_options: Mapping[str, Any], bucket: str) -> None:
+        import gcsfs
+
+        self.fs = gcsfs.GCSFileSystem(skip_instance_cache=True, **storage_options)
+        self.bucket = bucket
+
+    def _path(self, key: str) -> str:
+        return f"{self.bucket}/{key}"
+
+    def connect(self) -> None:
+        self.fs.ls(self.bucket)
+
+    def put(self, key: str, body: bytes) -> None:
+        self.fs.pipe_file(self._path(key), body)
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.fs.cat_file(self._path(key)))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        return bytes(self.fs.cat_file(self._path(key), start=start, end=start + length))
+
+    def multipart(self, key: str) -> Multipart:
+        raise NotImplementedError("gcsfs uploads no parts in parallel: GCS has single PUTs here")
+
+    def delete_prefix(self, prefix: str, keep: str | None = None) -> None:
+        names = [
+            n
+            for n in self.fs.find(self._path(prefix) + "/")
+            if keep is None or not n.startswith(self._path(keep))
+        ]
+        if names:
+            self.fs.rm(names)
+
+
+class LocalRaw:
+    """A local directory (a mount path): each key a file below ``root``."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def _path(self, key: str) -> str:
+        import os
+
+        return os.path.join(self.root, key)
+
+    def connect(self) -> None:
+        import os
+
+        os.makedirs(self.root, exist_ok=True)
+
+    def put(self, key: str, body: bytes) -> None:
+        import os
+
+        from dcp_volumes._volume import write_all
+
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            write_all(fd, body)  # 1 MiB pieces, as the library writes its local files
+        finally:
+            os.close(fd)
+
+    def get(self, key: str) -> bytes:
+        with open(self._path(key), "rb") as f:
+            return f.read()
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        import os
+
+        fd = os.open(self._path(key), os.O_RDONLY)
+        try:
+            return os.pread(fd, length, start)
+        finally:
+            os.close(fd)
+
+    def multipart(self, key: str) -> Multipart:
+        raise NotImplementedError("a directory has no parts: the single-file shape only")
+
+    def delete_prefix(self, prefix: str, keep: str | None = None) -> None:
+        import os
+        import shutil
+
+        top = self._path(prefix)
+        if keep is None:
+            shutil.rmtree(top, ignore_errors=True)
+            return
+        kept = self._path(keep).rstrip("/")
+        for entry in os.scandir(top) if os.path.isdir(top) else ():
+            if not (entry.path == kept or entry.path.startswith(kept + "/")):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def raw_store(scheme: str, storage_options: Mapping[str, Any], bucket: str, pool: int) -> RawStore:
     """The raw client of ``bucket`` for a URL scheme, from the emulator's ``storage_options``.
 
@@ -227,13 +333,17 @@ def raw_store(scheme: str, storage_options: Mapping[str, Any], bucket: str, pool
     lookup that could end at an instance-metadata address).
     """
     if scheme == "s3":
-        endpoint = storage_options["client_kwargs"]["endpoint_url"]
+        endpoint = storage_options.get("client_kwargs", {}).get("endpoint_url")
         client = boto3_client(
-            endpoint, pool, key=storage_options["key"], secret=storage_options["secret"]
+            endpoint, pool, key=storage_options.get("key"), secret=storage_options.get("secret")
         )
         return S3Raw(client, bucket)
     if scheme == "az":
         return AzureRaw(azure_container_client(storage_options["connection_string"], bucket, pool))
+    if scheme == "gs":
+        return GcsRaw(storage_options, bucket)
+    if scheme == "file":
+        return LocalRaw(bucket)
     raise ValueError(f"no raw client for {scheme}://")
 
 

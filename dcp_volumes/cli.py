@@ -497,6 +497,52 @@ def _demo(args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
+def _benchmarks_cli() -> Any:
+    """``benchmarks.cli`` of the repository checkout, or None outside one.
+
+    The suite is not in the wheel: it lives in ``benchmarks/`` of a checkout,
+    beside ``tests/`` (its emulator launchers). Found on ``sys.path``, in the
+    working directory, or beside this package (an editable install).
+    """
+    import importlib
+    from pathlib import Path
+
+    roots = [Path.cwd(), Path(__file__).resolve().parent.parent]
+    for root in roots:
+        suite = root / "benchmarks" / "cli.py"
+        if suite.is_file() and (root / "tests" / "emulators.py").is_file():
+            if str(root) not in sys.path:
+                sys.path.insert(0, str(root))
+            break
+    else:
+        return None
+    return importlib.import_module("benchmarks.cli")
+
+
+def _configure_bench(p: argparse.ArgumentParser) -> None:
+    bench = _benchmarks_cli()
+    if bench is None:
+        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        return
+    bench.add_arguments(p)
+
+
+@command("bench", "benchmark suite: checkpoints and data against peers and floors "
+         "(from a repository checkout)", _configure_bench)
+def _bench(args: argparse.Namespace, out: Output) -> int:
+    bench = _benchmarks_cli()
+    if bench is None or not hasattr(args, "suite"):
+        raise ConfigurationError(
+            "dcp-volumes bench runs from a repository checkout: its benchmarks/ and tests/ "
+            "(the emulators) are not in the installed package; clone the repository and run "
+            "`dcp-volumes bench ...` (or `python -m benchmarks ...`) in its root"
+        )
+    try:
+        return int(bench.run(args, bench.to_argv(args), out.stream))
+    except (bench.TargetError, ValueError) as exc:  # a target or matrix that cannot run
+        raise ConfigurationError(str(exc)) from exc
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every registered subcommand."""
     common = argparse.ArgumentParser(add_help=False)

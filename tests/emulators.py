@@ -353,6 +353,10 @@ class _ProcessEmulator(Emulator):
             f"command: {' '.join(cmd)}\nlast lines of its log:\n{log_tail}"
         )
 
+    def pids(self) -> list[int]:
+        """The server's process id (empty when stopped): whose CPU a benchmark counts."""
+        return [self._proc.pid] if self._proc is not None and self._proc.poll() is None else []
+
     def _kill(self) -> None:
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:

@@ -335,6 +335,10 @@ class RadosGW(S3Api, Emulator):
             )
         return res.stdout.decode(errors="replace")
 
+    def pids(self) -> list[int]:
+        """The running daemons' process ids (mon, OSD, rgw): whose CPU a benchmark counts."""
+        return [d.proc.pid for d in self._daemons if d.proc.poll() is None]
+
     def _spawn(self, name: str, args: list[str]) -> _Daemon:
         assert self._workdir is not None
         out_path = self._workdir / f"{name}.out"

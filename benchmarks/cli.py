@@ -1,0 +1,256 @@
+"""The suite's command line: ``python -m benchmarks`` and ``dcp-volumes bench``.
+
+::
+
+    python -m benchmarks checkpoint --target radosgw          # the checkpoint matrix
+    python -m benchmarks data --target azurite --quick        # the data benchmark
+    python -m benchmarks all --target moto --quick            # both (the CI smoke run)
+    python -m benchmarks checkpoint --target s3://bucket/run --endpoint http://minio:9000 \\
+        --storage-option key=... --storage-option secret=...
+    python -m benchmarks checkpoint --link tbf --tbf-rate 800mbit   # kernel-shaped lo
+
+This module only parses and dispatches; the benchmarks are ``bench_*.py``.
+Heavy imports (torch, the clients) happen once a benchmark runs, so building
+``dcp-volumes``'s parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from benchmarks._common import LINKS, TBF_ENV, results_path, write_json
+from benchmarks._goodput import DEFAULT_FAILURES_PER_DAY, DEFAULT_RESTART_S
+from benchmarks._targets import TargetError, add_target_arguments, resolve
+
+SUITES = ("checkpoint", "data", "all")
+QUICK = {"sizes": (8,), "ranks": (2,), "repeats": 2, "load_repeats": 1, "local_tier_repeats": 1}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers separated by commas") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The suite's options (``dcp-volumes bench`` adds the same to its subparser)."""
+    p.add_argument("suite", choices=SUITES, help="which benchmark(s) to run")
+    add_target_arguments(p)
+    p.add_argument("--quick", action="store_true",
+                   help="the smoke profile: 2 ranks x 8 MiB, 2 saves, small data sets (~2 min)")
+    p.add_argument("--link", choices=("both", *LINKS), default="both",
+                   help="loopback, remote (proxy: +20 ms/request, 200 Mbit/s per connection), "
+                        "both (default), or tbf (kernel token bucket on lo in a network "
+                        "namespace; needs root)")
+    p.add_argument("--tbf-rate", default="800mbit",
+                   help="the tbf link's rate, all streams together (tc syntax; default 800mbit)")
+    g = p.add_argument_group("checkpoint matrix")
+    g.add_argument("--sizes", type=_ints, default=None, metavar="MIB,...",
+                   help="state per rank in MiB (default 32,128,512; quick 8)")
+    g.add_argument("--ranks", type=_ints, default=None, metavar="N,...",
+                   help="rank counts (default 1,2,4; quick 2)")
+    g.add_argument("--repeats", type=int, default=None,
+                   help="saves per method, >= 2: the first and the steady state (default 3)")
+    g.add_argument("--load-repeats", type=int, default=None, help="loads per reader (default 2)")
+    g.add_argument("--methods", default=None,
+                   help="comma-separated save methods (and 'load'); default: all that apply")
+    g.add_argument("--shape", choices=("mixed", "uniform"), default="mixed",
+                   help="mixed: model + Adam state, a few large and many small tensors "
+                        "(default); uniform: --tensor-mib tensors")
+    g.add_argument("--tensor-mib", type=int, default=8, help="tensor size of --shape uniform")
+    g.add_argument("--vw-file-size", default=None, help="VolumeWriter file_size, e.g. 32MiB")
+    g.add_argument("--no-reshard", action="store_true",
+                   help="skip the load on another world size")
+    g.add_argument("--no-local-tier", action="store_true", help="skip the local-tier restore")
+    g.add_argument("--failures-per-day", type=float, default=DEFAULT_FAILURES_PER_DAY,
+                   help=f"goodput model: interruptions per day (default "
+                        f"{DEFAULT_FAILURES_PER_DAY}, Llama 3)")
+    g.add_argument("--restart-s", type=float, default=DEFAULT_RESTART_S,
+                   help=f"goodput model: seconds a restart costs (default {DEFAULT_RESTART_S:g})")
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The command line of ``args``, options at their defaults left out (for reports, re-exec)."""
+    defaults = vars(build_parser().parse_args([args.suite]))
+    argv = [args.suite]
+    for dest, default in defaults.items():
+        value = getattr(args, dest, None)
+        if dest in ("suite", "json", "no_progress") or value is None or value == default:
+            continue
+        flag = "--" + dest.replace("_", "-")  # every option here is spelled after its dest
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag, str(item)]
+        elif isinstance(value, tuple):
+            argv += [flag, ",".join(str(v) for v in value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="dcp_volumes benchmark suite (run from a repository checkout)",
+    )
+    add_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _links(args: argparse.Namespace) -> tuple[str, ...]:
+    return ("loopback", "remote") if args.link == "both" else (args.link,)
+
+
+def _in_tbf_namespace() -> bool:
+    return bool(os.environ.get(TBF_ENV))
+
+
+def reexec_in_tbf_namespace(argv: Sequence[str], rate: str) -> int:
+    """Run this command again inside a new network namespace whose lo has a tbf qdisc."""
+    missing = [tool for tool in ("unshare", "ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise TargetError(f"--link tbf needs {', '.join(missing)} (util-linux, iproute2)")
+    script = (
+        'ip link set lo up && tc qdisc add dev lo root tbf rate "$0" burst 1mb latency 50ms '
+        '&& exec "$@"'
+    )
+    cmd = ["unshare", "-n", "--", "sh", "-c", script, rate,
+           sys.executable, "-m", "benchmarks", *argv]
+    env = {**os.environ, TBF_ENV: rate}
+    proc = subprocess.run(cmd, env=env, check=False)
+    if proc.returncode != 0 and os.geteuid() != 0:
+        print("--link tbf: a network namespace with a qdisc needs root (CAP_NET_ADMIN); "
+              "use --link remote (the user-space proxy) instead", file=sys.stderr)
+    return proc.returncode
+
+
+def checkpoint_config(args: argparse.Namespace, command: str) -> Any:
+    from benchmarks._goodput import GoodputModel
+    from benchmarks.bench_checkpoint import DEFAULT_METHODS, CheckpointConfig
+
+    quick = args.quick
+    methods = (
+        tuple(m.strip() for m in args.methods.split(",") if m.strip())
+        if args.methods
+        else (*DEFAULT_METHODS, "load")
+    )
+    return CheckpointConfig(
+        target=resolve(args.target, endpoint=args.endpoint, options=args.storage_option),
+        links=_links(args),
+        sizes_mib=args.sizes or (QUICK["sizes"] if quick else (32, 128, 512)),
+        ranks=args.ranks or (QUICK["ranks"] if quick else (1, 2, 4)),
+        repeats=args.repeats or (QUICK["repeats"] if quick else 3),
+        load_repeats=args.load_repeats or (QUICK["load_repeats"] if quick else 2),
+        shape=args.shape,
+        tensor_mib=args.tensor_mib,
+        methods=methods,
+        vw_options={"file_size": args.vw_file_size} if args.vw_file_size else {},
+        reshard=not args.no_reshard,
+        local_tier=not args.no_local_tier,
+        local_tier_repeats=QUICK["local_tier_repeats"] if quick else 3,
+        goodput=GoodputModel(args.failures_per_day, args.restart_s),
+        quick=quick,
+        command=command,
+    )
+
+
+def run_checkpoint(args: argparse.Namespace, command: str, out: Any = None) -> int:
+    from benchmarks import _ckpt_report as rep
+    from benchmarks.bench_checkpoint import run
+
+    stream = out or sys.stdout
+    cfg = checkpoint_config(args, command)
+    for link in cfg.links:
+        if link == "remote" and not cfg.target.proxyable:
+            raise TargetError(
+                f"--target {cfg.target.name}: there is no server to put the remote link's proxy "
+                "in front of; use --link loopback (or give --endpoint)"
+            )
+    stem = cfg.target.stem("checkpoint") + ("_quick" if cfg.quick else "")
+    stem += "_tbf" if "tbf" in cfg.links else ""
+    if args.vw_file_size:
+        stem += f"_file_size_{args.vw_file_size.lower()}"
+    # Every finished cell lands on disk at once: a run cut short keeps them.
+    report = run(cfg, partial=lambda doc: write_json(f"{stem}.partial.json", doc))
+    results_path(f"{stem}.partial.json").unlink(missing_ok=True)
+    json_path = write_json(f"{stem}.json", report)
+    md_path = results_path(f"{stem}.md")
+    md_path.write_text(rep.markdown(report) + "\n")
+    pngs = rep.plot_all(report, results_path(stem))
+    if getattr(args, "json", False):
+        print(json.dumps(report, default=str), file=stream)
+        return 0
+    print(f"\n## checkpoints on {cfg.target.name}: `{command}`\n", file=stream)
+    head = rep.headline_cells(report)
+    if head:
+        print(f"### {head[0]['world_size']} ranks x {head[0]['size_mib']} MiB, steady state "
+              f"(loads: x the download floor)\n", file=stream)
+        print(rep.headline_table(report), file=stream)
+        print("\n### targets per cell (ours)\n", file=stream)
+    print(rep.summary_table(report), file=stream)
+    if report["local_tier"]:
+        print("\n## restore from the local tier\n", file=stream)
+        print(rep.local_tier_table(report), file=stream)
+    print(f"\n## goodput model ({cfg.goodput.failures_per_day:g} failures/day, restart "
+          f"{cfg.goodput.restart_s:g} s), the largest cell of each link\n", file=stream)
+    print(rep.goodput_table(report), file=stream)
+    la0, la1 = report["machine"]["load_average_start"], report["machine"]["load_average_end"]
+    print(f"\nload average start {la0[0]:.2f}, end {la1[0]:.2f}; wall {report['wall_s']:.0f} s",
+          file=stream)
+    print(f"every table: {md_path}\nnumbers: {json_path}\nplots: "
+          + ", ".join(str(p) for p in pngs), file=stream)
+    return 0
+
+
+def run_data(args: argparse.Namespace) -> int:
+    from benchmarks import bench_data
+
+    argv = ["--target", args.target, "--link", args.link]
+    if args.endpoint:
+        argv += ["--endpoint", args.endpoint]
+    for opt in args.storage_option or ():
+        argv += ["--storage-option", opt]
+    if args.quick:
+        argv.append("--quick")
+    return int(bench_data.main(argv))
+
+
+def run(args: argparse.Namespace, argv: Sequence[str], out: Any = None) -> int:
+    """Run what ``args`` asks for; ``argv`` is the command line (for the reports and tbf)."""
+    resolve(args.target, endpoint=args.endpoint, options=args.storage_option)  # fail early
+    if getattr(args, "no_progress", False):
+        os.environ["TQDM_DISABLE"] = "1"  # tqdm reads it (the ranks inherit it too)
+    if args.link == "tbf" and not _in_tbf_namespace():
+        return reexec_in_tbf_namespace(argv, args.tbf_rate)
+    command = "python -m benchmarks " + " ".join(argv)
+    code = 0
+    if args.suite in ("checkpoint", "all"):
+        code = run_checkpoint(args, command, out) or code
+    if args.suite in ("data", "all"):
+        code = run_data(args) or code
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return run(args, to_argv(args))
+    except (TargetError, ValueError) as exc:
+        print(f"python -m benchmarks: error: {exc}", file=sys.stderr)
+        return 2
