@@ -349,9 +349,8 @@ def make_loader(
     try:
         yield loader
     finally:
-        iterator = getattr(loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
+        # The persistent workers stop when the loader (and its iterator) is
+        # collected: torch offers no public shutdown.
         del loader
         gc.collect()
         if spent_cache:
