@@ -92,3 +92,16 @@ def failure_of(exc: BaseException) -> BaseException:
 def join(url: str, *parts: str) -> str:
     """``url/part/part`` for URLs and local paths alike."""
     return "/".join([url.rstrip("/"), *parts])
+
+
+def stock_reader(url: str, opts: dict[str, Any], registry: Any = None) -> Any:
+    """Stock DCP's reader for ``url``: ``FsspecReader`` for s3://, else ``FileSystemReader``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    if url.startswith("s3://"):
+        reader = FsspecReader(url, **opts)
+        if registry is not None:  # FsspecReader takes no registry argument
+            reader.transforms.extension_registry = registry
+        return reader
+    return FileSystemReader(url, _extension_registry=registry)

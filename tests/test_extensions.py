@@ -19,7 +19,7 @@ from torch.distributed.checkpoint._extension import (
     StreamTransformExtension,
     ZStandard,
 )
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.testing._internal.distributed.checkpoint_utils import (
     Rot13Example,
@@ -36,7 +36,14 @@ from dcp_volumes import (
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._compression import ZstdCompression
 from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME, Manifest, checksum_bytes
-from tests.checkpoint_helpers import assert_same, blank_like, failure_of, join, sample_state
+from tests.checkpoint_helpers import (
+    assert_same,
+    blank_like,
+    failure_of,
+    join,
+    sample_state,
+    stock_reader,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -77,15 +84,6 @@ def location(
         yield join(url, "ck"), opts
 
 
-def _stock_reader(url: str, opts: dict[str, Any], registry: Any = None) -> Any:
-    if url.startswith("s3://"):
-        reader = FsspecReader(url, **opts)
-        if registry is not None:  # FsspecReader takes no registry argument
-            reader.transforms.extension_registry = registry
-        return reader
-    return FileSystemReader(url, _extension_registry=registry)
-
-
 def _stock_writer(url: str, opts: dict[str, Any], extensions: list[Any]) -> Any:
     if url.startswith("s3://"):
         return FsspecWriter(url, _extensions=extensions, **opts)
@@ -111,7 +109,7 @@ def test_compressed_volume_checkpoint_loads_with_stock_and_volume_readers(
         ("stream.zstd/1",)
     }
     for reader in (
-        _stock_reader(url, opts),
+        stock_reader(url, opts),
         VolumeReader(url, storage_options=opts),
         VolumeReader(url, storage_options=opts, verify=True),
     ):
@@ -168,7 +166,7 @@ def test_rot13_extension_both_ways(location: tuple[str, dict[str, Any]]) -> None
     dcp.save(state, storage_writer=_stock_writer(stock, opts, [Rot13Example()]))
     registry = get_test_extension_registry()
     for reader in (
-        _stock_reader(ours, opts, registry),
+        stock_reader(ours, opts, registry),
         VolumeReader(ours, storage_options=opts, _extension_registry=registry),
         VolumeReader(stock, storage_options=opts, _extension_registry=registry),
     ):

@@ -25,16 +25,14 @@ from torch.distributed._shard.sharding_spec import (
     EnumerableShardingSpec,
     ShardMetadata,
 )
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._extension import ZStandard
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.testing._internal.distributed.checkpoint_utils import (
     Rot13Example,
     get_test_extension_registry,
 )
 
 from dcp_volumes import VolumeReader, VolumeWriter
-from tests.checkpoint_helpers import join
+from tests.checkpoint_helpers import join, stock_reader
 from tests.dist import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -100,13 +98,7 @@ def _reader(url: str, opts: dict[str, Any], ext: str) -> VolumeReader:
 
 
 def _stock_reader(url: str, opts: dict[str, Any], ext: str) -> Any:
-    _, registry = _extensions(ext)
-    if url.startswith("s3://"):
-        reader = FsspecReader(url, **opts)
-        if registry is not None:  # FsspecReader takes no registry argument
-            reader.transforms.extension_registry = registry
-        return reader
-    return FileSystemReader(url, _extension_registry=registry)
+    return stock_reader(url, opts, _extensions(ext)[1])
 
 
 def _scenarios(rank: int, world: int, url: str, opts: dict[str, Any], ext: str) -> list[str]:
