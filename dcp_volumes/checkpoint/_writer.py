@@ -434,7 +434,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             self._volume.check_root(create=True)  # missing bucket vs. fresh location
         # A rank-local checkpoint here (rank 0's marker is enough, as stock DCP checks)
         # counts as committed too: its markers would otherwise outlive its files.
-        committed = committed or self._volume.exists(rank_metadata_name(0))
+        committed = committed or self._has_file(rank_metadata_name(0))
         if committed:
             if not self.options.overwrite:
                 raise CheckpointExistsError(
@@ -626,6 +626,15 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             self._volume.display_url,
         )
         self._volume.delete(manifest_name)
+        return True
+
+    def _has_file(self, name: str) -> bool:
+        """Whether the file ``name`` exists: one HEAD (``Volume.exists`` also lists, for
+        prefixes, which costs every save a second round trip)."""
+        try:
+            self._volume.info(name)
+        except VolumeNotFoundError:
+            return False
         return True
 
     def _withdraw(self, manifest: Manifest, manifest_name: str, published_manifest: bool) -> None:
