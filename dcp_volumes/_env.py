@@ -16,7 +16,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 STAGING = "DCP_VOLUMES_STAGING"
 CACHE = "DCP_VOLUMES_CACHE"
@@ -88,9 +90,26 @@ def world_info() -> tuple[int, int, int, int]:
     return rank, world, local_rank, local_world
 
 
-def storage_options() -> str | None:
-    """The JSON text of ``DCP_VOLUMES_STORAGE_OPTIONS`` (used by the CLI), if set."""
-    return os.environ.get(STORAGE_OPTIONS) or None
+def storage_options() -> dict[str, Any]:
+    """The options in ``DCP_VOLUMES_STORAGE_OPTIONS`` (the CLI's and routed saves' default)."""
+    raw = os.environ.get(STORAGE_OPTIONS)
+    return parse_options(raw, STORAGE_OPTIONS) if raw else {}
+
+
+def parse_options(text: str, source: str) -> dict[str, Any]:
+    """Storage options given as JSON object text (``source`` names where, for the error)."""
+    from dcp_volumes._exceptions import ConfigurationError
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigurationError(
+            f"{source} is not valid JSON ({exc.msg} at char {exc.pos}); pass an object such "
+            'as \'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'.'
+        ) from None
+    if not isinstance(value, dict):
+        raise ConfigurationError(f"{source} must be a JSON object ({{...}}).")
+    return value
 
 
 def route_prefixes() -> list[str]:

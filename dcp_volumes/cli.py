@@ -122,20 +122,9 @@ class Output:
 
 
 def _storage_options(text: str | None) -> dict[str, Any]:
-    raw = text if text is not None else _env.storage_options()
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        source = "--storage-options" if text is not None else _env.STORAGE_OPTIONS
-        raise ConfigurationError(
-            f"{source} is not valid JSON ({exc.msg} at char {exc.pos}); pass an object such "
-            'as \'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'.'
-        ) from None
-    if not isinstance(value, dict):
-        raise ConfigurationError("--storage-options must be a JSON object ({...}).")
-    return value
+    if text is None:
+        return _env.storage_options()
+    return _env.parse_options(text, "--storage-options") if text else {}
 
 
 def _volume(args: argparse.Namespace, url: str) -> Volume:

@@ -420,22 +420,6 @@ def _check_level(level: Mapping[str, Any], allowed: frozenset[str], where: str) 
         )
 
 
-def _env_storage_options() -> dict[str, Any]:
-    raw = _env.storage_options()
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ConfigurationError(
-            f"{_env.STORAGE_OPTIONS} is not valid JSON ({exc.msg} at char {exc.pos}); set it to "
-            'an object such as \'{"endpoint_url": "http://127.0.0.1:9000"}\' or unset it.'
-        ) from None
-    if not isinstance(value, dict):
-        raise ConfigurationError(f"{_env.STORAGE_OPTIONS} must be a JSON object ({{...}}).")
-    return value
-
-
 def route(
     prefixes: str | Sequence[str] | Mapping[str, Mapping[str, Any]] | None = None,
     *,
@@ -513,7 +497,7 @@ def route(
         "writer_options": writer_options,
         "reader_options": reader_options,
     }
-    env_options = _env_storage_options()
+    env_options = _env.storage_options()
     routes = []
     for prefix, own_options in per_prefix.items():
         options: dict[str, Any] = {"storage_options": env_options}
