@@ -126,9 +126,9 @@ class FaultyBackend:
 
     # -- the protocol ---------------------------------------------------------------------
 
-    def check_root(self, root: str, *, create: bool) -> None:
+    def check_root(self, root: str, *, create: bool) -> Listing:
         self._count("check_root")
-        self.inner.check_root(root, create=create)
+        return self._maybe_stale(self.inner.check_root(root, create=create))
 
     def head(self, path: str) -> FileInfo:
         self._count("head")
@@ -137,7 +137,9 @@ class FaultyBackend:
 
     def list(self, prefix: str, *, recursive: bool) -> Listing:
         self._count("list")
-        listing = self.inner.list(prefix, recursive=recursive)
+        return self._maybe_stale(self.inner.list(prefix, recursive=recursive))
+
+    def _maybe_stale(self, listing: Listing) -> Listing:
         cutoff = self._stale_cutoff()
         if cutoff is None:
             return listing

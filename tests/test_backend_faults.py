@@ -327,3 +327,30 @@ def test_a_cold_epoch_refuses_a_sample_that_reads_back_short(
                 f"{type(caught.value).__name__}: {text}")
     assert faults.faults["short read"] > 0
     assert short in text and "changed" in text
+
+
+# -- 5. what a save costs besides its data ----------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_a_save_makes_four_requests_besides_its_data(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each request before or after the uploads is a round trip the save waits for
+    # (20 ms and more a network away): one listing to start (bucket, credentials, a
+    # committed checkpoint), one listing to check the upload, the manifest, .metadata.
+    root, opts = where
+    faults = Faults()
+    install(monkeypatch, faults)
+    writer = VolumeWriter(f"{root}/ck-1", storage_options=opts, file_size="8KiB")
+    for name in ("ck-1", "ck-2"):  # a fresh save, then the same writer's next one
+        faults.calls.clear()
+        dcp.save(state_for(1, size=_SIZE), storage_writer=writer,
+                 checkpoint_id=f"{root}/{name}", no_dist=True)
+        calls = dict(faults.calls)
+        data_files = [f for f in Volume(f"{root}/{name}", storage_options=opts).list()
+                      if f.path.endswith(".distcp")]
+        assert len(data_files) > 1  # the state spans several files
+        assert calls.pop("upload") == len(data_files)
+        assert calls == {"check_root": 1, "list": 1, "put": 2}
+        assert differences(_load(f"{root}/{name}", opts), state_for(1, size=_SIZE)) == []

@@ -68,8 +68,9 @@ class Backend(Protocol):
 
     capabilities: Capabilities
 
-    def check_root(self, root: str, *, create: bool) -> None:
-        """Raise unless ``root`` can be used (``create``: make a missing directory)."""
+    def check_root(self, root: str, *, create: bool) -> Listing:
+        """Raise unless ``root`` can be used (``create``: make a missing directory);
+        returns what is directly in it (one request where the check is a listing)."""
 
     def head(self, path: str) -> FileInfo:
         """Size, etag and mtime of one object (``FileInfo.path`` is the location)."""

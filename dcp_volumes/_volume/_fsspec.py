@@ -112,10 +112,11 @@ class FsspecBackend:
             name = f"{self._protocol}://{name}"
         return str(fsspec.core.strip_protocol(name)).rstrip("/")
 
-    def check_root(self, root: str, *, create: bool) -> None:
+    def check_root(self, root: str, *, create: bool) -> Listing:
         # info(), not exists(): exists() turns "access denied" into False, and wrong
         # credentials must not read as a missing bucket.
         self.fs.info(root.split("/", 1)[0])
+        return self.list(root, recursive=False)
 
     def head(self, path: str) -> FileInfo:
         raw = self.fs.info(path)

@@ -193,10 +193,11 @@ class LocalBackend:
 
     capabilities = Capabilities(local_files=True, atomic_create=True, buffers_uploads=False)
 
-    def check_root(self, root: str, *, create: bool) -> None:
+    def check_root(self, root: str, *, create: bool) -> Listing:
         if create:
             os.makedirs(root, exist_ok=True)
         check_dir(root, writable=create)
+        return self.list(root, recursive=False)
 
     def head(self, path: str) -> FileInfo:
         st = os.stat(path)

@@ -108,8 +108,8 @@ class ObstoreBackend:
 
     # -- queries --------------------------------------------------------------------------
 
-    def check_root(self, root: str, *, create: bool) -> None:
-        self.list(root, recursive=False)
+    def check_root(self, root: str, *, create: bool) -> Listing:
+        return self.list(root, recursive=False)
 
     def _failed_listing(self, store: Any, key: str, bucket: str, exc: Exception) -> Exception:
         """The error to raise for a listing that failed with obstore's generic error.

@@ -27,7 +27,14 @@ from dcp_volumes._exceptions import (
     VolumeExistsError,
     VolumeNotFoundError,
 )
-from dcp_volumes._volume._backend import Backend, Capabilities, Data, FileInfo, scatter
+from dcp_volumes._volume._backend import (
+    Backend,
+    Capabilities,
+    Data,
+    FileInfo,
+    Listing,
+    scatter,
+)
 from dcp_volumes._volume._fsspec import strip_protocol
 from dcp_volumes._volume._local import LocalBackend, download_atomically, fill_in_parts
 from dcp_volumes._volume._obstore_options import azure_account_from_url
@@ -231,10 +238,15 @@ class Volume:
 
     # -- queries --------------------------------------------------------------------------
 
-    def check_root(self, *, create: bool = False) -> None:
-        """Raise a clear error unless the root can be used (bucket exists, dir writable)."""
+    def check_root(self, *, create: bool = False) -> list[FileInfo]:
+        """Raise a clear error unless the root can be used (bucket exists, dir writable).
+
+        Returns the files directly in the root (as ``list(recursive=False)``): on
+        object stores the check is that one listing, so a caller that needs both
+        pays one round trip.
+        """
         try:
-            self._call("check", "", lambda b: b.check_root(self.root, create=create))
+            listing = self._call("check", "", lambda b: b.check_root(self.root, create=create))
         except VolumeNotFoundError as exc:
             if self.protocol in LOCAL_PROTOCOLS:
                 raise
@@ -243,6 +255,7 @@ class Volume:
                 "or is not visible with these credentials. Fix: create it, correct the URL, or "
                 "check the credentials."
             ) from exc
+        return self._files(listing)
 
     def info(self, relpath: str) -> FileInfo:
         """Size, etag and mtime of one file."""
@@ -277,6 +290,10 @@ class Volume:
         """
         base = self.full_path(relpath)
         listing = self._call("list", relpath, lambda b: b.list(base, recursive=recursive))
+        return self._files(listing)
+
+    def _files(self, listing: Listing) -> list[FileInfo]:
+        """A backend listing's files, relative to the root and sorted by path."""
         files = [
             FileInfo(self._relative(f.path), f.size, f.etag, f.mtime) for f in listing.files
         ]

@@ -1,4 +1,4 @@
-"""How one rank's staged files go up: how many at once, each upload, and the check after.
+"""How one rank's staged files go up: how many at once, and each upload.
 
 Throughput comes from many streams in flight (real stores cap each stream).
 Object-store clients hold each part (a whole small file) in memory while it
@@ -16,12 +16,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from torch.distributed.checkpoint.storage import WriteResult
-
-from dcp_volumes._exceptions import VolumeError
-from dcp_volumes._volume import LAG_TOTAL_S, Volume, redact_url
-from dcp_volumes.checkpoint._manifest import check_listing_settled
-from dcp_volumes.checkpoint._shards import WrittenItem
+from dcp_volumes._volume import Volume, redact_url
 
 logger = logging.getLogger("dcp_volumes.checkpoint._writer")
 
@@ -103,7 +98,7 @@ def upload_file(
     shape: UploadShape,
     part_size: int,
 ) -> None:
-    """Upload one closed file (upload threads); sizes are checked by ``verify_uploaded``.
+    """Upload one closed file (upload threads); the commit's listing checks its size.
 
     ``keep``: the staged file stays (the local tier); otherwise it is moved
     (renamed on a mount, removed after the upload elsewhere).
@@ -120,22 +115,3 @@ def upload_file(
             verify_size=False,
         )
     logger.debug("uploaded %s (%d bytes)", redact_url(volume.url_of(rel)), size)
-
-
-def verify_uploaded(volume: Volume, rank: int, results: list[WriteResult]) -> None:
-    """Every file of this rank is on the volume with its size: one listing, not a HEAD each
-    (listed again for a few seconds while it lags, as on eventually consistent stores)."""
-    files = {
-        wr.storage_data.info.relative_path: wr.storage_data.record
-        for wr in results
-        if isinstance(wr.storage_data, WrittenItem)
-    }
-    problems, _ = check_listing_settled(volume, files)
-    if problems:
-        raise VolumeError(
-            f"Rank {rank}'s upload to {volume.display_url} did not land whole "
-            f"({'; '.join(problems[:5])}), still so after listing again for "
-            f"{LAG_TOTAL_S:.0f} s. The upload was cut short, another writer uses this "
-            "location, or the store's listing lags its writes longer than that; save again "
-            "(on a store known to lag, to a fresh location)."
-        )

@@ -40,7 +40,6 @@ from dcp_volumes._exceptions import (
     CheckpointExistsError,
     ConfigurationError,
     VolumeExistsError,
-    VolumeNotFoundError,
 )
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
 from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, RetryPolicy, Volume
@@ -63,7 +62,6 @@ from dcp_volumes.checkpoint._rank_upload import (
     MIN_PART_SIZE,
     upload_file,
     upload_shape,
-    verify_uploaded,
 )
 from dcp_volumes.checkpoint._shards import WrittenItem, estimate_bytes, write_and_upload
 from dcp_volumes.checkpoint._stager import CpuStager
@@ -424,17 +422,13 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         """
         if self._rank_local:
             return self._prepare_rank_local(plans)
-        # A HEAD on .metadata first: unlike an existence check of the bucket, it
-        # reports missing or wrong credentials as such instead of "no bucket".
-        try:
-            self._volume.info(METADATA_NAME)
-            committed = True
-        except VolumeNotFoundError:
-            committed = False
-            self._volume.check_root(create=True)  # missing bucket vs. fresh location
-        # A rank-local checkpoint here (rank 0's marker is enough, as stock DCP checks)
-        # counts as committed too: its markers would otherwise outlive its files.
-        committed = committed or self._has_file(rank_metadata_name(0))
+        # One listing of the checkpoint's top level answers all that a save asks before
+        # it starts (a missing bucket and refused credentials are errors of their own):
+        # one round trip where a HEAD per question cost three. A rank-local checkpoint
+        # here (rank 0's marker is enough, as stock DCP checks) counts as committed
+        # too: its markers would otherwise outlive its files.
+        top = {f.path for f in self._volume.check_root(create=True)}
+        committed = METADATA_NAME in top or rank_metadata_name(0) in top
         if committed:
             if not self.options.overwrite:
                 raise CheckpointExistsError(
@@ -517,7 +511,6 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             self._stager.release()  # serialised: the buffers may serve the next save
         if not keep:
             StagingArea.remove(save_dir)
-        verify_uploaded(self._volume, self._rank, results)
         elapsed = max(time.monotonic() - started, 1e-9)
         logger.debug(
             "rank %d wrote %d files (%.1f MiB) to %s in %.2fs (%.0f MiB/s)",
@@ -564,13 +557,16 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             extra["ranks"] = len(results)
             manifest_name, marker_name = MANIFEST_NAME, METADATA_NAME
         manifest = Manifest(files=files, extra=extra)
+        # The one check that every rank's upload landed whole: a listing of the
+        # checkpoint (a listing per rank as well would cost every save a round trip).
         problems, _ = check_listing_settled(self._volume, manifest)
         if problems:
             raise CheckpointCorruptError(
-                f"Not committing {self._volume.display_url}: files differ from what the ranks "
-                f"uploaded ({'; '.join(problems[:5])}), still so after listing again for "
-                f"{LAG_TOTAL_S:.0f} s. Another writer may be using this location; save again "
-                "to a fresh one."
+                f"Not committing {self._volume.display_url}: the ranks' uploads did not land "
+                f"whole ({'; '.join(problems[:5])}), still so after listing again for "
+                f"{LAG_TOTAL_S:.0f} s. An upload was cut short, another writer uses this "
+                "location, or the store's listing lags its writes longer than that; save "
+                "again (on a store known to lag, to a fresh location)."
             )
         # Manifest, then the commit marker, both create-only (unless overwrite): of two
         # saves committing one location at once exactly one lands, and the manifest
@@ -628,15 +624,6 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         self._volume.delete(manifest_name)
         return True
 
-    def _has_file(self, name: str) -> bool:
-        """Whether the file ``name`` exists: one HEAD (``Volume.exists`` also lists, for
-        prefixes, which costs every save a second round trip)."""
-        try:
-            self._volume.info(name)
-        except VolumeNotFoundError:
-            return False
-        return True
-
     def _withdraw(self, manifest: Manifest, manifest_name: str, published_manifest: bool) -> None:
         """Remove what this save uploaded after another save won the commit.
 
@@ -679,13 +666,9 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         """Rank-local save: check and clear this rank's own files only; name them."""
         where = self._volume.display_url
         marker = rank_metadata_name(self._rank)
-        try:
-            self._volume.info(marker)
-            committed = True
-        except VolumeNotFoundError:
-            committed = False
-            self._volume.check_root(create=True)
-        if self._volume.exists(METADATA_NAME):
+        top = {f.path for f in self._volume.check_root(create=True)}  # one round trip
+        committed = marker in top
+        if METADATA_NAME in top:
             raise CheckpointExistsError(
                 f"{where} holds a checkpoint saved with collectives (.metadata); a rank-local "
                 "save (use_collectives=False) cannot replace it: without collectives the ranks "
