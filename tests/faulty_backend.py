@@ -57,8 +57,9 @@ class Faults:
     short_by: int = 1
     refuse_uploads_after: int | None = None
     seed: int = 0
-    # Counters: calls by method, faults by kind.
+    # Counters: calls by method, faults by kind; each upload's (size, concurrency).
     calls: Counter[str] = field(default_factory=Counter)
+    uploads: list[tuple[int, int]] = field(default_factory=list)
     faults: Counter[str] = field(default_factory=Counter)
 
 
@@ -186,6 +187,8 @@ class FaultyBackend:
                concurrency: int, move: bool) -> None:
         self._count("upload")
         f = self.faults
+        with self._lock:
+            f.uploads.append((size, concurrency))
         if f.refuse_uploads_after is not None and f.calls["upload"] > f.refuse_uploads_after:
             with self._lock:
                 f.faults["refused upload"] += 1

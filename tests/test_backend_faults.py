@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_volumes import (
@@ -354,3 +355,49 @@ def test_a_save_makes_four_requests_besides_its_data(
         assert calls.pop("upload") == len(data_files)
         assert calls == {"check_root": 1, "list": 1, "put": 2}
         assert differences(_load(f"{root}/{name}", opts), state_for(1, size=_SIZE)) == []
+
+
+@pytest.mark.timeout(30)
+def test_a_ranks_bytes_go_up_in_one_wave_of_puts(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On an object store every request costs a round trip and the server's work:
+    # 16 MiB over 4 streams is 4 files of 4 MiB, one PUT each, not 2 MiB pieces.
+    root, opts = where
+    faults = Faults()
+    install(monkeypatch, faults)
+    state = {f"t{i:02d}": torch.full((2**18,), float(i)) for i in range(16)}  # 16 x 1 MiB
+    dcp.save(state, storage_writer=VolumeWriter(f"{root}/ck", storage_options=opts,
+                                                upload_concurrency=4), no_dist=True)
+    sizes = sorted(f.size for f in Volume(f"{root}/ck", storage_options=opts).list()
+                   if f.path.endswith(".distcp"))
+    if Volume(root, storage_options=opts).capabilities.local_files:
+        assert len(sizes) == 1  # a mount gets file_size files (256 MiB): renamed, not sent
+    else:
+        assert len(sizes) == faults.calls["upload"] == 4
+        assert all(4 * 2**20 <= s < 4 * 2**20 + 4 * 4096 for s in sizes)
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(got, storage_reader=VolumeReader(f"{root}/ck", storage_options=opts), no_dist=True)
+    assert all(torch.equal(got[k], state[k]) for k in state)
+
+
+@pytest.mark.timeout(30)
+def test_a_tensor_larger_than_a_part_goes_up_in_parallel_parts(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One file per stream, except a tensor larger than that (an embedding): sent
+    # by one stream it would be the save's tail, so its parts go up side by side.
+    root, opts = where
+    faults = Faults()
+    install(monkeypatch, faults)
+    state = {"embedding": torch.randn(3 * 2**20), "bias": torch.randn(2**10)}  # 12 MiB + 4 KiB
+    dcp.save(state, storage_writer=VolumeWriter(f"{root}/ck", storage_options=opts,
+                                                part_size="5MiB"), no_dist=True)
+    if Volume(root, storage_options=opts).capabilities.local_files:
+        assert faults.uploads == [(faults.uploads[0][0], 1)]  # a rename
+    else:
+        big = [c for size, c in faults.uploads if size > 12 * 2**20]
+        assert big == [3]  # 12 MiB in 5 MiB parts: 3 at once
+    got = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(got, storage_reader=VolumeReader(f"{root}/ck", storage_options=opts), no_dist=True)
+    assert all(torch.equal(got[k], state[k]) for k in state)

@@ -51,7 +51,8 @@ class Capabilities:
             Without it the volume checks first, which leaves a short window.
         buffers_uploads: an upload holds each part (a whole small file) in
             memory while it is in flight; uploads are then shaped to a memory
-            budget.
+            budget. False for obstore: it sends maps of the staged files whose
+            sent pages are dropped as they go (``_mapped.py``).
         survives_fork: a process forked after this backend did I/O can still use
             it (in a new client). False for obstore: its runtime's threads do
             not exist in the child, which then hangs on its first call.

@@ -74,7 +74,7 @@ class ObstoreBackend:
     """S3 or Azure Blob locations (``bucket/key``) through obstore."""
 
     capabilities = Capabilities(
-        local_files=False, atomic_create=True, buffers_uploads=True, survives_fork=False
+        local_files=False, atomic_create=True, buffers_uploads=False, survives_fork=False
     )
 
     def __init__(self, kind: str, settings: StoreSettings) -> None:

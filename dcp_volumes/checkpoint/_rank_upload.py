@@ -1,11 +1,14 @@
 """How one rank's staged files go up: how many at once, and each upload.
 
-Throughput comes from many streams in flight (real stores cap each stream).
-Object-store clients hold each part (a whole small file) in memory while it
-is in flight (``capabilities.buffers_uploads``), so the shape keeps those
-buffers within a share of the rank's bytes. (obstore's are maps of the
-staged files whose sent pages are dropped as they go, so what they hold in
-RSS is well below that share; see ``_volume/_mapped.py``.)
+What a save pays beyond its bytes is per request: a round trip (20 ms and
+more a network away) and the server's work for each PUT, which on the 2-core
+machines here costs more than a few MiB of transfer (the shapes measured are
+in benchmarks/README.md). So a rank's bytes go up in one wave: a file per
+stream, each file one PUT. Stores whose client holds every part in memory
+while it is in flight (``capabilities.buffers_uploads``, the fsspec clients)
+keep files smaller, within a share of the rank's bytes. obstore sends maps of
+the staged files whose sent pages are dropped as they go (``_volume/_mapped.py``),
+so its uploads hold little RSS whatever the file size.
 """
 
 from __future__ import annotations
@@ -22,43 +25,49 @@ logger = logging.getLogger("dcp_volumes.checkpoint._writer")
 
 # S3 rejects multipart parts below 5 MiB (except the last one).
 MIN_PART_SIZE = 5 * 2**20
-# Files uploaded at once per rank (they share the transfers in flight).
+# Files renamed or copied at once per rank on a mount.
 _MAX_FILES_IN_FLIGHT = 4
-# Upload buffers may take this share of a rank's checkpoint bytes in RAM ...
+# Clients that buffer uploads may hold this share of a rank's bytes in RAM ...
 _UPLOAD_RAM_SHARE = 0.25
-# ... but at least this much per stream: smaller files make the per-request
-# cost dominate.
+# ... but every file is at least this large: smaller files make the
+# per-request cost dominate.
 _MIN_STREAM_BYTES = 2 * 2**20
 
 
 @dataclass(frozen=True)
 class UploadShape:
-    """How a rank's files go up: ``files_in_flight`` at once, ``per_file`` transfers
-    each, files of at most ``file_size``, and at most ``budget`` bytes held in flight."""
+    """How a rank's files go up: ``files_in_flight`` at once, files of at most
+    ``file_size``, up to ``streams`` transfers for one file larger than a part,
+    and (clients that buffer) at most ``budget`` bytes held in flight."""
 
     files_in_flight: int
-    per_file: int
+    streams: int
     file_size: int
     budget: InFlightBytes | None
 
 
 def upload_shape(
-    volume: Volume, *, rank_bytes: int, concurrency: int, file_size: int
+    volume: Volume, *, rank_bytes: int, concurrency: int, file_size: int, part_size: int
 ) -> UploadShape:
-    """The upload shape for a rank of ``rank_bytes``.
+    """The upload shape for a rank of ``rank_bytes`` with ``concurrency`` streams.
 
-    Within a budget of ``_UPLOAD_RAM_SHARE`` of the rank's bytes, keep
-    ``concurrency`` streams busy by making files small enough that each is
-    one PUT (no multipart round trips); large states keep ``file_size`` files.
+    Object stores: files of ``rank_bytes / concurrency`` (at least 2 MiB, at most
+    ``file_size`` and ``part_size``), so every stream carries one PUT and the
+    rank's uploads are one wave; a client that buffers uploads gets files small
+    enough for its memory budget. Mounts keep ``file_size`` files.
     """
-    if not volume.capabilities.buffers_uploads:
+    caps = volume.capabilities
+    if caps.local_files:
         return UploadShape(min(_MAX_FILES_IN_FLIGHT, concurrency), 1, file_size, None)
-    budget = max(concurrency * _MIN_STREAM_BYTES, int(rank_bytes * _UPLOAD_RAM_SHARE))
-    file_size = min(file_size, max(_MIN_STREAM_BYTES, budget // concurrency))
-    files_in_flight = max(1, min(concurrency, budget // file_size))
-    return UploadShape(
-        files_in_flight, max(1, concurrency // files_in_flight), file_size, InFlightBytes(budget)
-    )
+    per_stream = -(-rank_bytes // concurrency)
+    size = min(file_size, part_size, max(_MIN_STREAM_BYTES, per_stream))
+    budget = None
+    if caps.buffers_uploads:
+        budget = InFlightBytes(
+            max(concurrency * _MIN_STREAM_BYTES, int(rank_bytes * _UPLOAD_RAM_SHARE))
+        )
+        size = min(size, max(_MIN_STREAM_BYTES, budget.limit // concurrency))
+    return UploadShape(concurrency, concurrency, size, budget)
 
 
 class InFlightBytes:
@@ -103,14 +112,17 @@ def upload_file(
     ``keep``: the staged file stays (the local tier); otherwise it is moved
     (renamed on a mount, removed after the upload elsewhere).
     """
+    # A file larger than a part (one tensor larger than the files) goes up in
+    # parallel parts: alone at the end of a save, one stream would be its tail.
+    parts = min(shape.streams, -(-size // part_size))
     # A multipart upload holds its parts in flight, a single PUT the whole file.
-    held = size if size <= part_size else min(size, shape.per_file * part_size)
+    held = size if parts <= 1 else min(size, parts * part_size)
     with shape.budget.hold(held) if shape.budget is not None else contextlib.nullcontext():
         volume.put_file(
             local,
             rel,
             part_size=part_size,
-            concurrency=shape.per_file,
+            concurrency=max(1, parts),
             move=not keep,
             verify_size=False,
         )

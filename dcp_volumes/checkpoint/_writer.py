@@ -100,8 +100,8 @@ class WriterOptions:
         keep_staging: keep the staged files after the upload.
         local_copy_dir: root of the local tier; the files of a checkpoint are
             staged into and kept in ``local_copy_dir/<checkpoint name>``.
-        upload_concurrency: transfers (parts or whole small files) in flight
-            for this rank; up to 4 files at once share them.
+        upload_concurrency: streams in flight for this rank: a file each (one
+            PUT), or the parts of a file larger than ``part_size``.
         part_size: multipart part size.
         file_size: target size of one data file; a rank's items are split
             into files of about this size so upload overlaps serialisation.
@@ -214,11 +214,13 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             into ``local_copy_dir/<checkpoint name>`` and kept there, with a
             copy of the manifest; ``VolumeReader(local_copy_dir=...)`` reads
             from it when the files match the manifest.
-        upload_concurrency: streams in flight for this rank (whole files, or
-            multipart parts of large ones). Upload buffers stay within a
-            quarter of the rank's checkpoint bytes: for states too small to
-            give every stream a ``file_size`` file, files are made smaller
-            (down to 5 MiB), so each is one PUT and all streams stay busy.
+        upload_concurrency: streams in flight for this rank. On an object
+            store the rank's bytes go up in one wave: files of about
+            ``rank bytes / upload_concurrency`` (at least 2 MiB, at most
+            ``file_size`` and ``part_size``), each one PUT, since every
+            request costs a round trip; a tensor larger than that is a file of
+            its own, sent in parallel parts. fsspec clients, which hold each
+            upload in memory, get files within a quarter of the rank's bytes.
         part_size: multipart part size (bytes or e.g. ``"32MiB"``, >= 5 MiB).
         file_size: largest size of one data file (bytes or e.g. ``"256MiB"``).
         prefix_spread: ``N >= 2`` spreads the files over ``N`` hashed
@@ -470,6 +472,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             rank_bytes=estimate_bytes(plan.items),
             concurrency=self.options.upload_concurrency,
             file_size=self.options.file_size,
+            part_size=self.options.part_size,
         )
         items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
         items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
