@@ -1,14 +1,17 @@
-"""How one rank's staged files go up: how many at once, and each upload.
+"""How one rank's staged files go up: how many at once, how large, and each upload.
 
 What a save pays beyond its bytes is per request: a round trip (20 ms and
 more a network away) and the server's work for each PUT, which on the 2-core
-machines here costs more than a few MiB of transfer (the shapes measured are
-in benchmarks/README.md). So a rank's bytes go up in one wave: a file per
-stream, each file one PUT. Stores whose client holds every part in memory
-while it is in flight (``capabilities.buffers_uploads``, the fsspec clients)
-keep files smaller, within a share of the rank's bytes. obstore sends maps of
-the staged files whose sent pages are dropped as they go (``_volume/_mapped.py``),
-so its uploads hold little RSS whatever the file size.
+machines here costs more than a few MiB of transfer. And a file can go up only
+once it is serialised, so the last file's upload is the save's tail. Hence two
+waves per stream, each file one PUT: first a large file per stream (three
+quarters of the stream's share), then a small one (the last quarter), whose
+upload after serialisation ends is short. Stores whose client holds every part
+in memory while it is in flight (``capabilities.buffers_uploads``, the fsspec
+clients) keep files within a share of the rank's bytes instead. obstore sends
+maps of the staged files whose sent pages are dropped as they go
+(``_volume/_mapped.py``), so its uploads hold little RSS whatever the file size.
+The shapes measured are in benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -32,18 +35,26 @@ _UPLOAD_RAM_SHARE = 0.25
 # ... but every file is at least this large: smaller files make the
 # per-request cost dominate.
 _MIN_STREAM_BYTES = 2 * 2**20
+# The share of a stream's bytes in its first (large) file; the rest is its second.
+_FIRST_WAVE_SHARE = 0.75
 
 
 @dataclass(frozen=True)
 class UploadShape:
-    """How a rank's files go up: ``files_in_flight`` at once, files of at most
-    ``file_size``, up to ``streams`` transfers for one file larger than a part,
+    """How a rank's files go up: ``files_in_flight`` at once; the first
+    ``files_in_flight`` files of at most ``first_size`` bytes, the later ones of
+    ``file_size``; up to ``streams`` transfers for one file larger than a part;
     and (clients that buffer) at most ``budget`` bytes held in flight."""
 
     files_in_flight: int
     streams: int
+    first_size: int
     file_size: int
     budget: InFlightBytes | None
+
+    def size_of(self, index: int) -> int:
+        """The target size of the rank's ``index``-th file (0-based)."""
+        return self.first_size if index < self.files_in_flight else self.file_size
 
 
 def upload_shape(
@@ -51,23 +62,27 @@ def upload_shape(
 ) -> UploadShape:
     """The upload shape for a rank of ``rank_bytes`` with ``concurrency`` streams.
 
-    Object stores: files of ``rank_bytes / concurrency`` (at least 2 MiB, at most
-    ``file_size`` and ``part_size``), so every stream carries one PUT and the
-    rank's uploads are one wave; a client that buffers uploads gets files small
-    enough for its memory budget. Mounts keep ``file_size`` files.
+    Object stores: a first wave of ``concurrency`` files of three quarters of
+    ``rank_bytes / concurrency``, then files of the last quarter (each at least
+    2 MiB, at most ``file_size`` and ``part_size``: one PUT each); a client that
+    buffers uploads gets files small enough for its memory budget. Mounts keep
+    ``file_size`` files.
     """
     caps = volume.capabilities
     if caps.local_files:
-        return UploadShape(min(_MAX_FILES_IN_FLIGHT, concurrency), 1, file_size, None)
+        files = min(_MAX_FILES_IN_FLIGHT, concurrency)
+        return UploadShape(files, 1, file_size, file_size, None)
     per_stream = -(-rank_bytes // concurrency)
-    size = min(file_size, part_size, max(_MIN_STREAM_BYTES, per_stream))
+    cap = min(file_size, part_size)
+    first = min(cap, max(_MIN_STREAM_BYTES, int(per_stream * _FIRST_WAVE_SHARE)))
+    later = min(cap, max(_MIN_STREAM_BYTES, per_stream - first))
     budget = None
     if caps.buffers_uploads:
         budget = InFlightBytes(
             max(concurrency * _MIN_STREAM_BYTES, int(rank_bytes * _UPLOAD_RAM_SHARE))
         )
-        size = min(size, max(_MIN_STREAM_BYTES, budget.limit // concurrency))
-    return UploadShape(concurrency, concurrency, size, budget)
+        first = later = min(later, max(_MIN_STREAM_BYTES, budget.limit // concurrency))
+    return UploadShape(concurrency, concurrency, first, later, budget)
 
 
 class InFlightBytes:

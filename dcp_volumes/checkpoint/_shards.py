@@ -158,15 +158,16 @@ def write_and_upload(
     prefix: str,
     save_dir: str,
     prefix_spread: int,
-    file_size: int,
+    file_size: Callable[[int], int],
     fsync: bool,
     files_in_flight: int,
     upload: Upload,
     transforms: StreamTransforms | None = None,
 ) -> tuple[list[WriteResult], int, int]:
-    """Serialise ``items`` into files of at most ``file_size`` bytes of tensor data (plus
-    headers; or one item larger than that), uploading each once closed, so
-    what the uploads hold in flight stays within files in flight x file size.
+    """Serialise ``items`` into files of at most ``file_size(i)`` bytes of tensor data
+    for the ``i``-th file (plus headers; or one item larger than that), uploading
+    each once closed, so what the uploads hold in flight stays within files in
+    flight x file size.
 
     ``transforms`` (``_extensions=``, compression) wrap each item's bytes on
     their way into the file, as stock DCP's writer does: the offsets, lengths
@@ -212,7 +213,10 @@ def write_and_upload(
             for item in items:
                 if any(f.done() and f.exception() is not None for f in uploads):
                     break  # an upload failed: stop serialising, report it below
-                if state["file"] is not None and state["data"] + _data_bytes(item) > file_size:
+                if (
+                    state["file"] is not None
+                    and state["data"] + _data_bytes(item) > file_size(state["index"] - 1)
+                ):
                     close_and_upload(pool)
                 if state["file"] is None:
                     name = _layout.data_file_name(prefix, state["index"])

@@ -215,12 +215,14 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             copy of the manifest; ``VolumeReader(local_copy_dir=...)`` reads
             from it when the files match the manifest.
         upload_concurrency: streams in flight for this rank. On an object
-            store the rank's bytes go up in one wave: files of about
-            ``rank bytes / upload_concurrency`` (at least 2 MiB, at most
-            ``file_size`` and ``part_size``), each one PUT, since every
-            request costs a round trip; a tensor larger than that is a file of
-            its own, sent in parallel parts. fsspec clients, which hold each
-            upload in memory, get files within a quarter of the rank's bytes.
+            store each stream carries two files, one PUT each (every request
+            costs a round trip): a large one, three quarters of its share of
+            the rank's bytes, then a small one, so that little is left to send
+            once serialisation ends (files of at least 2 MiB, at most
+            ``file_size`` and ``part_size``); a tensor larger than that is a
+            file of its own, sent in parallel parts. fsspec clients, which hold
+            each upload in memory, get files within a quarter of the rank's
+            bytes.
         part_size: multipart part size (bytes or e.g. ``"32MiB"``, >= 5 MiB).
         file_size: largest size of one data file (bytes or e.g. ``"256MiB"``).
         prefix_spread: ``N >= 2`` spreads the files over ``N`` hashed
@@ -484,7 +486,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                 prefix=prefix,
                 save_dir=save_dir,
                 prefix_spread=self.options.prefix_spread,
-                file_size=shape.file_size,
+                file_size=shape.size_of,
                 # Mount-path volumes get the file by rename: it must be on disk first.
                 fsync=self.options.sync_files
                 and (self._volume.capabilities.local_files or local_copy is not None),
