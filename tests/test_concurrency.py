@@ -221,7 +221,7 @@ def test_one_cache_shared_by_two_datasets(root: tuple[str, dict[str, Any]],
 
 # -- two jobs saving the same checkpoint id at once ------------------------------------------
 
-_RACE_MIB = 24  # per rank: uploads long enough that the two jobs' saves overlap
+_RACE_MIB = 48  # per rank: saves long enough that the two jobs' saves overlap (~1 s on moto)
 
 
 def _race_state(job: int, rank: int) -> dict[str, Any]:
