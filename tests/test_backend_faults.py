@@ -349,13 +349,12 @@ def test_a_save_makes_four_requests_besides_its_data(
     # (20 ms and more a network away): one listing to start (bucket, credentials, a
     # committed checkpoint), one listing to check the upload, the manifest, .metadata.
     root, opts = where
-    faults = counted
     writer = VolumeWriter(f"{root}/ck-1", storage_options=opts, file_size="8KiB")
     for name in ("ck-1", "ck-2"):  # a fresh save, then the same writer's next one
-        faults.calls.clear()
+        counted.calls.clear()
         dcp.save(state_for(1, size=_SIZE), storage_writer=writer,
                  checkpoint_id=f"{root}/{name}", no_dist=True)
-        calls = dict(faults.calls)
+        calls = dict(counted.calls)
         data_files = [f for f in Volume(f"{root}/{name}", storage_options=opts).list()
                       if f.path.endswith(".distcp")]
         assert len(data_files) > 1  # the state spans several files
@@ -372,7 +371,6 @@ def test_a_ranks_bytes_go_up_in_two_waves_of_puts(
     # the last file's upload is the save's tail: each stream carries a large file,
     # then a small one. 32 MiB over 4 streams: 4 files of 6 MiB, then 4 of 2 MiB.
     root, opts = where
-    faults = counted
     state = {f"t{i:02d}": torch.full((2**18,), float(i)) for i in range(32)}  # 32 x 1 MiB
     _save_and_load_back(f"{root}/ck", opts, state, upload_concurrency=4)
     files = Volume(f"{root}/ck", storage_options=opts).list()
@@ -381,7 +379,7 @@ def test_a_ranks_bytes_go_up_in_two_waves_of_puts(
     if Volume(root, storage_options=opts).capabilities.local_files:
         assert len(by_index) == 1  # a mount gets file_size files (256 MiB): renamed, not sent
         return
-    assert faults.calls["upload"] == len(by_index) == 8
+    assert counted.calls["upload"] == len(by_index) == 8
     mib = [round(by_index[i] / 2**20) for i in sorted(by_index)]
     assert mib == [6, 6, 6, 6, 2, 2, 2, 2]
 
@@ -393,13 +391,12 @@ def test_a_tensor_larger_than_a_part_goes_up_in_parallel_parts(
     # One file per stream, except a tensor larger than that (an embedding): sent
     # by one stream it would be the save's tail, so its parts go up side by side.
     root, opts = where
-    faults = counted
     state = {"embedding": torch.randn(3 * 2**20), "bias": torch.randn(2**10)}  # 12 MiB + 4 KiB
     _save_and_load_back(f"{root}/ck", opts, state, part_size="5MiB")
     if Volume(root, storage_options=opts).capabilities.local_files:
-        assert faults.uploads == [(faults.uploads[0][0], 1)]  # a rename
+        assert counted.uploads == [(counted.uploads[0][0], 1)]  # a rename
     else:
-        big = [c for size, c in faults.uploads if size > 12 * 2**20]
+        big = [c for size, c in counted.uploads if size > 12 * 2**20]
         assert big == [3]  # 12 MiB in 5 MiB parts: 3 at once
 
 

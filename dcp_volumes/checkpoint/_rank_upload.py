@@ -81,7 +81,7 @@ def upload_shape(
         budget = InFlightBytes(
             max(concurrency * _MIN_STREAM_BYTES, int(rank_bytes * _UPLOAD_RAM_SHARE))
         )
-        first = later = min(later, max(_MIN_STREAM_BYTES, budget.limit // concurrency))
+        first = later = min(cap, max(_MIN_STREAM_BYTES, budget.limit // concurrency))
     return UploadShape(concurrency, concurrency, first, later, budget)
 
 
