@@ -12,6 +12,7 @@
 | ``DCP_VOLUMES_CLIENT_START_TIMEOUT`` | seconds until a client creation is stuck (0: never) |
 | ``DCP_VOLUMES_EXIT_TIMEOUT`` | seconds a save in flight may take once the interpreter exits |
 | ``AWS_EC2_METADATA_DISABLED`` (botocore's) | ``true``: no credentials from instance metadata |
+| ``AWS_UNSIGNED_PAYLOAD`` (obstore's) | set: it decides payload signing (else unsigned over TLS) |
 """
 
 from __future__ import annotations
@@ -153,3 +154,13 @@ def aws_metadata_disabled() -> bool:
 def aws_credentials_in_environment() -> bool:
     """Whether the environment gives the AWS credential chain something besides metadata."""
     return any(os.environ.get(name) for name in _AWS_CREDENTIAL_VARIABLES)
+
+
+def aws_endpoint() -> str:
+    """The S3 endpoint obstore takes from the environment (``AWS_ENDPOINT[_URL]``), or ``""``."""
+    return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or ""
+
+
+def aws_unsigned_payload_set() -> bool:
+    """Whether ``AWS_UNSIGNED_PAYLOAD`` (obstore reads it) chooses payload signing itself."""
+    return bool(os.environ.get("AWS_UNSIGNED_PAYLOAD", "").strip())

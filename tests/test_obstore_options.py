@@ -111,3 +111,39 @@ def test_the_policys_timeout_is_the_request_timeout_and_the_users_own_wins() -> 
     assert botocore.client_options["timeout"] == timedelta(seconds=7)
     with pytest.raises(ConfigurationError, match="timeout_s"):
         RetryPolicy(timeout_s=0)
+
+
+@pytest.mark.parametrize(
+    ("options", "unsigned"),
+    [
+        ({}, True),  # AWS itself: https
+        ({"endpoint_url": "https://minio.internal:9000"}, True),
+        ({"endpoint_url": "http://127.0.0.1:9000"}, None),  # no TLS: the body stays signed
+        ({"unsigned_payload": False}, False),  # the user's choice wins
+        ({"endpoint_url": "http://127.0.0.1:9000", "unsigned_payload": True}, True),
+    ],
+)
+def test_bodies_go_unsigned_only_over_tls_unless_the_user_chooses(
+    options: dict, unsigned: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("AWS_UNSIGNED_PAYLOAD", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    out = s3_settings({"key": "k", "secret": "secret-3", **options}, POLICY)
+    assert out.config.get("unsigned_payload") == unsigned
+
+
+def test_an_http_endpoint_from_the_environment_keeps_bodies_signed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("AWS_UNSIGNED_PAYLOAD", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    out = s3_settings({"key": "k", "secret": "secret-5"}, POLICY)
+    assert "unsigned_payload" not in out.config
+
+
+def test_aws_unsigned_payload_in_the_environment_decides_signing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AWS_UNSIGNED_PAYLOAD", "false")
+    out = s3_settings({"key": "k", "secret": "secret-4"}, POLICY)
+    assert "unsigned_payload" not in out.config  # obstore reads the variable itself

@@ -6,9 +6,12 @@ process's RSS from the moment the HTTP stack reads it until the map is
 closed, i.e. for the whole request: every file in flight would sit in RAM
 whole. Pages already written to the socket are needed again only for a
 retry, which faults them back in from the page cache. So a background thread
-drops the pages of every open upload map from this process every few
-milliseconds (``MADV_DONTNEED``: the page cache keeps them); what an upload
-holds in RSS is then about what it sends in that time, not the file.
+drops the pages of every open upload map from this process every 10 ms
+(``MADV_DONTNEED``: the page cache keeps them); what an upload holds in RSS
+is then about what it sends (or hashes, for a signed payload) in that time,
+not the file. The kernel maps a file's large folios whole on the first touch
+(2 MiB on ext4 here), so that is the least an upload in flight holds; a
+shorter period bought little RSS for more CPU (benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -210,6 +210,8 @@ def s3_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSetting
     endpoint = out.config.get("endpoint")
     if isinstance(endpoint, str) and endpoint.startswith("http://"):
         out.client_options.setdefault("allow_http", True)
+    if not str(endpoint or _env.aws_endpoint()).startswith("http://"):
+        _unsigned_over_tls(out)
     if "endpoint" in out.config:
         # A custom endpoint (MinIO, Ceph, a proxy) addresses buckets by path, as
         # s3fs and botocore do for it; obstore would put the bucket in the host.
@@ -218,6 +220,18 @@ def s3_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSetting
         out.config["region"] = "us-east-1"  # requests must be signed for some region
     _check_aws_credentials(out)
     return out
+
+
+def _unsigned_over_tls(out: StoreSettings) -> None:
+    """Over TLS, send bodies unsigned (``UNSIGNED-PAYLOAD``), as botocore does for S3.
+
+    TLS already protects the body in transit; signing it costs a SHA-256 pass
+    over every byte before the first one is sent (CPU on the training host,
+    and every page of the staged file mapped at once; benchmarks/README.md).
+    The user's ``unsigned_payload`` (or ``AWS_UNSIGNED_PAYLOAD``) wins.
+    """
+    if "unsigned_payload" not in out.config and not _env.aws_unsigned_payload_set():
+        out.config["unsigned_payload"] = True
 
 
 def _check_aws_credentials(out: StoreSettings) -> None:
