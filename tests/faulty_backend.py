@@ -45,6 +45,10 @@ class Faults:
     refuse_uploads_after: after this many ``upload()`` calls, every later one
         is refused with ``PermissionError`` naming the location (a store that
         starts refusing writes part-way through a save).
+    meet_list_and_put: a location substring: the first ``list()`` and the first
+        ``put()`` of a matching location each wait (up to 5 s) until the other
+        has started; ``faults["no meeting"]`` counts the waits that ran out
+        (the two calls were not in flight at once).
     """
 
     stale_lists: int = 0
@@ -56,6 +60,7 @@ class Faults:
     short: Sequence[str] = ()
     short_by: int = 1
     refuse_uploads_after: int | None = None
+    meet_list_and_put: str | None = None
     seed: int = 0
     # Counters: calls by method, faults by kind; each upload's (size, concurrency).
     calls: Counter[str] = field(default_factory=Counter)
@@ -76,6 +81,8 @@ class FaultyBackend:
         self._written: dict[str, float] = {}
         self._vanished: Counter[str] = Counter()
         self.stale_since: float | None = None
+        self._meeting = threading.Barrier(2, timeout=5)
+        self._met: set[str] = set()
 
     # -- faults ---------------------------------------------------------------------------
 
@@ -121,6 +128,20 @@ class FaultyBackend:
         with self._lock:
             self._written[path] = time.time()
 
+    def _meet(self, op: str, path: str) -> None:
+        match = self.faults.meet_list_and_put
+        if match is None or (op == "put" and match not in path):
+            return
+        with self._lock:
+            if op in self._met:
+                return
+            self._met.add(op)
+        try:
+            self._meeting.wait()
+        except threading.BrokenBarrierError:
+            with self._lock:
+                self.faults.faults["no meeting"] += 1
+
     def _count(self, op: str) -> None:
         with self._lock:
             self.faults.calls[op] += 1
@@ -138,6 +159,7 @@ class FaultyBackend:
 
     def list(self, prefix: str, *, recursive: bool) -> Listing:
         self._count("list")
+        self._meet("list", prefix)
         return self._maybe_stale(self.inner.list(prefix, recursive=recursive))
 
     def _maybe_stale(self, listing: Listing) -> Listing:
@@ -199,6 +221,7 @@ class FaultyBackend:
 
     def put(self, path: str, data: Data, *, create_only: bool) -> None:
         self._count("put")
+        self._meet("put", path)
         self.inner.put(path, data, create_only=create_only)
         self._wrote(path)
 

@@ -26,6 +26,7 @@ from dcp_volumes import (
     VolumeWriter,
 )
 from dcp_volumes._volume import Volume
+from dcp_volumes.checkpoint._manifest import MANIFEST_NAME
 from tests.faulty_backend import Faults, install
 from tests.scripts.states import differences, empty_state, state_for
 from tests.test_data_support import payload, read_id, write_samples
@@ -98,7 +99,10 @@ def test_a_listing_that_stays_stale_fails_the_save_cleanly(
         _report("save, listing stale for good", faults, f"failed: {_last_line(caught.value)}")
     assert "did not land whole" in text and "missing" in text
     assert "listing" in text  # says the store's listing may lag, not only "cut short"
-    assert not Volume(f"{root}/ck", storage_options=opts).exists(".metadata")
+    volume = Volume(f"{root}/ck", storage_options=opts)
+    assert not volume.exists(".metadata")
+    # The manifest went up while the check ran; the failed check took it back.
+    assert not volume.exists(MANIFEST_NAME)
 
 
 # -- 2. CheckpointManager discovery ----------------------------------------------------------
@@ -361,6 +365,24 @@ def test_a_save_makes_four_requests_besides_its_data(
         assert calls.pop("upload") == len(data_files)
         assert calls == {"check_root": 1, "list": 1, "put": 2}
         assert differences(_load(f"{root}/{name}", opts), state_for(1, size=_SIZE)) == []
+
+
+@pytest.mark.timeout(30)
+def test_the_commit_checks_the_uploads_while_the_manifest_goes_up(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The listing that checks every upload and the manifest's PUT are each a round
+    # trip; in flight at once they cost the save one. The wrapper holds each of the
+    # two until the other has started: in sequence, the first would wait in vain.
+    root, opts = where
+    faults = Faults(meet_list_and_put=MANIFEST_NAME)
+    install(monkeypatch, faults)
+    want = state_for(1, size=_SIZE)
+    dcp.save(want, storage_writer=VolumeWriter(f"{root}/ck", storage_options=opts,
+                                               file_size="8KiB"), no_dist=True)
+    assert faults.faults["no meeting"] == 0
+    assert faults.calls["list"] == 1 and faults.calls["put"] == 2
+    assert differences(_load(f"{root}/ck", opts), want) == []
 
 
 @pytest.mark.timeout(30)

@@ -24,6 +24,7 @@ import uuid
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future as ThreadFuture
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from dcp_volumes import _exit_safe
 from dcp_volumes._exceptions import (
     CheckpointCorruptError,
     CheckpointExistsError,
@@ -562,38 +564,46 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             extra["ranks"] = len(results)
             manifest_name, marker_name = MANIFEST_NAME, METADATA_NAME
         manifest = Manifest(files=files, extra=extra)
-        # The one check that every rank's upload landed whole: a listing of the
-        # checkpoint (a listing per rank as well would cost every save a round trip).
-        problems, _ = check_listing_settled(self._volume, manifest)
-        if problems:
-            raise CheckpointCorruptError(
-                f"Not committing {self._volume.display_url}: the ranks' uploads did not land "
-                f"whole ({'; '.join(problems[:5])}), still so after listing again for "
-                f"{LAG_TOTAL_S:.0f} s. An upload was cut short, another writer uses this "
-                "location, or the store's listing lags its writes longer than that; save "
-                "again (on a store known to lag, to a fresh location)."
-            )
-        # Manifest, then the commit marker, both create-only (unless overwrite): of two
-        # saves committing one location at once exactly one lands, and the manifest
-        # beside .metadata is always the committed save's own.
-        exclusive = not self.options.overwrite
-        published_manifest = False
-        try:
+        # The one check that every rank's upload landed whole is a listing of the
+        # checkpoint (one per rank as well would cost every save a round trip). It
+        # runs while the manifest goes up, a round trip less per save: a manifest
+        # means nothing until .metadata is beside it, and a failed check takes it back.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpv-commit") as pool:
+            checked = _exit_safe.submit(pool, check_listing_settled, self._volume, manifest)
+            published_manifest = committing = False
             try:
-                self._volume.publish(manifest_name, manifest.to_json(), exclusive=exclusive)
-            except VolumeExistsError:
-                if not self._clear_stale_manifest(manifest_name, marker_name):
-                    raise
-                self._volume.publish(manifest_name, manifest.to_json(), exclusive=exclusive)
-            published_manifest = True
-            self._volume.publish(marker_name, pickle.dumps(metadata), exclusive=exclusive)
-        except VolumeExistsError as exc:
-            self._withdraw(manifest, manifest_name, published_manifest)
-            raise CheckpointExistsError(
-                f"Another save is committing or committed {self._volume.display_url} while "
-                "this one ran; this save was not committed and its files were removed. Fix: "
-                "give each save its own location or pass overwrite=True."
-            ) from exc
+                self._publish_manifest(manifest, manifest_name, marker_name)
+                published_manifest = True
+                problems, _ = checked.result()
+                if problems:
+                    raise CheckpointCorruptError(
+                        f"Not committing {self._volume.display_url}: the ranks' uploads did "
+                        f"not land whole ({'; '.join(problems[:5])}), still so after listing "
+                        f"again for {LAG_TOTAL_S:.0f} s. An upload was cut short, another "
+                        "writer uses this location, or the store's listing lags its writes "
+                        "longer than that; save again (on a store known to lag, to a fresh "
+                        "location)."
+                    )
+                committing = True
+                self._volume.publish(
+                    marker_name, pickle.dumps(metadata), exclusive=not self.options.overwrite
+                )
+            except VolumeExistsError as exc:
+                checked.exception()  # its outcome no longer matters; let it end first
+                self._withdraw(manifest, manifest_name, published_manifest)
+                raise CheckpointExistsError(
+                    f"Another save is committing or committed {self._volume.display_url} "
+                    "while this one ran; this save was not committed and its files were "
+                    "removed. Fix: give each save its own location or pass overwrite=True."
+                ) from exc
+            except BaseException:
+                checked.exception()
+                # Not committed, so nothing may point at its files; once .metadata was
+                # sent the commit may have landed, and its manifest stays.
+                if published_manifest and not committing:
+                    with contextlib.suppress(Exception):
+                        self._volume.delete(manifest_name)
+                raise
         local_copy = self.local_copy_path
         if local_copy is not None:
             Volume(local_copy).publish(manifest_name, manifest.to_json())
@@ -606,6 +616,19 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         )
 
     # -- internals --------------------------------------------------------------------------
+
+    def _publish_manifest(self, manifest: Manifest, manifest_name: str, marker_name: str) -> None:
+        """Publish the manifest, create-only unless overwrite: of two saves committing one
+        location at once exactly one lands, and the manifest beside ``.metadata`` is
+        always the committed save's own. Raises ``VolumeExistsError`` if another save's
+        is there (one of a save that crashed before its commit is cleared first)."""
+        exclusive = not self.options.overwrite
+        try:
+            self._volume.publish(manifest_name, manifest.to_json(), exclusive=exclusive)
+        except VolumeExistsError:
+            if not self._clear_stale_manifest(manifest_name, marker_name):
+                raise
+            self._volume.publish(manifest_name, manifest.to_json(), exclusive=exclusive)
 
     def _clear_stale_manifest(self, manifest_name: str, marker_name: str) -> bool:
         """Remove a manifest left by a save that crashed before its commit; ``False``
