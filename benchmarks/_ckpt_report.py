@@ -23,7 +23,8 @@ SHORT = {
 def verdict(checks: dict[str, Any]) -> str:
     """PASS, or MISS with each missed target and by how much."""
     missed = [
-        f"{SHORT.get(name, name)} {fmt(c['value'])} ({c['target']}, off {c['miss_by']:.0%})"
+        f"{SHORT.get(name, name)} {fmt(c['value'])} ({c['target']}, off {c['miss_by']:.0%}"
+        + (f"; {c['note']})" if c.get("note") else ")")
         if not math.isnan(c.get("miss_by", math.nan))
         else f"{SHORT.get(name, name)} (not measured)"
         for name, c in checks.items()

@@ -459,6 +459,19 @@ def _check(value: float, limit: float, *, at_most: bool) -> dict[str, Any]:
     }
 
 
+def _peer_check(best_peer: float, e2e: float, floor: float) -> dict[str, Any]:
+    """x best peer; a miss notes when the peer itself runs so near the floor that
+    beating it by the target would take a save faster than the raw upload."""
+    check = _check(best_peer / e2e, SPEEDUP_VS_BEST_PEER, at_most=False)
+    reach = best_peer / floor
+    if not check["met"] and reach < SPEEDUP_VS_BEST_PEER:
+        check["note"] = (
+            f"peer at {reach:.2f}x floor: {SPEEDUP_VS_BEST_PEER:g}x faster = "
+            f"{reach / SPEEDUP_VS_BEST_PEER:.2f}x floor"
+        )
+    return check
+
+
 def check_targets(res: dict[str, Any]) -> dict[str, Any]:
     saves, loads = res["saves"], res["loads"]
     raws = [saves[m]["steady_e2e_s"] for m in RAW_SAVES if _ok(saves.get(m))]
@@ -485,7 +498,7 @@ def check_targets(res: dict[str, Any]) -> dict[str, Any]:
         e2e = s["steady_e2e_s"] if ok else math.nan
         checks: dict[str, Any] = {
             "e2e_vs_floor": _check(e2e / floor, E2E_VS_FLOOR, at_most=True),
-            "speedup_vs_best_peer": _check(best_peer / e2e, SPEEDUP_VS_BEST_PEER, at_most=False),
+            "speedup_vs_best_peer": _peer_check(best_peer, e2e, floor),
             "first_vs_steady": _check(
                 s["first_e2e_s"] / e2e if ok else math.nan, FIRST_VS_STEADY, at_most=True
             ),
