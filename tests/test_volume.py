@@ -28,7 +28,7 @@ from dcp_volumes._exceptions import (
 )
 from dcp_volumes._volume import RetryPolicy, Volume, redact_url
 from tests.conftest import EMULATOR_FIXTURE, unique_bucket_name
-from tests.emulators import Emulator, LatencyProxy
+from tests.emulators import Azurite, Emulator, LatencyProxy
 
 
 @pytest.fixture
@@ -215,6 +215,31 @@ def test_wrong_credentials_never_echo_the_secret(azurite, caplog) -> None:
     assert secret not in str(err.value)
     assert secret not in repr(vol) and secret not in vol.display_url
     assert all(secret not in r.getMessage() for r in caplog.records)
+
+
+def test_a_conflict_on_a_plain_write_is_not_taken_for_an_existing_file(tmp_path) -> None:
+    """Azure answers 409 for more than "blob exists" (here: Azurite's in-memory store is
+    full), and obstore reads every 409 as AlreadyExists: only a create-only write may say so."""
+    if Azurite.find_binary() is None:
+        pytest.fail("Azurite is not installed: run `make test` (it installs it into .tools/).")
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(12 * 2**20))
+    with Azurite(memory_limit_mib=8) as server:
+        vol = Volume(server.create_bucket("full"), storage_options=server.storage_options(),
+                     retry=RetryPolicy(attempts=1))
+        vol.publish("marker", b"x", exclusive=True)
+        with pytest.raises(VolumeExistsError):
+            vol.publish("marker", b"y", exclusive=True)  # a real "exists"
+        for write in (
+            lambda: vol.put_file(src, "a.bin", part_size=4 * 2**20, concurrency=2),
+            lambda: vol.publish("b.bin", src.read_bytes()),
+        ):
+            with pytest.raises(VolumeError) as err:
+                write()
+            assert not isinstance(err.value, FileExistsError)
+            assert "MemoryExtentStoreAtSizeLimit" in str(err.value)
+            assert "already exists" not in str(err.value)
+        assert vol.read_bytes("marker") == b"x"
 
 
 def test_local_root_not_writable(read_only_dir) -> None:

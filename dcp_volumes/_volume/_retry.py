@@ -271,10 +271,33 @@ def _detail(exc: BaseException, scrub: Callable[[str], str]) -> str:
     return scrub(f"{type(exc).__name__}: {text}")
 
 
+def _server_said(exc: BaseException) -> str:
+    """The status and the error code and message in the response body an error quotes
+    (obstore's first line names its own reading of the status, not the server's)."""
+    text = str(exc)
+    parts = [f"status {status}"] if (status := answered_status(exc)) else []
+    for tag in ("Code", "Message"):
+        found = re.search(rf"<{tag}>([^<\n]*)", text)
+        if found:
+            parts.append(found.group(1).strip()[:300])
+    return ": ".join(parts) if parts else _detail(exc, lambda t: t)
+
+
 def translate_error(
-    exc: BaseException, op: str, where: str, scrub: Callable[[str], str]
+    exc: BaseException,
+    op: str,
+    where: str,
+    scrub: Callable[[str], str],
+    *,
+    create_only: bool = False,
 ) -> DcpVolumesError:
-    """The ``dcp_volumes`` exception for a backend error on ``where``."""
+    """The ``dcp_volumes`` exception for a backend error on ``where``.
+
+    ``create_only``: the operation was a write that must not replace an object,
+    the only kind for which "already exists" (412, or obstore's reading of any
+    409) means the object is there; a plain write that gets them met another
+    conflict (e.g. Azure's 409 for a full in-memory store or a leased blob).
+    """
     if isinstance(exc, DcpVolumesError):
         return exc
     detail = _detail(exc, scrub)
@@ -300,8 +323,14 @@ def translate_error(
             "Fix: correct storage_options (the message names the setting)."
         )
     if isinstance(exc, FileExistsError) or codes & _EXISTS_CODES or names & _OBSTORE_EXISTS:
-        return VolumeExistsError(
-            f"Cannot {op} {where}: it already exists and this write must not replace it."
+        if create_only or isinstance(exc, FileExistsError):
+            return VolumeExistsError(
+                f"Cannot {op} {where}: it already exists and this write must not replace it."
+            )
+        return VolumeError(
+            f"Cannot {op} {where}: the store refused it with a conflict "
+            f"({scrub(_server_said(exc))}). Nothing was replaced. Fix: as the store's "
+            "message says; e.g. a lease held by another client, or a server out of space."
         )
     if isinstance(exc, FileNotFoundError) or codes & _NOT_FOUND_CODES:
         return VolumeNotFoundError(f"Cannot {op} {where}: not found ({detail}).")
@@ -341,8 +370,10 @@ def call_with_retries(
     op: str,
     where: Callable[[], str],
     scrub: Callable[[str], str],
+    create_only: bool = False,
 ) -> T:
-    """Run ``fn``; retry transient errors per ``policy``; translate the final failure."""
+    """Run ``fn``; retry transient errors per ``policy``; translate the final failure
+    (``create_only``: see ``translate_error``)."""
     for attempt in range(1, policy.attempts + 1):
         try:
             return fn()
@@ -361,5 +392,5 @@ def call_with_retries(
                 time.sleep(delay)
                 continue
             scrub_chain(exc, scrub)
-            raise translate_error(exc, op, where(), scrub) from exc
+            raise translate_error(exc, op, where(), scrub, create_only=create_only) from exc
     raise AssertionError("unreachable")  # pragma: no cover

@@ -225,7 +225,9 @@ class Volume:
         where = self.display_url if not relpath else redact_url(self.url_of(relpath))
         return translate_error(exc, op, where, scrub)
 
-    def _call(self, op: str, relpath: str, fn: Callable[[Backend], T]) -> T:
+    def _call(
+        self, op: str, relpath: str, fn: Callable[[Backend], T], *, create_only: bool = False
+    ) -> T:
         """Run ``fn(backend)`` with retries on transient errors; translate the final failure."""
         backend = self.backend
         return call_with_retries(
@@ -234,6 +236,7 @@ class Volume:
             op=op,
             where=lambda: redact_url(self.url_of(relpath)),
             scrub=self._scrubber(relpath),
+            create_only=create_only,
         )
 
     # -- queries --------------------------------------------------------------------------
@@ -443,7 +446,12 @@ class Volume:
                 f"Cannot publish {redact_url(self.url_of(relpath))}: it already exists and this "
                 "write must not replace it."
             )
-        self._call("publish", relpath, lambda b: b.put(full, data, create_only=exclusive))
+        self._call(
+            "publish",
+            relpath,
+            lambda b: b.put(full, data, create_only=exclusive),
+            create_only=exclusive,
+        )
 
     def _has_file(self, relpath: str) -> bool:
         try:
