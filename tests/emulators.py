@@ -555,14 +555,11 @@ class Azurite(_ProcessEmulator):
         self,
         binary: str | os.PathLike[str] | None = None,
         *,
-        in_memory: bool = False,
         memory_limit_mib: int | None = None,
     ) -> None:
         super().__init__()
         self._binary = Path(binary) if binary else None
-        # Blobs and Azurite's own database kept in RAM (at most memory_limit_mib
-        # of blob data), not written to disk.
-        self._in_memory = in_memory or memory_limit_mib is not None
+        # Given: blobs kept in RAM, at most this many MiB of them (a store that fills).
         self._memory_limit_mib = memory_limit_mib
 
     @staticmethod
@@ -589,9 +586,9 @@ class Azurite(_ProcessEmulator):
         location.mkdir(exist_ok=True)
         # --skipApiVersionCheck: the Python SDK speaks a newer API version than
         # this Azurite knows; --disableTelemetry: telemetry tries the internet.
-        store = ["--inMemoryPersistence"] if self._in_memory else ["--location", str(location)]
+        store = ["--location", str(location)]
         if self._memory_limit_mib is not None:
-            store += ["--extentMemoryLimit", str(self._memory_limit_mib)]
+            store = ["--inMemoryPersistence", "--extentMemoryLimit", str(self._memory_limit_mib)]
         return [
             str(binary),
             "--silent",

@@ -67,7 +67,8 @@ class WrittenItem:
 
 
 class HashingFile:
-    """A write-only file that hashes every byte on its way to disk (no extra copy).
+    """A write-only file that hashes every byte on its way to disk (tensor data
+    without an extra copy; small writes gathered first).
 
     It also notes where the data of each tensor announced with
     ``expect_tensor`` lands: ``torch.save`` writes a storage as one
@@ -108,8 +109,8 @@ class HashingFile:
                 self._drain()
             return size
         self._drain()
-        self._store(view.cast("B"))
         self._size += size
+        self._store(view.cast("B"))
         return size
 
     def _drain(self) -> None:
@@ -118,14 +119,14 @@ class HashingFile:
             self._gathered.clear()
 
     def _store(self, data: bytearray | memoryview) -> None:
-        """Hash ``data`` and write it after everything stored before."""
+        """Hash ``data`` and write it: the file then reaches ``self._size`` bytes."""
         self._hash.update(data)
         try:
             for piece in pieces(data):  # see WRITE_PIECE
                 self._f.write(piece)
         except OSError as exc:
             if self.error is None:
-                self.error, self.wanted = exc, self._size + len(data)
+                self.error, self.wanted = exc, self._size
             raise
 
     def flush(self) -> None:
