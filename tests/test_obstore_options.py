@@ -147,3 +147,21 @@ def test_aws_unsigned_payload_in_the_environment_decides_signing(
     monkeypatch.setenv("AWS_UNSIGNED_PAYLOAD", "false")
     out = s3_settings({"key": "k", "secret": "secret-4"}, POLICY)
     assert "unsigned_payload" not in out.config  # obstore reads the variable itself
+
+
+@pytest.mark.parametrize("backend", ["obstore", "fsspec"])
+def test_what_a_ranged_read_costs_is_our_option_and_a_capability(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DCP_VOLUMES_BACKEND", backend)
+    base = {"key": "k", "secret": "secret-4", "endpoint_url": "http://127.0.0.1:9"}
+    plain = Volume("s3://bucket/run", storage_options=base)
+    assert not plain.capabilities.ranged_reads_cost_whole_object
+    moto_like = Volume(
+        "s3://bucket/run", storage_options={**base, "ranged_reads_cost_whole_object": True}
+    )
+    # Taken by the volume, not handed to the client (obstore would refuse an unknown key).
+    assert moto_like.capabilities.ranged_reads_cost_whole_object
+    with pytest.raises(ConfigurationError, match=r"ranged_reads_cost_whole_object.*True or False"):
+        _ = Volume("s3://bucket/run",
+                   storage_options={**base, "ranged_reads_cost_whole_object": "yes"}).capabilities

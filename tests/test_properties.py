@@ -95,6 +95,11 @@ def test_split_range_cuts_into_contiguous_near_equal_parts(start: int, length: i
         assert len(parts) == 1 or min(sizes) >= part * 2 // 3  # and never many tiny ones
     else:
         assert parts == [(start, start)]
+    capped = split_range(start, end, part, at_most=True)
+    assert capped[0][0] == start and capped[-1][1] == end
+    assert all(e0 == s1 for (_, e0), (s1, _) in itertools.pairwise(capped))
+    assert max(e - s for s, e in capped) <= part  # a cap: no part above it
+    assert len(capped) == max(1, -(-length // part))  # and no more parts than that takes
 
 
 # -- the epoch order, its split over ranks and workers, resume ------------------------------

@@ -440,6 +440,33 @@ def test_tensor_data_is_read_straight_into_targets(
     assert _direct_count(caplog) == len(contiguous) - 3
 
 
+@pytest.mark.emulator
+@pytest.mark.parametrize("whole_object_ranges", [False, True])
+def test_a_load_with_idle_streams_cuts_files_unless_ranges_cost_whole_reads(
+    moto_server: MotoServer, s3_bucket: tuple[str, dict[str, Any]], whole_object_ranges: bool
+) -> None:
+    """A file of 1.4 parts is two GETs while streams idle, one where each range reads it all."""
+    url, _ = s3_bucket
+    state = {"w": torch.arange(2.8 * 2**20 / 4, dtype=torch.float32)}
+    with LatencyProxy.in_front_of(moto_server) as proxy:
+        opts = {
+            **moto_server.storage_options(proxy.endpoint),
+            "ranged_reads_cost_whole_object": whole_object_ranges,
+        }
+        ck = join(url, "split")
+        dcp.save(state, storage_writer=VolumeWriter(ck, storage_options=opts))
+        (data_file,) = _data_files(ck, opts)
+        path = f"/{ck.split('://', 1)[1]}/{data_file}"
+        before = proxy.count("GET", path)
+        out = {"w": torch.zeros_like(state["w"])}
+        # 8 streams for 2.8 MiB: each stream's share is far below the 2 MiB part.
+        reader = VolumeReader(ck, storage_options=opts, part_size="2MiB", read_concurrency=8)
+        dcp.load(out, storage_reader=reader)
+        gets = proxy.count("GET", path) - before
+    assert torch.equal(out["w"], state["w"])
+    assert gets == (1 if whole_object_ranges else 2), proxy.requests
+
+
 # -- async staging buffers and pickling --------------------------------------------------------
 
 

@@ -56,12 +56,17 @@ class Capabilities:
         survives_fork: a process forked after this backend did I/O can still use
             it (in a new client). False for obstore: its runtime's threads do
             not exist in the child, which then hangs on its first call.
+        ranged_reads_cost_whole_object: the server reads the whole object to
+            answer a ranged read (moto does; real stores do not). Readers then
+            cut a file into as few ranges as the part size allows, not into one
+            per idle stream. Set by the storage option of the same name.
     """
 
     local_files: bool
     atomic_create: bool
     buffers_uploads: bool
     survives_fork: bool = True
+    ranged_reads_cost_whole_object: bool = False
 
 
 class Backend(Protocol):

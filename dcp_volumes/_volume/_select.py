@@ -9,6 +9,7 @@ it gets the fsspec backend, with one warning saying how to avoid the slower path
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -31,6 +32,10 @@ logger = logging.getLogger("dcp_volumes._volume")
 LOCAL_PROTOCOLS = frozenset({"file", "local"})
 # URL protocol -> obstore store kind.
 OBSTORE_PROTOCOLS = {"s3": "s3", "s3a": "s3", "az": "azure", "abfs": "azure", "abfss": "azure"}
+
+# A storage option of ours, not the client's: what the server does with a ranged
+# read (``Capabilities.ranged_reads_cost_whole_object``).
+WHOLE_OBJECT_RANGES = "ranged_reads_cost_whole_object"
 
 _BACKENDS: dict[tuple[int, str, str, RetryPolicy], Backend] = {}
 _LOCK = threading.Lock()
@@ -61,6 +66,25 @@ def backend_for(protocol: str, storage_options: Mapping[str, Any], retry: RetryP
 
 
 def _create(protocol: str, options: Mapping[str, Any], retry: RetryPolicy) -> Backend:
+    whole_object_ranges = False
+    if isinstance(options, Mapping) and WHOLE_OBJECT_RANGES in options:
+        options = dict(options)
+        whole_object_ranges = options.pop(WHOLE_OBJECT_RANGES)
+        if not isinstance(whole_object_ranges, bool):
+            raise ConfigurationError(
+                f"storage_options['{WHOLE_OBJECT_RANGES}']={whole_object_ranges!r} must be "
+                "True or False (True: the server reads the whole object for each ranged read, "
+                "as moto's does)."
+            )
+    backend = _client_backend(protocol, options, retry)
+    if whole_object_ranges:
+        backend.capabilities = dataclasses.replace(
+            backend.capabilities, ranged_reads_cost_whole_object=True
+        )
+    return backend
+
+
+def _client_backend(protocol: str, options: Mapping[str, Any], retry: RetryPolicy) -> Backend:
     kind = OBSTORE_PROTOCOLS.get(protocol)
     if kind is None or _env.backend() == "fsspec":
         return FsspecBackend(protocol, options)

@@ -65,7 +65,8 @@ class Volume:
         storage_options: client options: s3fs/adlfs-style names (``key``,
             ``secret``, ``client_kwargs={"endpoint_url": ...}``, ``account_name``,
             ``connection_string``...) or obstore's own; any fsspec option for
-            other protocols.
+            other protocols; and ours, ``ranged_reads_cost_whole_object=True``
+            for a server that reads the whole object per ranged read (moto).
         retry: retry policy for transient errors; defaults to 5 attempts
             (``DCP_VOLUMES_MAX_RETRIES`` overrides the count).
     """

@@ -108,16 +108,19 @@ def coalesce(
     return out
 
 
-def split_range(start: int, end: int, part_size: int) -> list[tuple[int, int]]:
+def split_range(
+    start: int, end: int, part_size: int, *, at_most: bool = False
+) -> list[tuple[int, int]]:
     """``[start, end)`` cut into equal parts of about ``part_size`` bytes (at most 1.5x).
 
     Equal parts, rounded, not full parts and a remainder: a file a few KiB over
     the part size (its headers) would otherwise cost a second request for its tail.
+    ``at_most``: no part above ``part_size`` (the count rounded up).
     """
     if end <= start:
         return [(start, start)]
     length = end - start
-    count = max(1, round(length / part_size))
+    count = max(1, -(-length // part_size) if at_most else round(length / part_size))
     cuts = [start + i * length // count for i in range(count + 1)]
     return list(itertools.pairwise(cuts))
 

@@ -177,7 +177,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._manifest: Manifest | None = None
         self._manifest_loaded = False
         self._manifest_name = MANIFEST_NAME
-        self._part_size = self.options.part_size  # per load: see _split_size
+        self._split = (self.options.part_size, False)  # per load: see _split_size
         self._load_id = uuid.uuid4().hex
 
     # -- identity ---------------------------------------------------------------------------
@@ -255,7 +255,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         """Fetch what ``plan`` needs, verify it, and hand it to ``planner`` (all ranks)."""
         self._load_manifest()
         jobs = self._plan_jobs(plan)
-        self._part_size = self._split_size(sum(job.nbytes for job in jobs))
+        self._split = self._split_size(sum(job.nbytes for job in jobs))
         decoders = self._decoders(jobs)
         with ThreadPoolExecutor(
             max_workers=self.options.read_concurrency, thread_name_prefix="dcpv-read"
@@ -456,15 +456,20 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         job.from_local = True
         job.spans, job.whole = [(0, size)], True
 
-    def _split_size(self, total: int) -> int:
-        """Bytes per GET: whole files while there are enough to keep every stream busy.
+    def _split_size(self, total: int) -> tuple[int, bool]:
+        """Bytes per GET, and whether that is a cap (``split_range``'s ``at_most``).
 
-        Splitting costs requests (and on some servers a read of the whole
-        object per range), so a file is cut only when the plan has fewer
-        parts than streams; ``part_size`` caps a GET either way.
+        Whole files while there are enough to keep every stream busy (``part_size``
+        caps a GET either way). With fewer, a file is cut to a stream's share, as
+        a cap: on a link that limits each connection's rate the longest GET sets
+        the load's time. Where the server reads the whole object for every range
+        (``ranged_reads_cost_whole_object``) each cut costs a whole read, so the
+        share is only a target there (a file of 1.4 shares stays one GET).
         """
+        part = self.options.part_size
         per_stream = -(-total // self.options.read_concurrency)
-        return max(min(_MIN_SPLIT, self.options.part_size), min(self.options.part_size, per_stream))
+        cheap_ranges = not self._volume.capabilities.ranged_reads_cost_whole_object
+        return max(min(_MIN_SPLIT, part), min(part, per_stream)), cheap_ranges and per_stream < part
 
     def _saved_dtype(self, fqn: str) -> Any:
         md = self._metadata.state_dict_metadata.get(fqn) if self._metadata else None
@@ -478,10 +483,11 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             return
         job.allocate()
         job.futures, job.digest = [], None
+        part_size, at_most = self._split
         parts = [
             (s, e)
             for start, end in job.spans
-            for s, e in _layout.split_range(start, end, self._part_size)
+            for s, e in _layout.split_range(start, end, part_size, at_most=at_most)
             if e > s
         ]
         # A whole file in one GET is hashed by its fetch thread, off the thread
