@@ -144,6 +144,12 @@ class Job:
     # (rank r loads the states of saved ranks s with s % world_size == r).
     saved_world_size: int = 0
     s3tc: bool = False  # whether s3torchconnector's rows apply to the store
+    volume_options: dict[str, Any] = field(default_factory=dict)  # ours only (Target's)
+
+    @property
+    def our_storage_options(self) -> dict[str, Any]:
+        """``storage_options`` for VolumeWriter / VolumeReader (with the target's own)."""
+        return {**self.storage_options, **self.volume_options}
 
     @property
     def loads(self) -> tuple[str, ...]:
@@ -360,7 +366,7 @@ class Saver:
         options = {**self.job.vw_options, **(SMALL_FILES if m == "vw_async_f32" else {})}
         return VolumeWriter(
             url(self.job, m),
-            storage_options=self.job.storage_options,
+            storage_options=self.job.our_storage_options,
             staging_dir=self.tmp,
             **options,
         )
@@ -580,7 +586,7 @@ def _make_reader(job: Job, name: str) -> Any:
         source = job.load_source
         if name == "vw_reader_f32":
             source = save_url(job, "vw_async_f32", job.repeats - 1)
-        return VolumeReader(source, storage_options=job.storage_options)
+        return VolumeReader(source, storage_options=job.our_storage_options)
     raise ValueError(f"unknown reader {name!r}")
 
 
@@ -686,7 +692,7 @@ def reshard_load(
         for _ in range(job.load_repeats):
             for t in state_tensors(state):
                 t.zero_()
-            reader = VolumeReader(job.load_source or "", storage_options=job.storage_options)
+            reader = VolumeReader(job.load_source or "", storage_options=job.our_storage_options)
             barrier()
             cpu0 = time.process_time()
             t0 = time.perf_counter()

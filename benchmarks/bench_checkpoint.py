@@ -184,6 +184,7 @@ def make_job(
         multipart=cfg.target.multipart,
         server_pids=tuple(server_pids(server)),
         s3tc=cfg.target.s3torchconnector,
+        volume_options=dict(cfg.target.volume_options),
     )
     return dataclasses.replace(job, load_source=save_url(job, source, cfg.repeats - 1))
 

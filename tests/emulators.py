@@ -401,10 +401,6 @@ class MotoServer(S3Api, _ProcessEmulator):
     access_key = _AWS_KEY
     secret_key = _AWS_SECRET
 
-    def storage_options(self, endpoint: str | None = None) -> dict[str, Any]:
-        # moto reads the whole object for each ranged GET (fsspec clients ignore the key).
-        return {**super().storage_options(endpoint), "ranged_reads_cost_whole_object": True}
-
     def __init__(
         self,
         mode: Literal["thread", "process"] = "thread",

@@ -105,8 +105,7 @@ def embedded_s3() -> Iterator[tuple[str, dict[str, Any]]]:
                      aws_secret_access_key="demo", region_name="us-east-1"
                      ).create_bucket(Bucket="demo")
         yield "s3://demo", {"key": "demo", "secret": "demo",
-                            "client_kwargs": {"endpoint_url": endpoint},
-                            "ranged_reads_cost_whole_object": True}
+                            "client_kwargs": {"endpoint_url": endpoint}}
     finally:
         server.stop()
 
