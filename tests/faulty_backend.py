@@ -45,10 +45,10 @@ class Faults:
     refuse_uploads_after: after this many ``upload()`` calls, every later one
         is refused with ``PermissionError`` naming the location (a store that
         starts refusing writes part-way through a save).
-    meet_list_and_put: a location substring: the first ``list()`` and the first
-        ``put()`` of a matching location each wait (up to 5 s) until the other
-        has started; ``faults["no meeting"]`` counts the waits that ran out
-        (the two calls were not in flight at once).
+    meet: two ``(operation, location substring)`` pairs, e.g. ``[("list", ""),
+        ("put", MANIFEST_NAME)]``: the first call matching each waits (up to
+        5 s) until the other has started; ``faults["no meeting"]`` counts the
+        waits that ran out (the two calls were not in flight at once).
     """
 
     stale_lists: int = 0
@@ -60,7 +60,7 @@ class Faults:
     short: Sequence[str] = ()
     short_by: int = 1
     refuse_uploads_after: int | None = None
-    meet_list_and_put: str | None = None
+    meet: Sequence[tuple[str, str]] = ()
     seed: int = 0
     # Counters: calls by method, faults by kind; each upload's (size, concurrency).
     calls: Counter[str] = field(default_factory=Counter)
@@ -82,7 +82,7 @@ class FaultyBackend:
         self._vanished: Counter[str] = Counter()
         self.stale_since: float | None = None
         self._meeting = threading.Barrier(2, timeout=5)
-        self._met: set[str] = set()
+        self._met: set[int] = set()
 
     # -- faults ---------------------------------------------------------------------------
 
@@ -129,13 +129,14 @@ class FaultyBackend:
             self._written[path] = time.time()
 
     def _meet(self, op: str, path: str) -> None:
-        match = self.faults.meet_list_and_put
-        if match is None or (op == "put" and match not in path):
+        party = next((i for i, (want, match) in enumerate(self.faults.meet)
+                      if want == op and match in path), None)
+        if party is None:
             return
         with self._lock:
-            if op in self._met:
+            if party in self._met:
                 return
-            self._met.add(op)
+            self._met.add(party)
         try:
             self._meeting.wait()
         except threading.BrokenBarrierError:
@@ -187,6 +188,7 @@ class FaultyBackend:
 
     def read(self, path: str, start: int, end: int | None) -> Data:
         self._count("read")
+        self._meet("read", path)
         self._maybe_vanish(path, "read")
         data = self.inner.read(path, start, end)
         return memoryview(data)[: max(0, len(memoryview(data)) - self.faults.short_by)] \

@@ -26,7 +26,7 @@ from dcp_volumes import (
     VolumeWriter,
 )
 from dcp_volumes._volume import Volume
-from dcp_volumes.checkpoint._manifest import MANIFEST_NAME
+from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME
 from tests.faulty_backend import Faults, install
 from tests.scripts.states import differences, empty_state, state_for
 from tests.test_data_support import payload, read_id, write_samples
@@ -375,7 +375,7 @@ def test_the_commit_checks_the_uploads_while_the_manifest_goes_up(
     # trip; in flight at once they cost the save one. The wrapper holds each of the
     # two until the other has started: in sequence, the first would wait in vain.
     root, opts = where
-    faults = Faults(meet_list_and_put=MANIFEST_NAME)
+    faults = Faults(meet=[("list", ""), ("put", MANIFEST_NAME)])
     install(monkeypatch, faults)
     want = state_for(1, size=_SIZE)
     dcp.save(want, storage_writer=VolumeWriter(f"{root}/ck", storage_options=opts,
@@ -383,6 +383,43 @@ def test_the_commit_checks_the_uploads_while_the_manifest_goes_up(
     assert faults.faults["no meeting"] == 0
     assert faults.calls["list"] == 1 and faults.calls["put"] == 2
     assert differences(_load(f"{root}/ck", opts), want) == []
+
+
+def test_a_load_reads_the_manifest_beside_the_metadata(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each is a round trip before the load can plan; in flight at once they cost one.
+    root, opts = where
+    want = state_for(1, size=_SIZE)
+    dcp.save(want, storage_writer=VolumeWriter(f"{root}/ck", storage_options=opts),
+             no_dist=True)
+    faults = Faults(meet=[("read", METADATA_NAME), ("read", MANIFEST_NAME)])
+    install(monkeypatch, faults)
+    reader = VolumeReader(f"{root}/ck", storage_options=opts, verify=True)
+    got = empty_state(size=_SIZE)
+    dcp.load(got, storage_reader=reader, no_dist=True)
+    assert faults.faults["no meeting"] == 0
+    assert differences(got, want) == []
+    assert reader.manifest is not None
+
+
+def test_a_manifest_read_ahead_of_its_metadata_and_missed_is_read_again(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Read before .metadata, the manifest may not be there yet (the save committed in
+    # between) or be another save's: the load then reads it again, and still verifies.
+    root, opts = where
+    want = state_for(1, size=_SIZE)
+    dcp.save(want, storage_writer=VolumeWriter(f"{root}/ck", storage_options=opts),
+             no_dist=True)
+    faults = Faults(vanish=[MANIFEST_NAME])
+    install(monkeypatch, faults)
+    reader = VolumeReader(f"{root}/ck", storage_options=opts)
+    got = empty_state(size=_SIZE)
+    dcp.load(got, storage_reader=reader, no_dist=True)
+    assert faults.faults["vanished read"] == 1
+    assert reader.manifest is not None  # the second read found it: checksums still apply
+    assert differences(got, want) == []
 
 
 @pytest.mark.timeout(30)

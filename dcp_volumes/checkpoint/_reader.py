@@ -21,6 +21,7 @@ import logging
 import os
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -177,6 +178,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._manifest: Manifest | None = None
         self._manifest_loaded = False
         self._manifest_name = MANIFEST_NAME
+        self._manifest_ahead: futures.Future[Manifest | None] | None = None
         self._split = (self.options.part_size, False)  # per load: see _split_size
         self._load_id = uuid.uuid4().hex
 
@@ -196,6 +198,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._manifest = None
         self._manifest_loaded = False
         self._manifest_name = MANIFEST_NAME
+        self._manifest_ahead = None
         self._load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -205,6 +208,8 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         # DCP asks for the rank-local file only after .metadata failed; when that
         # file is absent too, the .metadata error is the one that says what is wrong.
         earlier, self._metadata_error = self._metadata_error, None
+        if rank is None and not self._manifest_loaded and self._manifest_ahead is None:
+            self._manifest_ahead = self._read_manifest_ahead()
         try:
             data = self._volume.read_bytes(name)
         except BucketNotFoundError:
@@ -340,10 +345,26 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             "URL and storage_options, or save a checkpoint there first."
         )
 
+    def _read_manifest_ahead(self) -> futures.Future[Manifest | None]:
+        """The manifest's GET, started beside the ``.metadata`` one: a round trip less a load."""
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpv-manifest")
+        try:
+            return pool.submit(read_manifest, self._volume, MANIFEST_NAME)
+        finally:
+            pool.shutdown(wait=False)
+
     def _load_manifest(self) -> None:
         if self._manifest_loaded:
             return
-        self._manifest = read_manifest(self._volume, self._manifest_name)
+        ahead, self._manifest_ahead = self._manifest_ahead, None
+        manifest = None
+        if ahead is not None and self._manifest_name == MANIFEST_NAME:
+            manifest = ahead.result()
+        # Read before .metadata, it may belong to another save (none yet, or one this
+        # commit replaced): then it is read again, after .metadata, as without the head start.
+        if not self._covers(manifest):
+            manifest = read_manifest(self._volume, self._manifest_name)
+        self._manifest = manifest
         self._manifest_loaded = True
         if self._manifest is None:
             logger.debug(
@@ -356,6 +377,12 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                     "there are no checksums to verify against",
                     self._volume.display_url,
                 )
+
+    def _covers(self, manifest: Manifest | None) -> bool:
+        """Whether ``manifest`` lists every file the loaded ``.metadata`` uses."""
+        return manifest is not None and all(
+            info.relative_path in manifest.files for info in self._storage_data.values()
+        )
 
     def _plan_jobs(self, plan: LoadPlan) -> list[FileJob]:
         per_file: dict[str, list[tuple[ReadItem, Any]]] = {}
