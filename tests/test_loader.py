@@ -339,6 +339,41 @@ def test_workers_start_safely_after_the_parent_used_obstore(
     assert loader.multiprocessing_context.get_start_method() == "forkserver"
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process states from /proc")
+def test_workers_end_when_the_training_process_is_killed(
+    local_data: tuple[str, str], tmp_path: Path
+) -> None:
+    # A forkserver worker's parent is the fork server, which a killed training process
+    # leaves behind; server and workers then keep each other alive for good.
+    src, cache = local_data
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.scripts.killed_loader", src, cache, str(pid_dir)],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        workers = [int(p.read_text()) for p in pid_dir.iterdir()]
+        assert len(workers) == 2 and all(_running(w) for w in workers)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while any(_running(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [w for w in workers if _running(w)], "workers outlived the training process"
+
+
 @pytest.mark.timeout(180)
 def test_forkserver_workers_share_one_shared_memory_manager(
     moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: Path

@@ -40,6 +40,7 @@ from dcp_volumes.data import _batch_sharing
 from dcp_volumes.data._dataset import VolumeDataset, detect_world
 from dcp_volumes.data._metrics import LoaderMetrics, worker_stats
 from dcp_volumes.data._order import ORDER_ALGORITHM, Plan
+from dcp_volumes.data._worker_exit import ExitWithTrainingProcess
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,8 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.sharing_strategy = _batch_sharing.resolve(sharing_strategy) if workers else None
+        if workers:
+            kwargs["worker_init_fn"] = ExitWithTrainingProcess(kwargs.get("worker_init_fn"))
         if self.sharing_strategy is not None:
             kwargs["worker_init_fn"] = _batch_sharing.WorkerInit(
                 self.sharing_strategy, kwargs.get("worker_init_fn")
