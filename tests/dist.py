@@ -242,3 +242,12 @@ def _reap(procs: list[Any], reported: set[int]) -> list[int]:
         if p.exitcode is not None:
             p.close()
     return hung
+
+
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux: reads ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

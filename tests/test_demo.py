@@ -27,6 +27,7 @@ from dcp_volumes._volume import Volume
 from dcp_volumes.demo import DemoConfig, parse_storage_options
 from dcp_volumes.demo._config import plan_crashes
 from dcp_volumes.demo._launcher import MARKER, claim
+from tests.dist import process_running
 
 CORRECTNESS = ("crashes", "weights", "samples", "epochs", "complete", "lost")
 TIMING = ("blocking", "input", "goodput")
@@ -185,14 +186,6 @@ def test_a_location_with_other_files_is_refused_and_kept(tmp_path: Path) -> None
     assert mine.read_bytes() == b"precious"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.timeout(300)
 def test_sigterm_ends_the_ranks_it_started(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "dcp_volumes.cli", "demo", "--no-progress", "--quick",
@@ -210,7 +203,7 @@ def test_sigterm_ends_the_ranks_it_started(tmp_path: Path) -> None:
     assert proc.wait(timeout=60) == 130
     assert "interrupted" in (proc.stderr.read() if proc.stderr else "")
     time.sleep(1)
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if process_running(pid)]
 
 
 def test_claim_fresh_deletes_only_what_a_demo_created(tmp_path: Path) -> None:

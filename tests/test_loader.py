@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_volumes import ConfigurationError, DataLoader, VolumeDataset
 from dcp_volumes.data._loader import default_num_workers
-from tests.dist import run_ranks
+from tests.dist import process_running, run_ranks
 from tests.emulators import LatencyProxy, MotoServer
 from tests.test_data_support import read_id, run_job, to_list, write_samples
 
@@ -339,15 +339,6 @@ def test_workers_start_safely_after_the_parent_used_obstore(
     assert loader.multiprocessing_context.get_start_method() == "forkserver"
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process states from /proc")
 def test_workers_end_when_the_training_process_is_killed(
     local_data: tuple[str, str], tmp_path: Path
@@ -364,14 +355,14 @@ def test_workers_end_when_the_training_process_is_killed(
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         workers = [int(p.read_text()) for p in pid_dir.iterdir()]
-        assert len(workers) == 2 and all(_running(w) for w in workers)
+        assert len(workers) == 2 and all(process_running(w) for w in workers)
     finally:
         proc.kill()
         proc.wait()
     deadline = time.monotonic() + 20
-    while any(_running(w) for w in workers) and time.monotonic() < deadline:
+    while any(process_running(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [w for w in workers if _running(w)], "workers outlived the training process"
+    assert not [w for w in workers if process_running(w)], "workers outlived the training process"
 
 
 @pytest.mark.timeout(180)

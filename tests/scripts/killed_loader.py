@@ -19,6 +19,7 @@ def note_pid(worker_id: int) -> None:
 
 
 def main(src: str, cache: str, pid_dir: str) -> None:
+    # Run with -m this module is __main__; the workers unpickle note_pid by its real name.
     from dcp_volumes import DataLoader, VolumeDataset
     from tests.scripts.killed_loader import note_pid as importable_note_pid
     from tests.test_data_support import read_id
