@@ -512,13 +512,16 @@ def run_save_method(
     try:
         saver = Saver(job, method, rank, state)
         for i in range(job.repeats):
-            if cleaner is not None and i > 0:
-                # Between saves, outside the timing: the server keeps no more than the
-                # previous checkpoint (moto holds objects in its own memory and slows
-                # as it grows), and the page cache starts clean (on this VM's slow
-                # disk, writeback left by one save would throttle the next one's
-                # writes; checkpoints of a real job are minutes apart).
-                purge(job, f"{job.prefix}/{method}/save{i - 1}", keep_last=False, store=cleaner)
+            if cleaner is not None:
+                # Before each save, outside the timing: the server keeps no more than
+                # the previous checkpoint (moto holds objects in its own memory and
+                # slows as it grows), and the page cache starts clean, before the
+                # first save too (on this VM's slow disk, writeback left by a save,
+                # or by the method before, would throttle this one's writes;
+                # checkpoints of a real job are minutes apart).
+                if i > 0:
+                    purge(job, f"{job.prefix}/{method}/save{i - 1}", keep_last=False,
+                          store=cleaner)
                 os.sync()
             barrier()
             sampler.reset()
