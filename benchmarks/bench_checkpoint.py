@@ -120,7 +120,7 @@ class CheckpointConfig:
     repeats: int = 3
     load_repeats: int = 2
     shape: str = "mixed"
-    tensor_mib: int = 8
+    tensor_mib: float = 8  # --shape uniform; 1/64 = 16 KiB tensors (a model of many small ones)
     methods: tuple[str, ...] = (*DEFAULT_METHODS, "load")
     vw_options: dict[str, Any] = field(default_factory=dict)
     reshard: bool = True
@@ -168,7 +168,7 @@ def make_job(
         scheme=cfg.target.scheme,
         methods=methods,
         size_bytes=size_mib * MiB,
-        tensor_bytes=cfg.tensor_mib * MiB,
+        tensor_bytes=int(cfg.tensor_mib * MiB),
         repeats=cfg.repeats,
         bucket=bucket,
         prefix=prefix,

@@ -68,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shape", choices=("mixed", "uniform"), default="mixed",
                    help="mixed: model + Adam state, a few large and many small tensors "
                         "(default); uniform: --tensor-mib tensors")
-    g.add_argument("--tensor-mib", type=int, default=8, help="tensor size of --shape uniform")
+    g.add_argument("--tensor-mib", type=float, default=8,
+                   help="tensor size of --shape uniform (e.g. 0.015625: 16 KiB)")
     g.add_argument("--vw-file-size", default=None, help="VolumeWriter file_size, e.g. 32MiB")
     g.add_argument("--no-reshard", action="store_true",
                    help="skip the load on another world size")

@@ -458,6 +458,24 @@ def test_a_tensor_larger_than_a_part_goes_up_in_parallel_parts(
         assert big == [3]  # 12 MiB in 5 MiB parts: 3 at once
 
 
+@pytest.mark.timeout(60)
+def test_a_refused_upload_stops_the_serialisation(
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first refused upload ends the save: the rest of the state is not
+    # serialised (a file each here, 256 of them) only to be thrown away.
+    root, opts = where
+    faults = Faults(refuse_uploads_after=0)
+    install(monkeypatch, faults)
+    state = {f"t{i:03d}": torch.full((2**16,), float(i)) for i in range(256)}  # 256 x 256 KiB
+    writer = VolumeWriter(f"{root}/ck", storage_options=opts, file_size="256KiB")
+    with pytest.raises(BaseException, match=r"upload of .*\.distcp refused"):
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    _report("refused upload", faults, f"{faults.calls['upload']} of 256 files sent")
+    assert 1 <= faults.calls["upload"] < 128
+    assert not Volume(f"{root}/ck", storage_options=opts).exists(METADATA_NAME)
+
+
 def _save_and_load_back(url: str, opts: dict[str, Any], state: dict[str, torch.Tensor],
                         **writer_options: Any) -> None:
     dcp.save(state, storage_writer=VolumeWriter(url, storage_options=opts, **writer_options),

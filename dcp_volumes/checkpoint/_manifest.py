@@ -156,7 +156,9 @@ class Manifest:
             "files": {name: _record_json(r) for name, r in sorted(self.files.items())},
             "extra": dict(self.extra),
         }
-        return json.dumps(doc, indent=1).encode()
+        # Compact: with an indent json encodes in Python, not C (40 -> 6 ms for
+        # 10,000 tensors), on the commit's path; `python -m json.tool` prints it.
+        return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str = "manifest") -> Manifest:
@@ -210,7 +212,7 @@ def _check_format(found: Any, where: str) -> None:
 def _record_json(record: FileRecord) -> dict[str, Any]:
     doc: dict[str, Any] = {"size": record.size, "checksum": record.checksum}
     if record.tensors:
-        doc["tensors"] = {str(k): list(v) for k, v in sorted(record.tensors.items())}
+        doc["tensors"] = {str(k): v for k, v in sorted(record.tensors.items())}  # tuples: arrays
     return doc
 
 

