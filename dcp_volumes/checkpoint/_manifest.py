@@ -156,8 +156,8 @@ class Manifest:
             "files": {name: _record_json(r) for name, r in sorted(self.files.items())},
             "extra": dict(self.extra),
         }
-        # Compact: with an indent json encodes in Python, not C (40 -> 6 ms for
-        # 10,000 tensors), on the commit's path; `python -m json.tool` prints it.
+        # Compact: with an indent json encodes in Python, not C, and this is on
+        # the commit's path (benchmarks/README.md); `python -m json.tool` prints it.
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod

@@ -208,7 +208,7 @@ def write_and_upload(
     results: list[WriteResult] = []
     uploads: list[ThreadFuture[None]] = []
     # Set by the first upload that fails: serialisation stops. A flag, not a scan
-    # of the uploads per item (10,000 items x 128 files cost 0.65 s a save).
+    # of every upload before each item (items x files; benchmarks/README.md).
     upload_failed = threading.Event()
 
     def note_failure(upload_done: ThreadFuture[None]) -> None:
