@@ -207,6 +207,8 @@ def write_and_upload(
     """
     results: list[WriteResult] = []
     uploads: list[ThreadFuture[None]] = []
+    pending: list[tuple[WriteItem, int, int, list[str] | None]] = []
+    state: dict[str, Any] = {"file": None, "rel": "", "total": 0, "index": 0, "data": 0}
     # Set by the first upload that fails: serialisation stops. A flag, not a scan
     # of every upload before each item (items x files; benchmarks/README.md).
     upload_failed = threading.Event()
@@ -214,8 +216,6 @@ def write_and_upload(
     def note_failure(upload_done: ThreadFuture[None]) -> None:
         if not upload_done.cancelled() and upload_done.exception() is not None:
             upload_failed.set()
-    pending: list[tuple[WriteItem, int, int, list[str] | None]] = []
-    state: dict[str, Any] = {"file": None, "rel": "", "total": 0, "index": 0, "data": 0}
 
     def close_and_upload(pool: ThreadPoolExecutor) -> None:
         current: HashingFile | None = state["file"]
