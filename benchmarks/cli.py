@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -248,6 +249,9 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: Any = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # SIGTERM unwinds like Ctrl-C: the ranks, proxies and servers this run started
+    # are stopped by their `finally` blocks instead of outliving it.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
