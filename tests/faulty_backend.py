@@ -143,6 +143,10 @@ class FaultyBackend:
             with self._lock:
                 self.faults.faults["no meeting"] += 1
 
+    def arrive(self, op: str, path: str = "") -> None:
+        """A step outside the backend (a planner, say) takes part in ``meet`` as ``op``."""
+        self._meet(op, path)
+
     def _count(self, op: str) -> None:
         with self._lock:
             self.faults.calls[op] += 1
@@ -151,6 +155,7 @@ class FaultyBackend:
 
     def check_root(self, root: str, *, create: bool) -> Listing:
         self._count("check_root")
+        self._meet("check_root", root)
         return self._maybe_stale(self.inner.check_root(root, create=create))
 
     def head(self, path: str) -> FileInfo:

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan
 
 from dcp_volumes import (
     CheckpointManager,
@@ -382,6 +384,33 @@ def test_the_commit_checks_the_uploads_while_the_manifest_goes_up(
                                                file_size="8KiB"), no_dist=True)
     assert faults.faults["no meeting"] == 0
     assert faults.calls["list"] == 1 and faults.calls["put"] == 2
+    assert differences(_load(f"{root}/ck", opts), want) == []
+
+
+@pytest.mark.emulator
+@pytest.mark.timeout(30)
+def test_the_save_lists_its_location_while_dcp_plans(
+    s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What is at the location (a committed checkpoint?) is a round trip's answer that
+    # the global plan needs. Asked at set-up, it comes while DCP plans. The local plan
+    # waits until the listing has started: asked after planning, it would wait in vain.
+    root, opts = s3_bucket
+    faults = Faults(meet=[("check_root", ""), ("plan", "")])
+    wrappers = install(monkeypatch, faults)
+    Volume(root, storage_options=opts).exists("-")  # the writer's backend, made now
+    (backend,) = wrappers.values()
+    writer = VolumeWriter(f"{root}/ck", storage_options=opts)
+
+    class MeetingPlanner(DefaultSavePlanner):
+        def create_local_plan(self) -> SavePlan:
+            backend.arrive("plan")
+            return super().create_local_plan()
+
+    want = state_for(1, size=_SIZE)
+    dcp.save(want, storage_writer=writer, planner=MeetingPlanner(), no_dist=True)
+    assert faults.faults["no meeting"] == 0
+    assert faults.calls["check_root"] == 1
     assert differences(_load(f"{root}/ck", opts), want) == []
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import pickle
@@ -342,6 +343,8 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         self._rank = 0
         self._rank_local = False
         self._world_size: int | None = None
+        # The listing of the checkpoint's top level, started at set-up (see there).
+        self._root_listing: tuple[Volume, ThreadFuture[list[Any]]] | None = None
         self._stager = CpuStager(
             cache=self.options.cache_staged_state_dict, background=self.options.async_staging
         )
@@ -358,6 +361,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         # staging buffers (the stager pickles empty) and the finalizer stay here.
         state = self.__dict__.copy()
         state["_finalizer"] = None
+        state["_root_listing"] = None
         return state
 
     def storage_meta(self) -> Any:
@@ -414,6 +418,27 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         self._world_size = (
             dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
         )
+        if (is_coordinator or self._rank_local) and not self._volume.capabilities.local_files:
+            self._start_root_listing()
+
+    def _start_root_listing(self) -> None:
+        """List the store's checkpoint prefix while DCP plans: ``prepare_global_plan``
+        needs it, and asked there it was a round trip on the save's path. (A local
+        directory is only made there, once staging is known to hold the save.)"""
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpv-root")
+        try:
+            listing = _exit_safe.submit(pool, functools.partial(self._volume.check_root,
+                                                                create=True))
+        finally:
+            pool.shutdown(wait=False)  # the listing still runs; its thread ends after it
+        self._root_listing = (self._volume, listing)
+
+    def _root_files(self) -> set[str]:
+        """What is directly in the checkpoint (the listing started at set-up, if any)."""
+        started, self._root_listing = self._root_listing, None
+        if started is not None and started[0] is self._volume:
+            return {f.path for f in started[1].result()}
+        return {f.path for f in self._volume.check_root(create=True)}
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Check the staging directory can take this rank's bytes (all ranks)."""
@@ -433,7 +458,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         # one round trip where a HEAD per question cost three. A rank-local checkpoint
         # here (rank 0's marker is enough, as stock DCP checks) counts as committed
         # too: its markers would otherwise outlive its files.
-        top = {f.path for f in self._volume.check_root(create=True)}
+        top = self._root_files()
         committed = METADATA_NAME in top or rank_metadata_name(0) in top
         if committed:
             if not self.options.overwrite:
@@ -694,7 +719,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         """Rank-local save: check and clear this rank's own files only; name them."""
         where = self._volume.display_url
         marker = rank_metadata_name(self._rank)
-        top = {f.path for f in self._volume.check_root(create=True)}  # one round trip
+        top = self._root_files()  # one round trip
         committed = marker in top
         if METADATA_NAME in top:
             raise CheckpointExistsError(
