@@ -45,7 +45,7 @@ from dcp_volumes._exceptions import (
     VolumeExistsError,
 )
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
-from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, RetryPolicy, Volume
+from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, FileInfo, RetryPolicy, Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._compression import ZstdCompression
 from dcp_volumes.checkpoint._extensions import check_serialization_format, writer_transforms
@@ -344,7 +344,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         self._rank_local = False
         self._world_size: int | None = None
         # The listing of the checkpoint's top level, started at set-up (see there).
-        self._root_listing: tuple[Volume, ThreadFuture[list[Any]]] | None = None
+        self._root_listing: ThreadFuture[list[FileInfo]] | None = None
         self._stager = CpuStager(
             cache=self.options.cache_staged_state_dict, background=self.options.async_staging
         )
@@ -403,6 +403,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save; ``checkpoint_id`` (a URL or path) replaces the location."""
         self._relocate(checkpoint_id)
+        self._root_listing = None  # of the old location, if a save stopped before planning
         self._save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -427,18 +428,17 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         directory is only made there, once staging is known to hold the save.)"""
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpv-root")
         try:
-            listing = _exit_safe.submit(pool, functools.partial(self._volume.check_root,
-                                                                create=True))
+            self._root_listing = _exit_safe.submit(
+                pool, functools.partial(self._volume.check_root, create=True)
+            )
         finally:
             pool.shutdown(wait=False)  # the listing still runs; its thread ends after it
-        self._root_listing = (self._volume, listing)
 
     def _root_files(self) -> set[str]:
         """What is directly in the checkpoint (the listing started at set-up, if any)."""
         started, self._root_listing = self._root_listing, None
-        if started is not None and started[0] is self._volume:
-            return {f.path for f in started[1].result()}
-        return {f.path for f in self._volume.check_root(create=True)}
+        listing = started.result() if started is not None else self._volume.check_root(create=True)
+        return {f.path for f in listing}
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Check the staging directory can take this rank's bytes (all ranks)."""
