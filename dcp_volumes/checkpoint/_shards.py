@@ -2,8 +2,8 @@
 
 The byte format is stock DCP's (``torch.distributed.checkpoint.filesystem``):
 ``BYTE_IO`` items as raw bytes, tensors as ``torch.save`` of a CPU tensor whose
-storage holds only its data, back to back; ``_StorageInfo(relative_path,
-offset, length)`` locates each item. Writing hashes every byte on its way to
+storage holds only its data, back to back (with torch.save's switch for no
+zip CRC-32 set); ``_StorageInfo(relative_path, offset, length)`` locates each item. Writing hashes every byte on its way to
 disk and hands each file to an upload callback the moment it is closed, so
 serialisation of later files overlaps the upload of earlier ones.
 """
@@ -15,7 +15,7 @@ import io
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass
@@ -42,6 +42,12 @@ _ITEM_OVERHEAD = 4096
 # torch.save makes ~40 small writes per item, each a Python call into the
 # hash and the file otherwise (half the CPU of a save of small tensors).
 _GATHER = 64 * 1024
+
+# torch.save gives every zip record a CRC-32 that torch.load never checks; each data
+# file is hashed whole for the manifest instead, so the CRC is CPU spent for nothing
+# (benchmarks/README.md). Its public switch is process-wide in torch before config
+# overrides became per thread: one save at a time flips it.
+_CRC32_SWITCH = threading.Lock()
 
 # Stock DCP's stream transforms (torch >= 2.7; experimental there, so guarded).
 try:
@@ -245,31 +251,32 @@ def write_and_upload(
 
     with ThreadPoolExecutor(max_workers=files_in_flight, thread_name_prefix="dcpv-upload") as pool:
         try:
-            for item in items:
-                if upload_failed.is_set():
-                    break  # reported below
-                if (
-                    state["file"] is not None
-                    and state["data"] + _data_bytes(item) > file_size(state["index"] - 1)
-                ):
-                    close_and_upload(pool)
-                if state["file"] is None:
-                    name = _layout.data_file_name(prefix, state["index"])
-                    state["index"] += 1
-                    state["rel"] = _layout.relative_path(name, prefix_spread)
-                    local = os.path.join(save_dir, *state["rel"].split("/"))
-                    os.makedirs(os.path.dirname(local), exist_ok=True)
-                    state["file"] = HashingFile(local)
-                    state["data"] = 0
-                current: HashingFile = state["file"]
-                offset = current.tell()
-                data = planner.resolve_data(item)
-                descriptors = _write_item(current, data, item, transforms)
-                written = current.tell() - offset
-                pending.append((item, offset, written, descriptors))
-                state["data"] += _data_bytes(item) if item.tensor_data is not None else written
-                del data
-            close_and_upload(pool)
+            with _without_zip_crc32():
+                for item in items:
+                    if upload_failed.is_set():
+                        break  # reported below
+                    if (
+                        state["file"] is not None
+                        and state["data"] + _data_bytes(item) > file_size(state["index"] - 1)
+                    ):
+                        close_and_upload(pool)
+                    if state["file"] is None:
+                        name = _layout.data_file_name(prefix, state["index"])
+                        state["index"] += 1
+                        state["rel"] = _layout.relative_path(name, prefix_spread)
+                        local = os.path.join(save_dir, *state["rel"].split("/"))
+                        os.makedirs(os.path.dirname(local), exist_ok=True)
+                        state["file"] = HashingFile(local)
+                        state["data"] = 0
+                    current: HashingFile = state["file"]
+                    offset = current.tell()
+                    data = planner.resolve_data(item)
+                    descriptors = _write_item(current, data, item, transforms)
+                    written = current.tell() - offset
+                    pending.append((item, offset, written, descriptors))
+                    state["data"] += _data_bytes(item) if item.tensor_data is not None else written
+                    del data
+                close_and_upload(pool)
         except BaseException as exc:
             failed: HashingFile | None = state["file"]
             if failed is not None:
@@ -298,6 +305,24 @@ def write_and_upload(
                     other.cancel()
                 raise cast(BaseException, f.exception())
     return results, state["total"], state["index"]
+
+
+@contextlib.contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    """``torch.save`` in this block writes its zip records without a CRC-32 (the
+    stored field is 0; torch.load reads them as before); the setting is restored after."""
+    get = getattr(torch.serialization, "get_crc32_options", None)
+    switch = getattr(torch.serialization, "set_crc32_options", None)
+    if get is None or switch is None:  # pragma: no cover - torch without the switch
+        yield
+        return
+    with _CRC32_SWITCH:
+        previous = get()
+        switch(False)
+        try:
+            yield
+        finally:
+            switch(previous)
 
 
 def _write_item(
