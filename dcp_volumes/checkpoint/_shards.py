@@ -3,9 +3,10 @@
 The byte format is stock DCP's (``torch.distributed.checkpoint.filesystem``):
 ``BYTE_IO`` items as raw bytes, tensors as ``torch.save`` of a CPU tensor whose
 storage holds only its data, back to back (with torch.save's switch for no
-zip CRC-32 set); ``_StorageInfo(relative_path, offset, length)`` locates each item. Writing hashes every byte on its way to
-disk and hands each file to an upload callback the moment it is closed, so
-serialisation of later files overlaps the upload of earlier ones.
+zip CRC-32 set); ``_StorageInfo(relative_path, offset, length)`` locates each
+item. Writing hashes every byte on its way to disk and hands each file to an
+upload callback the moment it is closed, so serialisation of later files
+overlaps the upload of earlier ones.
 """
 
 from __future__ import annotations
