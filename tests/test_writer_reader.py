@@ -411,6 +411,45 @@ def test_local_copy_is_kept_and_preferred(tmp_path: Path, caplog: pytest.LogCapt
                for r in caplog.records)
 
 
+@pytest.mark.emulator
+def test_a_restore_from_the_local_tier_asks_the_volume_only_for_the_commit(
+    tmp_path: Path,
+) -> None:
+    # Behind a real link every request is a round trip: a restore whose files are
+    # all local reads .metadata and the manifest, and neither lists nor fetches.
+    with MotoServer(mode="process", record_requests=True) as s3:
+        ck = f"{s3.create_bucket('tier')}/step-5"
+        opts = s3.storage_options()
+        state = sample_state()
+        local_root = tmp_path / "nvme"
+        dcp.save(state, storage_writer=VolumeWriter(ck, storage_options=opts,
+                                                    local_copy_dir=local_root, file_size="1MiB"))
+        data = sorted(_data_files(ck, opts))
+        assert len(data) >= 2
+
+        s3.reset_requests()
+        out = blank_like(state)
+        dcp.load(out, storage_reader=VolumeReader(ck, storage_options=opts,
+                                                  local_copy_dir=local_root))
+        assert_same(out, state)
+        asked = s3.request_log()
+        assert sorted(asked) == sorted(
+            [("GET", f"/tier/step-5/{METADATA_NAME}"), ("GET", f"/tier/step-5/{MANIFEST_NAME}")]
+        ), asked
+
+        # A damaged local file is fetched from the volume, checked by its checksum.
+        local_victim = local_root / "step-5" / data[0]
+        local_victim.write_bytes(b"\0" + local_victim.read_bytes()[1:])
+        s3.reset_requests()
+        out = blank_like(state)
+        dcp.load(out, storage_reader=VolumeReader(ck, storage_options=opts,
+                                                  local_copy_dir=local_root))
+        assert_same(out, state)
+        fetched = {path for method, path in s3.request_log() if method == "GET"}
+        assert f"/tier/step-5/{data[0]}" in fetched
+        assert not any(f"/tier/step-5/{name}" in fetched for name in data[1:])
+
+
 # -- tensors read straight into their targets ---------------------------------------------------
 
 

@@ -267,8 +267,12 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         ) as pool:
             try:
                 # The listing that checks sizes runs alongside the first fetches: a
-                # load pays no extra round trip for it.
-                listing = pool.submit(self._volume.list) if self._manifest and jobs else None
+                # load pays no extra round trip for it. Files from the local tier
+                # were checked against the manifest already and are hashed whole
+                # (one that fails falls back to a fetch, checked the same way):
+                # a restore from local files alone asks the volume nothing more.
+                remote = [job for job in jobs if not job.from_local]
+                listing = pool.submit(self._volume.list) if self._manifest and remote else None
                 submitted = 0
                 in_flight = 0
                 direct = 0
@@ -282,7 +286,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                         in_flight += jobs[submitted].nbytes
                         submitted += 1
                     if listing is not None:
-                        self._check_sizes(jobs, listing.result())
+                        self._check_sizes(remote, listing.result())
                         listing = None
                     self._finish_job(pool, job, planner)
                     in_flight -= job.nbytes
