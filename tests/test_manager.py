@@ -150,6 +150,23 @@ def test_save_list_latest_restore(root: Location, async_save: bool) -> None:
         assert step == 30 and differences(state, state_for(30)) == []
 
 
+@pytest.mark.emulator
+def test_a_restore_reads_the_commit_marker_once() -> None:
+    # Each request is a round trip behind a real link: the manager reads .metadata
+    # (for typed errors) and DCP's load then uses it instead of reading it again.
+    with MotoServer(mode="process", record_requests=True) as s3:
+        url, options = f"{s3.create_bucket('restore-once')}/run", s3.storage_options()
+        with CheckpointManager(url, storage_options=options) as mgr:
+            mgr.save(3, state_for(3))
+        s3.reset_requests()
+        with CheckpointManager(url, storage_options=options) as again:
+            step, state = restored(again)
+        assert step == 3 and differences(state, state_for(3)) == []
+        counts = s3.request_counts()
+        marker = ("GET", f"/restore-once/run/step-00000003/{METADATA_NAME}")
+        assert counts[marker] == 1, counts
+
+
 def test_stock_dcp_checkpoints_are_listed_restored_and_retained(tmp_path: Path) -> None:
     url = str(tmp_path / "run")
     with warnings.catch_warnings():

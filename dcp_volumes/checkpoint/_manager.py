@@ -399,7 +399,7 @@ class CheckpointManager:
             # Read .metadata here first: where DCP fails on it, it keeps only the
             # message (its AssertionError joins the texts), not our typed error.
             # A rank-local checkpoint: each rank loads its own __<rank>.metadata.
-            reader.read_metadata(**({"rank": self.rank} if rank_local else {}))
+            reader._read_for_load(self.rank if rank_local else None)
             dcp.load(state, checkpoint_id=url, storage_reader=reader,
                      process_group=self._coord.group, no_dist=not self._coord.distributed)
         return chosen_step

@@ -179,6 +179,10 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._manifest_loaded = False
         self._manifest_name = MANIFEST_NAME
         self._manifest_ahead: futures.Future[Manifest | None] | None = None
+        # What _read_for_load read, kept across DCP's reset to the same location
+        # (location, rank, .metadata, manifest GET) and used once.
+        self._read_ahead: tuple[str, int | None, Metadata, Any] | None = None
+        self._metadata_ahead: tuple[int | None, Metadata] | None = None
         self._split = (self.options.part_size, False)  # per load: see _split_size
         self._load_id = uuid.uuid4().hex
 
@@ -199,11 +203,28 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._manifest_loaded = False
         self._manifest_name = MANIFEST_NAME
         self._manifest_ahead = None
+        self._metadata_ahead = None
         self._load_id = uuid.uuid4().hex
+        ahead, self._read_ahead = self._read_ahead, None
+        if ahead is not None and ahead[0] == self._volume.url:
+            _, rank, metadata, manifest = ahead
+            self._metadata_ahead, self._manifest_ahead = (rank, metadata), manifest
+
+    def _read_for_load(self, rank: int | None = None) -> Metadata:
+        """``read_metadata`` just before ``dcp.load`` with this reader (``CheckpointManager``
+        does, for typed errors): DCP resets the reader to the same location first, and
+        the load then uses what was read here instead of asking the volume again."""
+        metadata = self.read_metadata(**({"rank": rank} if rank is not None else {}))
+        self._read_ahead = (self._volume.url, rank, metadata, self._manifest_ahead)
+        return metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Unpickle ``.metadata`` (``__{rank}.metadata`` when DCP passes ``rank=``)."""
         rank = kwargs.get("rank")
+        if self._metadata_ahead is not None and self._metadata_ahead[0] == rank:
+            metadata = self._metadata_ahead[1]
+            self._metadata_ahead = None
+            return self._stamped(metadata)
         name = METADATA_NAME if rank is None else rank_metadata_name(int(rank))
         # DCP asks for the rank-local file only after .metadata failed; when that
         # file is absent too, the .metadata error is the one that says what is wrong.
@@ -224,6 +245,10 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             if rank is None:
                 self._metadata_error = exc
             raise
+        return self._stamped(metadata)
+
+    def _stamped(self, metadata: Metadata) -> Metadata:
+        """``metadata`` with this load's id (DCP >= 2.6 reads it from ``storage_meta``)."""
         if StorageMeta is not None:
             storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
             storage_meta.load_id = self._load_id
