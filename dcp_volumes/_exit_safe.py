@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from dcp_volumes import _env
@@ -41,6 +41,16 @@ def submit(pool: Executor, fn: Callable[..., T], *args: object) -> Future[T]:
     except BaseException as exc:  # handed to the caller through the future, as a pool would
         done.set_exception(exc)
     return done
+
+
+def start(name: str, fn: Callable[..., T], *args: object) -> Future[T]:
+    """``fn(*args)`` started now in a thread of its own, collected later from the future
+    (a request that can run beside other work); the thread ends when ``fn`` returns."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    try:
+        return submit(pool, fn, *args)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def map_all(pool: Executor, fn: Callable[[object], T], items: Iterable[object]) -> list[T]:

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from dcp_volumes import _exit_safe
 from dcp_volumes._exceptions import (
     BucketNotFoundError,
     CheckpointCorruptError,
@@ -179,10 +180,9 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._manifest_loaded = False
         self._manifest_name = MANIFEST_NAME
         self._manifest_ahead: futures.Future[Manifest | None] | None = None
-        # What _read_for_load read, kept across DCP's reset to the same location
-        # (location, rank, .metadata, manifest GET) and used once.
+        # What _read_for_load read (location, rank, .metadata, the manifest's GET):
+        # kept across DCP's reset to the same location, used once.
         self._read_ahead: tuple[str, int | None, Metadata, Any] | None = None
-        self._metadata_ahead: tuple[int | None, Metadata] | None = None
         self._split = (self.options.part_size, False)  # per load: see _split_size
         self._load_id = uuid.uuid4().hex
 
@@ -203,12 +203,10 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         self._manifest_loaded = False
         self._manifest_name = MANIFEST_NAME
         self._manifest_ahead = None
-        self._metadata_ahead = None
         self._load_id = uuid.uuid4().hex
         ahead, self._read_ahead = self._read_ahead, None
         if ahead is not None and ahead[0] == self._volume.url:
-            _, rank, metadata, manifest = ahead
-            self._metadata_ahead, self._manifest_ahead = (rank, metadata), manifest
+            self._read_ahead, self._manifest_ahead = ahead, ahead[3]
 
     def _read_for_load(self, rank: int | None = None) -> Metadata:
         """``read_metadata`` just before ``dcp.load`` with this reader (``CheckpointManager``
@@ -221,10 +219,10 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Unpickle ``.metadata`` (``__{rank}.metadata`` when DCP passes ``rank=``)."""
         rank = kwargs.get("rank")
-        if self._metadata_ahead is not None and self._metadata_ahead[0] == rank:
-            metadata = self._metadata_ahead[1]
-            self._metadata_ahead = None
-            return self._stamped(metadata)
+        ahead = self._read_ahead
+        if ahead is not None and ahead[0] == self._volume.url and ahead[1] == rank:
+            self._read_ahead = None
+            return self._stamped(ahead[2])
         name = METADATA_NAME if rank is None else rank_metadata_name(int(rank))
         # DCP asks for the rank-local file only after .metadata failed; when that
         # file is absent too, the .metadata error is the one that says what is wrong.
@@ -376,11 +374,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
 
     def _read_manifest_ahead(self) -> futures.Future[Manifest | None]:
         """The manifest's GET, started beside the ``.metadata`` one: a round trip less a load."""
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpv-manifest")
-        try:
-            return pool.submit(read_manifest, self._volume, MANIFEST_NAME)
-        finally:
-            pool.shutdown(wait=False)
+        return _exit_safe.start("dcpv-manifest", read_manifest, self._volume, MANIFEST_NAME)
 
     def _load_manifest(self) -> None:
         if self._manifest_loaded:

@@ -312,18 +312,13 @@ def write_and_upload(
 def _without_zip_crc32() -> Iterator[None]:
     """``torch.save`` in this block writes its zip records without a CRC-32 (the
     stored field is 0; torch.load reads them as before); the setting is restored after."""
-    get = getattr(torch.serialization, "get_crc32_options", None)
-    switch = getattr(torch.serialization, "set_crc32_options", None)
-    if get is None or switch is None:  # pragma: no cover - torch without the switch
-        yield
-        return
     with _CRC32_SWITCH:
-        previous = get()
-        switch(False)
+        previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
         try:
             yield
         finally:
-            switch(previous)
+            torch.serialization.set_crc32_options(previous)
 
 
 def _write_item(

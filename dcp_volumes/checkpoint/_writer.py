@@ -426,13 +426,9 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         """List the store's checkpoint prefix while DCP plans: ``prepare_global_plan``
         needs it, and asked there it was a round trip on the save's path. (A local
         directory is only made there, once staging is known to hold the save.)"""
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpv-root")
-        try:
-            self._root_listing = _exit_safe.submit(
-                pool, functools.partial(self._volume.check_root, create=True)
-            )
-        finally:
-            pool.shutdown(wait=False)  # the listing still runs; its thread ends after it
+        self._root_listing = _exit_safe.start(
+            "dcpv-root", functools.partial(self._volume.check_root, create=True)
+        )
 
     def _root_files(self) -> set[str]:
         """What is directly in the checkpoint (the listing started at set-up, if any)."""
