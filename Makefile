@@ -11,7 +11,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
-AZURITE_VERSION := 3.35.0
 AZURITE := .tools/node_modules/.bin/azurite-blob
 INSTALL_STAMP := $(VENV)/.dcp-volumes-installed
 RADOSGW := /usr/bin/radosgw
@@ -35,9 +34,15 @@ $(INSTALL_STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install -c constraints.txt -e '.[dev,bench]'
 	touch $@
 
-$(AZURITE):
-	npm install --prefix .tools --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION)
+# From tools/package-lock.json: every transitive version pinned, so a fresh
+# machine gets the tree that was tested (a bare `npm install azurite@X` takes
+# the newest match of each range, which the registry may not hold).
+$(AZURITE): tools/package.json tools/package-lock.json
+	mkdir -p .tools
+	cp tools/package.json tools/package-lock.json .tools/
+	npm ci --prefix .tools --no-audit --no-fund --loglevel=error
 	test -x $@
+	touch -h $@
 
 # Ceph's S3 server for the conformance suite (tests/radosgw.py runs a private
 # one-node cluster on 127.0.0.1; nothing is configured system-wide).

@@ -303,7 +303,7 @@ def serve(target: Target, *buckets: str, memory_bytes: int = 0) -> Iterator[Any]
         if Azurite.find_binary() is None:
             raise TargetError(
                 "azurite-blob is not installed: `make setup` installs it into .tools/ "
-                "(npm install --prefix .tools azurite@3.35.0)"
+                "(pinned by tools/package-lock.json)"
             )
         server = Azurite()
     elif target.name == "gcs":

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.emulators import AZURITE_VERSION, Azurite, Emulator, GcsEmulator, MotoServer
+from tests.emulators import Azurite, Emulator, GcsEmulator, MotoServer
 from tests.radosgw import RadosGW
 
 VolumeLocation = tuple[str, dict[str, Any]]
@@ -54,7 +54,7 @@ def azurite() -> Iterator[Azurite]:
     if Azurite.find_binary() is None:
         pytest.fail(
             "Azurite (azurite-blob) is not installed. Run `make test`, which installs it "
-            f"into .tools/ (or: npm install --prefix .tools azurite@{AZURITE_VERSION}).",
+            "into .tools/ from tools/package-lock.json (or run `make setup`).",
             pytrace=False,
         )
     with Azurite() as server:

@@ -62,7 +62,6 @@ for _name, _value in {
     os.environ.setdefault(_name, _value)
 
 __all__ = [
-    "AZURITE_VERSION",
     "Azurite",
     "Emulator",
     "EmulatorError",
@@ -74,7 +73,6 @@ __all__ = [
     "repo_root",
 ]
 
-AZURITE_VERSION = "3.35.0"
 
 # Credentials of the emulators: fake for moto, the published development-storage
 # account for Azurite. Neither grants access to anything real.
@@ -577,8 +575,7 @@ class Azurite(_ProcessEmulator):
         if binary is None:
             raise EmulatorError(
                 "azurite-blob not found (looked in .tools/node_modules/.bin and PATH). "
-                "Run `make test` (it installs it), or "
-                f"`npm install --prefix .tools azurite@{AZURITE_VERSION}`."
+                "Run `make setup`: it installs it from tools/package-lock.json."
             )
         if self._workdir is None:
             raise EmulatorError("internal: no work dir")
