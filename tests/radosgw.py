@@ -454,7 +454,9 @@ class RadosGW(S3Api, Emulator):
                     "-n",
                     "client.rgw.a",
                     "--rgw-frontends",
-                    f"beast endpoint=127.0.0.1:{self.port}",
+                    # tcp_nodelay: without it beast's second write of a small
+                    # response waits for the client's delayed ACK (~40 ms a request).
+                    f"beast endpoint=127.0.0.1:{self.port} tcp_nodelay=1",
                 ],
             )
             if self._wait(rgw, self._probe, "radosgw"):
