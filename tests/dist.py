@@ -10,8 +10,9 @@ Our own small helper (not ``torch.testing._internal``)::
     assert run_ranks(_body, 2, 3) == [3.0, 3.0]
 
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
-MASTER_ADDR and MASTER_PORT in its environment (and OMP_NUM_THREADS=1 unless
-set, as torchrun does), calls ``init_process_group("gloo")`` through the
+MASTER_ADDR and MASTER_PORT in its environment (and, with more than one
+rank, OMP_NUM_THREADS=1 unless set, as torchrun does; torch's thread count
+follows it), calls ``init_process_group("gloo")`` through the
 ``env://`` method, runs ``fn(rank, world_size, *args)`` and destroys the group.
 """
 
@@ -81,9 +82,17 @@ def _rank_main(
         }
     )
     # torchrun sets this for multi-process runs; without it N ranks oversubscribe the cores.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if world_size > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     if env:
         os.environ.update(env)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        # torch reads the variable when it is imported, and unpickling this rank's
+        # function may have imported it already: apply it as torchrun's would be.
+        torch.set_num_threads(int(threads))
     # The parent sends SIGUSR1 before killing a hung rank: its stacks then show in stderr.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 

@@ -44,6 +44,18 @@ def test_all_reduce_on_two_ranks() -> None:
     }
 
 
+def _thread_count(rank: int, world_size: int) -> int:
+    return torch.get_num_threads()
+
+
+def test_each_of_several_ranks_computes_on_one_thread_as_under_torchrun() -> None:
+    # torch was already imported when the rank set OMP_NUM_THREADS (unpickling the
+    # function imports it): before the fix each rank ran one thread per core.
+    assert run_ranks(_thread_count, 2, env={"OMP_NUM_THREADS": "1"}) == [1, 1]
+    if "OMP_NUM_THREADS" not in os.environ:  # the default, as torchrun's
+        assert run_ranks(_thread_count, 2) == [1, 1]
+
+
 def test_exception_in_rank_surfaces_with_traceback() -> None:
     with pytest.raises(RankError, match="boom from rank one") as info:
         run_ranks(_fail_on_rank1, 2, timeout=60)
