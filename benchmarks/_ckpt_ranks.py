@@ -111,6 +111,9 @@ FRESH_WRITER = frozenset({"vw_sync_fresh", "vw_async_fresh"})
 # (default 256 MiB) go up as single PUTs and read back as whole-object GETs.
 SMALL_FILES = {"file_size": "32MiB"}
 
+# The memcpy floor takes milliseconds, so one scheduling hiccup on 2 shared cores
+# is most of a save: its steady state is the median of this many.
+MEMCPY_REPEATS = 11
 UPLOAD_STREAMS = 8  # VolumeWriter's default upload_concurrency
 DOWNLOAD_STREAMS = 16  # VolumeReader's default read_concurrency
 PEER_THREADS = 8  # thread_count of the stock writers: their best on this link
@@ -494,7 +497,8 @@ def run_save_method(
     sampler: RssSampler,
     barrier: Callable[[], None],
 ) -> dict[str, Any]:
-    """``job.repeats`` saves with one method: times and memory peak of each."""
+    """``job.repeats`` saves with one method (memcpy: at least ``MEMCPY_REPEATS``):
+    times and memory peak of each."""
     # Rank 0 drops each previous save between saves; its client exists before the
     # baseline, so its memory is not counted as the method's.
     cleaner = job.raw(4, direct=True) if rank == 0 else None
@@ -511,7 +515,8 @@ def run_save_method(
     saver: Saver | None = None
     try:
         saver = Saver(job, method, rank, state)
-        for i in range(job.repeats):
+        repeats = max(job.repeats, MEMCPY_REPEATS) if method == "memcpy" else job.repeats
+        for i in range(repeats):
             if cleaner is not None:
                 # Before each save, outside the timing: the server keeps no more than
                 # the previous checkpoint (moto holds objects in its own memory and
