@@ -119,6 +119,11 @@ DOWNLOAD_STREAMS = 16  # VolumeReader's default read_concurrency
 PEER_THREADS = 8  # thread_count of the stock writers: their best on this link
 
 
+def save_repeats(method: str, repeats: int) -> int:
+    """How many saves ``method`` makes in a cell of ``repeats``."""
+    return max(repeats, MEMCPY_REPEATS) if method == "memcpy" else repeats
+
+
 @dataclass(frozen=True)
 class Job:
     """Everything a rank needs; pickled to the spawned ranks."""
@@ -497,8 +502,8 @@ def run_save_method(
     sampler: RssSampler,
     barrier: Callable[[], None],
 ) -> dict[str, Any]:
-    """``job.repeats`` saves with one method (memcpy: at least ``MEMCPY_REPEATS``):
-    times and memory peak of each."""
+    """``save_repeats(method, job.repeats)`` saves with one method: times and
+    memory peak of each."""
     # Rank 0 drops each previous save between saves; its client exists before the
     # baseline, so its memory is not counted as the method's.
     cleaner = job.raw(4, direct=True) if rank == 0 else None
@@ -515,8 +520,7 @@ def run_save_method(
     saver: Saver | None = None
     try:
         saver = Saver(job, method, rank, state)
-        repeats = max(job.repeats, MEMCPY_REPEATS) if method == "memcpy" else job.repeats
-        for i in range(repeats):
+        for i in range(save_repeats(method, job.repeats)):
             if cleaner is not None:
                 # Before each save, outside the timing: the server keeps no more than
                 # the previous checkpoint (moto holds objects in its own memory and

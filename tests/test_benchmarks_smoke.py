@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks._ckpt_ranks import MEMCPY_REPEATS
+from benchmarks._ckpt_ranks import save_repeats
 from tests.emulators import Azurite, repo_root
 
 pytestmark = pytest.mark.slow
@@ -123,10 +123,7 @@ def _check_checkpoint(
         where = f"{cell['link']} {cell['world_size']} x {cell['size_mib']} MiB"
         for method, s in cell["saves"].items():
             assert not s["error"], f"{where} {method} failed: {s['error']}"
-            # The memcpy floor takes milliseconds: it runs more saves than the others.
-            repeats = report["config"]["repeats"]
-            if method == "memcpy":
-                repeats = max(repeats, MEMCPY_REPEATS)
+            repeats = save_repeats(method, report["config"]["repeats"])
             assert len(s["e2e_s"]) == repeats, (where, method)
             assert 0 < s["steady_blocking_s"] <= s["steady_e2e_s"] + 1e-6, (where, method)
             assert s["client_cpu_s_per_gib"] > 0, (where, method)
