@@ -18,51 +18,14 @@ import tempfile
 import uuid
 
 from dcp_volumes import _env
-from dcp_volumes._exceptions import ConfigurationError, DiskFullError, StagingError
+from dcp_volumes._exceptions import DiskFullError, StagingError
+from dcp_volumes._sizes import format_size
 
 logger = logging.getLogger(__name__)
 
 # Keep this much free on the staging disk beyond what a save needs, so that a
 # checkpoint never fills the disk other processes on the node rely on.
 DEFAULT_HEADROOM_BYTES = 256 * 2**20
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_size(value: int | str | None, *, what: str = "size") -> int | None:
-    """Bytes from an int or a string like ``"100GB"``, ``"512MiB"``, ``"1.5g"``.
-
-    ``None`` stays ``None`` (no limit). Binary units: ``GB`` and ``GiB`` both
-    mean 2**30, as disk tools on Linux report them.
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ConfigurationError(f"{what}={value!r} is not a size; use bytes or e.g. '100GB'.")
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigurationError(f"{what}={value} must be >= 0 bytes.")
-        return value
-    text = str(value).strip().lower().replace(" ", "")
-    for suffix in ("ib", "b"):
-        if text.endswith(suffix) and text[: -len(suffix)][-1:].isalpha():
-            text = text[: -len(suffix)]
-            break
-    unit = text[-1:] if text[-1:].isalpha() else ""
-    number = text[: -1] if unit else text
-    if unit == "b":
-        unit = ""
-    try:
-        amount = float(number)
-    except ValueError:
-        amount = -1.0
-    if unit not in _UNITS or amount < 0:
-        raise ConfigurationError(
-            f"{what}={value!r} is not a size. Use a byte count or a string such as "
-            "'512MB', '100GB' or '1.5TB'."
-        )
-    return int(amount * _UNITS[unit])
-
 
 def probe_writable(directory: str) -> None:
     """Create and remove a file in ``directory``; raises ``OSError`` when it cannot."""
@@ -79,10 +42,6 @@ def free_bytes(path: str) -> int:
 
 # errno values of a write that found no room: the disk, or this user's quota on it, is full.
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def _out_of_space(exc: BaseException) -> OSError | None:
@@ -117,8 +76,8 @@ def disk_full_error(
         free: int | None = free_bytes(directory)
     except OSError:
         free = None
-    need = f", needing {_mib(needed)}" if needed is not None else ""
-    have = f"; {_mib(free)} free now" if free is not None else ""
+    need = f", needing {format_size(needed)}" if needed is not None else ""
+    have = f"; {format_size(free)} free now" if free is not None else ""
     return DiskFullError(
         f"The disk holding {directory} is full: {doing} failed ({full.strerror}){need}{have}. "
         f"Another process may have filled it after the free-space check. {fix}",

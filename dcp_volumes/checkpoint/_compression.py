@@ -24,13 +24,8 @@ from dcp_volumes._exceptions import BackendNotInstalledError, ConfigurationError
 
 # Torch's extension API appeared in 2.7 (experimental): without it compression
 # is refused with a message, not an ImportError at import time.
-try:
-    from torch.distributed.checkpoint._extension import StreamTransformExtension, ZStandard
-except ImportError:  # pragma: no cover - torch < 2.7
-    StreamTransformExtension = object  # type: ignore[misc,assignment]
-    ZStandard = None  # type: ignore[misc,assignment]
+from dcp_volumes._torch import EXTENSIONS_AVAILABLE, StreamTransformExtension, ZStandard
 
-EXTENSIONS_AVAILABLE = ZStandard is not None
 REGISTRY_NAME = "stream.zstd"
 DESCRIPTOR = f"{REGISTRY_NAME}/1"
 # Level 1, not zstd's 3: on tensor data it compresses about twice as fast for

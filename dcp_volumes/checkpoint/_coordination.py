@@ -19,8 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dcp_volumes import _env
 from dcp_volumes._exceptions import CheckpointError, DcpVolumesError, storage_error
+from dcp_volumes._world import World, distributed
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +62,14 @@ class Coordinator:
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
+        self.distributed = distributed()
         if self.distributed:
             self.group: dist.ProcessGroup | None = process_group or dist.new_group(
                 backend="gloo"
             )
             self.rank = dist.get_rank(self.group)
             self.world_size = dist.get_world_size(self.group)
-            self.local_rank = _env.world_info()[2]
+            self.local_rank = World.from_env().local_rank
         else:
             self.group = None
             self.rank, self.world_size, self.local_rank = 0, 1, 0

@@ -19,23 +19,13 @@ from typing import IO, Any
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_volumes._exceptions import CheckpointCorruptError, ConfigurationError
+from dcp_volumes._torch import (
+    ExtensionRegistry,
+    SerializationFormat,
+    StreamTransformExtension,
+    StreamTransforms,
+)
 from dcp_volumes.checkpoint._compression import ZstdCompression, resolve
-
-try:
-    from torch.distributed.checkpoint._extension import (
-        ExtensionRegistry,
-        StreamTransformExtension,
-    )
-    from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
-except ImportError:  # pragma: no cover - torch < 2.7
-    ExtensionRegistry = None  # type: ignore[misc,assignment]
-    StreamTransformExtension = None  # type: ignore[misc,assignment]
-    _StorageWriterTransforms = None  # type: ignore[misc,assignment]
-
-try:
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
-except ImportError:  # pragma: no cover - torch < 2.8
-    SerializationFormat = None  # type: ignore[misc,assignment]
 
 
 def writer_transforms(
@@ -48,7 +38,7 @@ def writer_transforms(
         chosen.append(zstd)
     if not chosen:
         return None
-    if _StorageWriterTransforms is None:  # pragma: no cover - torch < 2.7
+    if StreamTransforms is None:  # pragma: no cover - torch < 2.7
         raise ConfigurationError(
             "_extensions= and compression= need torch >= 2.7, whose DCP has stream "
             "extensions. Upgrade torch, or save without them."
@@ -69,7 +59,7 @@ def writer_transforms(
             "order, so the checkpoint would not load. Use one: either compression= or a "
             "single _extensions entry."
         )
-    return _StorageWriterTransforms(chosen)
+    return StreamTransforms(chosen)
 
 
 def default_registry() -> Any | None:

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -39,7 +39,7 @@ from dcp_volumes._exceptions import (
     ConfigurationError,
     VolumeNotFoundError,
 )
-from dcp_volumes._staging import parse_size
+from dcp_volumes._sizes import parse_size
 from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
@@ -59,11 +59,6 @@ from dcp_volumes.checkpoint._manifest import (
 )
 from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
 from dcp_volumes.checkpoint._shards import advise_willneed
-
-try:
-    from torch.distributed.checkpoint.metadata import StorageMeta
-except ImportError:  # pragma: no cover - torch < 2.4
-    StorageMeta = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger(__name__)
 
@@ -247,10 +242,9 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
 
     def _stamped(self, metadata: Metadata) -> Metadata:
         """``metadata`` with this load's id (DCP >= 2.6 reads it from ``storage_meta``)."""
-        if StorageMeta is not None:
-            storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-            storage_meta.load_id = self._load_id
-            metadata.storage_meta = storage_meta
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self._load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
     def set_up_storage_reader(

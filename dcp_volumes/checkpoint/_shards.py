@@ -3,7 +3,7 @@
 The byte format is stock DCP's (``torch.distributed.checkpoint.filesystem``):
 ``BYTE_IO`` items as raw bytes, tensors as ``torch.save`` of a CPU tensor whose
 storage holds only its data, back to back (with torch.save's switch for no
-zip CRC-32 set); ``_StorageInfo(relative_path, offset, length)`` locates each
+zip CRC-32 set); ``StorageInfo(relative_path, offset, length)`` locates each
 item. Writing hashes every byte on its way to disk and hands each file to an
 upload callback the moment it is closed, so serialisation of later files
 overlaps the upload of earlier ones.
@@ -24,14 +24,13 @@ from typing import IO, Any, cast
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes._exceptions import CheckpointCorruptError
 from dcp_volumes._exit_safe import submit
 from dcp_volumes._staging import disk_full_error
-from dcp_volumes._streams import MemoryReader
+from dcp_volumes._torch import StorageInfo, StreamTransforms, load_tensor_in_place
 from dcp_volumes._volume import Volume, pieces, redact_url
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
@@ -50,13 +49,6 @@ _GATHER = 64 * 1024
 # overrides became per thread: one save at a time flips it.
 _CRC32_SWITCH = threading.Lock()
 
-# Stock DCP's stream transforms (torch >= 2.7; experimental there, so guarded).
-try:
-    from torch.distributed.checkpoint.filesystem import (
-        _StorageWriterTransforms as StreamTransforms,
-    )
-except ImportError:  # pragma: no cover - torch < 2.7
-    StreamTransforms = None  # type: ignore[misc,assignment]
 
 # upload(local_path, relative_path, size): put one closed file on the volume.
 Upload = Callable[[str, str, int], None]
@@ -70,7 +62,7 @@ class WrittenItem:
     need dcp_volumes to unpickle it); the records go to the manifest.
     """
 
-    info: _StorageInfo
+    info: StorageInfo
     record: FileRecord
 
 
@@ -233,9 +225,9 @@ def write_and_upload(
         rel = state["rel"]
         for item, offset, length, descriptors in pending:
             info = (
-                _StorageInfo(rel, offset, length)
+                StorageInfo(rel, offset, length)
                 if descriptors is None
-                else _StorageInfo(rel, offset, length, transform_descriptors=descriptors)
+                else StorageInfo(rel, offset, length, transform_descriptors=descriptors)
             )
             results.append(
                 WriteResult(
@@ -348,30 +340,8 @@ def _write_item(
 
 
 def load_tensor(view: memoryview) -> torch.Tensor:
-    """Deserialise a ``torch.save``'d tensor whose storage aliases ``view`` (no copy).
-
-    ``torch.load`` copies every storage out of its stream; handing torch's own
-    loader the buffer as the "mmapped" storage (what ``torch.load(mmap=True)``
-    does for files) leaves one copy per load, into the target tensor. Torch
-    versions whose private loader differs fall back to ``torch.load``.
-    """
-    if len(view):
-        try:
-            storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
-            reader = torch._C.PyTorchFileReader(MemoryReader(view))
-            return cast(
-                torch.Tensor,
-                torch.serialization._load(
-                    reader,
-                    "cpu",
-                    torch._weights_only_unpickler,
-                    overall_storage=storage,
-                    encoding="utf-8",
-                ),
-            )
-        except Exception:  # the stock path below reports real damage
-            pass
-    return cast(torch.Tensor, torch.load(MemoryReader(view), map_location="cpu", weights_only=True))
+    """Deserialise a ``torch.save``'d tensor whose storage aliases ``view`` (no copy)."""
+    return load_tensor_in_place(view)
 
 
 def advise_willneed(path: str, spans: Sequence[tuple[int, int]]) -> None:

@@ -21,24 +21,18 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.tensor import DTensor
 
-# Private helpers of torch.distributed, so guarded: without them the public
-# BlockingAsyncStager does the work (it cannot notice a change of shapes).
-try:
-    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-except ImportError:  # pragma: no cover - depends on the torch version
-    _copy_state_dict = None  # type: ignore[assignment]
-    _create_cpu_state_dict = None  # type: ignore[assignment]
+from dcp_volumes._torch import copy_state_dict, create_cpu_state_dict
 
 
 def signature(obj: Any) -> Any:
     """Structure, shapes and dtypes of a state dict: equal signatures can share buffers."""
     if isinstance(obj, torch.Tensor):
-        local = getattr(obj, "_local_tensor", None)  # DTensor: the shard this rank holds
         shards = getattr(obj, "local_shards", None)  # ShardedTensor
         extra: Any = None
-        if local is not None:
-            extra = tuple(local.shape)
+        if isinstance(obj, DTensor):  # the shard this rank holds
+            extra = tuple(obj.to_local().shape)
         elif callable(shards):
             extra = tuple(tuple(s.tensor.shape) for s in shards())
         return (type(obj), tuple(obj.shape), obj.dtype, extra)
@@ -135,7 +129,7 @@ class CpuStager:
         self, state_dict: STATE_DICT_TYPE, sync: Callable[[], None] | None = None
     ) -> STATE_DICT_TYPE:
         """A copy of ``state_dict`` on CPU; returns once the copy is complete."""
-        if _copy_state_dict is None or _create_cpu_state_dict is None:  # pragma: no cover
+        if copy_state_dict is None or create_cpu_state_dict is None:  # pragma: no cover
             if self._fallback is None:
                 self._fallback = BlockingAsyncStager(cache_staged_state_dict=self.cache)
             return self._fallback.stage(state_dict)
@@ -148,16 +142,16 @@ class CpuStager:
             sig = signature(state_dict)
             if self._buffers is None or sig != self._signature:
                 self._buffers = None  # free the old buffers before allocating new ones
-                self._buffers = _POOL.take(sig) or _create_cpu_state_dict(
+                self._buffers = _POOL.take(sig) or create_cpu_state_dict(
                     state_dict, pin_memory=pin, share_memory=pin
                 )
                 self._signature = sig
             target = self._buffers
         else:
             # One-off buffers: registering shared memory as pinned costs more than it saves.
-            target = _create_cpu_state_dict(state_dict, pin_memory=pin)
+            target = create_cpu_state_dict(state_dict, pin_memory=pin)
         # type_check=False: objects other than tensors are deep-copied, whatever their type.
-        staged = _copy_state_dict(state_dict, target, non_blocking=pin, type_check=False)
+        staged = copy_state_dict(state_dict, target, non_blocking=pin, type_check=False)
         if pin:
             # Non-blocking device-to-host copies must land first.
             (sync or torch.cuda.synchronize)()

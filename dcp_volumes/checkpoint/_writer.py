@@ -29,9 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -44,8 +42,11 @@ from dcp_volumes._exceptions import (
     ConfigurationError,
     VolumeExistsError,
 )
-from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea, parse_size
+from dcp_volumes._sizes import parse_size
+from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea
+from dcp_volumes._torch import DCP_VERSION, STAGING_FUTURES, StorageInfo
 from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, FileInfo, RetryPolicy, Volume
+from dcp_volumes._world import World, distributed
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._compression import ZstdCompression
 from dcp_volumes.checkpoint._extensions import check_serialization_format, writer_transforms
@@ -68,26 +69,6 @@ from dcp_volumes.checkpoint._rank_upload import (
 )
 from dcp_volumes.checkpoint._shards import WrittenItem, estimate_bytes, write_and_upload
 from dcp_volumes.checkpoint._stager import CpuStager
-
-# Stock writers stamp the format version into .metadata since torch 2.7; older
-# versions have neither the constant nor the field.
-try:
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _DCP_VERSION
-except ImportError:  # pragma: no cover - torch < 2.7
-    _DCP_VERSION = None  # type: ignore[misc,assignment]
-
-try:
-    from torch.distributed.checkpoint.metadata import StorageMeta
-except ImportError:  # pragma: no cover - torch < 2.4
-    StorageMeta = None  # type: ignore[assignment,misc]
-
-# dcp.async_save accepts a stager's future (and answers AsyncSaveResponse) since torch 2.9.
-try:
-    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-
-    _STAGING_FUTURES = AsyncSaveResponse is not None
-except ImportError:  # pragma: no cover - torch < 2.9
-    _STAGING_FUTURES = False
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +278,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
     ) -> None:
         super().__init__()
         check_serialization_format(serialization_format)
-        if async_staging and not _STAGING_FUTURES:  # pragma: no cover - torch < 2.9
+        if async_staging and not STAGING_FUTURES:  # pragma: no cover - torch < 2.9
             raise ConfigurationError(
                 "async_staging=True needs torch >= 2.9, whose dcp.async_save takes a staging "
                 "future and returns AsyncSaveResponse. Upgrade torch, or drop async_staging "
@@ -364,10 +345,8 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         state["_root_listing"] = None
         return state
 
-    def storage_meta(self) -> Any:
+    def storage_meta(self) -> StorageMeta:
         """``StorageMeta`` stored in ``.metadata``: the checkpoint URL and this save's id."""
-        if StorageMeta is None:  # pragma: no cover - torch < 2.4
-            return None
         return StorageMeta(checkpoint_id=self._volume.display_url, save_id=self._save_id)
 
     # -- AsyncStager ------------------------------------------------------------------------
@@ -409,16 +388,13 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record this rank's role (all ranks)."""
         self._is_coordinator = is_coordinator
+        world = World.current() if distributed() else None
         rank = kwargs.get("rank")
-        if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self._rank = int(rank)
+        self._rank = int(rank if rank is not None else world.rank if world else 0)
         self._rank_local = not kwargs.get("use_collectives", True)
         # Recorded in a rank-local manifest so that a rank that died before writing
         # anything still makes the checkpoint incomplete (see _discovery).
-        self._world_size = (
-            dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
-        )
+        self._world_size = world.size if world else None
         if (is_coordinator or self._rank_local) and not self._volume.capabilities.local_files:
             self._start_root_listing()
 
@@ -559,7 +535,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         In a rank-local save every rank commits its own files: its manifest, then
         ``__<rank>.metadata``.
         """
-        storage_md: dict[Any, _StorageInfo] = {}
+        storage_md: dict[Any, StorageInfo] = {}
         files: dict[str, FileRecord] = {}
         for rank_results in results:
             for wr in rank_results:
@@ -574,8 +550,8 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         metadata.storage_data = storage_md
         if hasattr(metadata, "storage_meta"):
             metadata.storage_meta = self.storage_meta()
-        if _DCP_VERSION is not None and hasattr(metadata, "version"):
-            metadata.version = _DCP_VERSION
+        if DCP_VERSION is not None and hasattr(metadata, "version"):
+            metadata.version = DCP_VERSION
         extra: dict[str, Any] = {"writer": "dcp_volumes", "save_id": self._save_id}
         if self._rank_local:
             extra.update(rank_local=True, rank=self._rank, world_size=self._world_size)

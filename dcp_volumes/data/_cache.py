@@ -39,7 +39,8 @@ from dcp_volumes._exceptions import (
     VolumeError,
     VolumeNotFoundError,
 )
-from dcp_volumes._staging import disk_full_error, parse_size, probe_writable
+from dcp_volumes._sizes import parse_size
+from dcp_volumes._staging import disk_full_error, probe_writable
 from dcp_volumes._volume import (
     LAG_DELAYS_S,
     LAG_TOTAL_S,
