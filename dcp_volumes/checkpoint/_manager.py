@@ -35,9 +35,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from types import TracebackType
 from typing import Any, cast
 
@@ -66,6 +68,7 @@ from dcp_volumes.checkpoint._discovery import (
 )
 from dcp_volumes.checkpoint._manager_options import ManagerOptions
 from dcp_volumes.checkpoint._manifest import METADATA_NAME, is_commit_marker
+from dcp_volumes.checkpoint._preemption import PreemptionWatch, signals_of
 from dcp_volumes.checkpoint._reader import VolumeReader
 from dcp_volumes.checkpoint._retention import (
     DEFAULT_PARTIAL_GRACE_S,
@@ -120,6 +123,27 @@ class CheckpointManager:
         writer_options: extra ``VolumeWriter`` arguments (``part_size``, ...).
         reader_options: extra ``VolumeReader`` arguments (``read_concurrency``, ...).
         retry: retry policy for volume calls.
+        save_interval_steps: ``should_save(step)`` is true every that many steps
+            (``None``: only when a preemption is noticed).
+        preemption_signals: signals that announce a preemption (``SIGTERM`` from
+            Kubernetes, spot VMs and torchrun's agent; ``SIGUSR1`` with SLURM's
+            ``--signal=USR1@120``). Opt-in: with none (the default) no handler
+            is installed and ``should_save`` costs nothing. With some, the
+            manager must be created on the main thread, and ``should_save`` is
+            collective: call it once per step on every rank.
+        preemption_grace_s: seconds from the signal within which the preemption
+            save must commit (keep it below the platform's wait before SIGKILL).
+
+    Preemption, Orbax's shape (``save_interval_steps=500,
+    preemption_signals=(signal.SIGTERM,)``)::
+
+        step = mgr.restore(state) or 0
+        while step < total:
+            train_step(); step += 1
+            if mgr.should_save(step):         # the interval, or a preemption any rank saw
+                mgr.save(step, state)
+            if mgr.reached_preemption(step):  # that step is committed on the volume
+                break                         # leave the `with` and exit 0
 
     Use as a context manager, or call ``close()`` at the end: it waits for the
     last upload and raises its error, if any.
@@ -143,7 +167,11 @@ class CheckpointManager:
         writer_options: Mapping[str, Any] | None = None,
         reader_options: Mapping[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        save_interval_steps: int | None = None,
+        preemption_signals: Sequence[int | signal.Signals] | None = None,
+        preemption_grace_s: float = 25.0,
     ) -> None:
+        signals = signals_of(preemption_signals)
         self.options = ManagerOptions(
             keep_last=keep_last,
             async_save=bool(async_save),
@@ -154,6 +182,8 @@ class CheckpointManager:
             partial_grace_s=partial_grace,
             writer_options=dict(writer_options or {}),
             reader_options=dict(reader_options or {}),
+            save_interval_steps=save_interval_steps,
+            preemption_grace_s=preemption_grace_s,
         )
         self.storage_options = dict(storage_options or {})
         self._volume = Volume(root_url, storage_options=self.storage_options, retry=retry)
@@ -169,6 +199,14 @@ class CheckpointManager:
             self._local = LocalTier(directory, owner=self._coord.local_rank == 0)
         self._coord.agree(f"open the checkpoint root {self._volume.display_url}",
                           self._check_root())
+        # Its own group, made on every rank in the same order: saves use the coordinator's.
+        self._watch: PreemptionWatch | None = None
+        if signals:
+            group = dist.new_group(backend="gloo") if self._coord.distributed else None
+            self._watch = PreemptionWatch(signals, grace_s=self.options.preemption_grace_s,
+                                          group=group)
+        self._committed_step: int | None = None  # the newest step this manager committed
+        self._abandoned = False  # a preemption stopped waiting for the save in flight
         self._writer: VolumeWriter | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpv-manager")
         self._job: Future[None] | None = None
@@ -210,6 +248,49 @@ class CheckpointManager:
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint, or ``None``."""
         return newest_complete(self.list())
+
+    # -- when to save: the interval and preemption --------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save at ``step``: every ``save_interval_steps``, or the step at which
+        every rank agreed that the job is being preempted.
+
+        With ``preemption_signals`` this is collective: call it once per step, on
+        every rank, with the same step (the ranks agree through it).
+        """
+        if self._watch is not None and self._watch.poll(step):
+            return self._watch.agreed_step == step
+        interval = self.options.save_interval_steps
+        return interval is not None and step % interval == 0
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether the job is being preempted and the save made for it is committed.
+
+        ``True`` once every rank agreed on a preemption (see ``should_save``) and
+        the save in flight has committed: leave the training loop and exit 0. It
+        waits for that save, within ``preemption_grace_s`` of the signal.
+
+        Raises:
+            CheckpointError: the preemption save failed, or a second signal or the
+                end of the grace period stopped the wait; the message names the
+                newest step that is committed (a restart resumes there).
+        """
+        watch = self._watch
+        if watch is None or not watch.agreed:
+            return False
+        self._drain()
+        error = self._take_error()
+        if error is not None:
+            raise error
+        survivor = self._committed_step
+        if survivor == watch.agreed_step:
+            logger.warning("preemption: step %d is committed at %s; stop now (%.1f s of "
+                           "grace left)", survivor, self.url_of(survivor), watch.remaining_s())
+        else:
+            logger.warning("preemption: no save was made at step %d (should_save said so); "
+                           "the newest step this job committed is %s", watch.agreed_step,
+                           survivor if survivor is not None else "none")
+        return True
 
     # -- save -------------------------------------------------------------------------------
 
@@ -331,6 +412,7 @@ class CheckpointManager:
                 f"{METADATA_NAME} was written, so the previous checkpoint is still the latest."
             ) from exc
         logger.info("checkpoint step %d committed at %s", step, url)
+        self._committed_step = step
         if self._local is not None:
             self._local.keep_only(name)
         if self.is_coordinator:
@@ -433,7 +515,10 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            self._executor.shutdown(wait=True)
+            if self._watch is not None:
+                self._watch.close()
+            # An abandoned save stops at its next upload; nothing waits for it.
+            self._executor.shutdown(wait=not self._abandoned, cancel_futures=True)
             self._close_writer()
             free_pooled_buffers()  # the job's saves are over: give the staging memory back
 
@@ -477,11 +562,37 @@ class CheckpointManager:
         if job is None:
             return
         try:
-            job.result()
+            self._result_within_grace(job)
         except BaseException as exc:
             with self._lock:
                 if self._error is None:
                     self._error = exc
+
+    def _result_within_grace(self, job: Future[None]) -> None:
+        """``job.result()``; once a preemption is noticed, only while the watch allows."""
+        watch = self._watch
+        while watch is not None and watch.noticed:
+            if watch.gave_up:
+                self._abandoned = True
+                if self._writer is not None:
+                    self._writer.abandon()
+                survivor = self._committed_step
+                raise CheckpointError(
+                    "Preempted: stopped waiting for the save in flight ("
+                    + ("a second signal came" if watch.remaining_s() > 0 else
+                       f"the {watch.grace_s:.0f} s of preemption_grace_s ran out")
+                    + "). It is abandoned and never taken for complete (no .metadata); the "
+                    + (f"newest checkpoint this job committed is step {survivor}"
+                       if survivor is not None else "job committed no checkpoint")
+                    + ", where a restart resumes. Fix: raise preemption_grace_s (and the "
+                    "platform's grace period), or save more often."
+                )
+            try:
+                job.result(timeout=0.1)
+                return
+            except FutureTimeout:
+                continue
+        job.result()
 
     def _take_error(self) -> BaseException | None:
         with self._lock:

@@ -22,6 +22,8 @@ class ManagerOptions:
     overwrite: bool = False
     create_root: bool = True
     partial_grace_s: float = 3600.0
+    save_interval_steps: int | None = None
+    preemption_grace_s: float = 25.0
     writer_options: Mapping[str, Any] = field(default_factory=dict)
     reader_options: Mapping[str, Any] = field(default_factory=dict)
 
@@ -38,6 +40,23 @@ class ManagerOptions:
         if not isinstance(self.partial_grace_s, (int, float)) or self.partial_grace_s < 0:
             raise ConfigurationError(
                 f"partial_grace={self.partial_grace_s!r} must be a number of seconds >= 0."
+            )
+        if self.save_interval_steps is not None and (
+            isinstance(self.save_interval_steps, bool)
+            or not isinstance(self.save_interval_steps, int)
+            or self.save_interval_steps < 1
+        ):
+            raise ConfigurationError(
+                f"save_interval_steps={self.save_interval_steps!r} must be an integer >= 1 "
+                "(should_save(step) is then true every that many steps), or None."
+            )
+        if (isinstance(self.preemption_grace_s, bool)
+                or not isinstance(self.preemption_grace_s, (int, float))
+                or self.preemption_grace_s <= 0):
+            raise ConfigurationError(
+                f"preemption_grace_s={self.preemption_grace_s!r} must be a number of seconds "
+                "> 0: how long after the signal the preemption save may take (keep it below "
+                "the time the platform waits before SIGKILL, e.g. 25 for Kubernetes' 30)."
             )
         reserved = {"path", "storage_options", "staging_dir", "local_copy_dir", "retry"}
         for what, opts in (("writer_options", self.writer_options),

@@ -38,6 +38,7 @@ from torch.futures import Future
 from dcp_volumes import _exit_safe
 from dcp_volumes._exceptions import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointExistsError,
     ConfigurationError,
     VolumeExistsError,
@@ -320,6 +321,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         # Remove a temp staging dir we created when this writer goes away.
         self._finalizer: weakref.finalize | None = weakref.finalize(self, self._staging.close)
         self._save_id = uuid.uuid4().hex
+        self._abandoned = False  # abandon(): the save in flight must not commit
         self._is_coordinator = False
         self._rank = 0
         self._rank_local = False
@@ -377,11 +379,20 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         if self._finalizer is not None:
             self._finalizer()
 
+    def abandon(self) -> None:
+        """Give up the save in flight in this process: it never commits (no ``.metadata``).
+
+        For a caller that stops waiting (a preemption's grace ran out); the save
+        fails at its commit, so nothing partial is ever taken for complete.
+        """
+        self._abandoned = True
+
     # -- StorageWriter ----------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save; ``checkpoint_id`` (a URL or path) replaces the location."""
         self._relocate(checkpoint_id)
+        self._abandoned = False
         self._root_listing = None  # of the old location, if a save stopped before planning
         self._save_id = uuid.uuid4().hex
 
@@ -580,6 +591,11 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                         "writer uses this location, or the store's listing lags its writes "
                         "longer than that; save again (on a store known to lag, to a fresh "
                         "location)."
+                    )
+                if self._abandoned:
+                    raise CheckpointError(
+                        f"The save to {self._volume.display_url} was abandoned (its caller "
+                        "stopped waiting for it) and is not committed."
                     )
                 committing = True
                 self._volume.publish(

@@ -1,0 +1,190 @@
+"""Preemption: a stop signal becomes a committed checkpoint of the current step on every rank.
+
+Kubernetes, spot VMs and torchrun's agent send SIGTERM some seconds before
+SIGKILL; SLURM sends the signal ``--signal`` names. The handler here only
+notes the signal (and chains to a handler installed before it); the work
+happens on the training thread at the next step boundary.
+
+Ranks must agree on the step at which they save, though the signal reaches
+them at different moments or reaches one node only. Each ``poll`` (one per
+step, on every rank) collects the result of the MAX all-reduce of every
+rank's "signal seen" flag started by the previous ``poll`` (it ran on gloo's
+thread while the step computed) and starts the next one. So every rank sees a
+preemption at the same step, one step after the first rank noticed it, and a
+step with no signal pending costs one small collective launched in the
+background. It runs on a process group of its own: the manager's background
+saves use theirs at any moment.
+
+A second signal (a second later or more), or the grace period running out, ends the waiting: the
+watch says so (``gave_up``) and the manager stops waiting for the save in
+flight. Nothing partial is taken for complete (``.metadata`` is written last).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcp_volumes._exceptions import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+# Signals this close together are one notice: a job's processes often get the
+# same signal twice (SLURM or a container runtime signals them all, and
+# torchrun's agent forwards its own).
+_ONE_NOTICE_S = 1.0
+
+Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+def signals_of(value: Sequence[int | signal.Signals] | int | None) -> tuple[signal.Signals, ...]:
+    """The signals of ``preemption_signals`` (``None`` or empty: none), validated."""
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, int) else tuple(value)
+    chosen = []
+    for item in items:
+        try:
+            sig = signal.Signals(item)
+        except (TypeError, ValueError):
+            raise ConfigurationError(
+                f"preemption_signals holds {item!r}, which is not a signal. Fix: pass signal "
+                "numbers such as (signal.SIGTERM,) or (signal.SIGUSR1,) for SLURM's --signal."
+            ) from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigurationError(
+                f"preemption_signals holds {sig.name}, which no process can catch. Fix: use "
+                "the signal that comes before it (SIGTERM; SLURM: --signal=USR1@120)."
+            )
+        chosen.append(sig)
+    return tuple(dict.fromkeys(chosen))
+
+
+class PreemptionWatch:
+    """Notices a preemption signal on any rank; every rank answers ``poll`` alike.
+
+    Args:
+        signals: the signals that announce a preemption.
+        grace_s: seconds from the first signal within which the preemption save
+            must commit; past it the manager stops waiting.
+        group: a process group of its own for the agreement (``None``: one process).
+    """
+
+    def __init__(
+        self, signals: Sequence[signal.Signals], *, grace_s: float,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise ConfigurationError(
+                "preemption_signals needs the CheckpointManager to be created on the main "
+                "thread: Python runs signal handlers there only. Fix: create the manager in "
+                "the training process's main thread, or pass preemption_signals=()."
+            )
+        self.signals = tuple(signals)
+        self.grace_s = float(grace_s)
+        self._group = group
+        self._received = 0
+        self._first_at: float | None = None  # monotonic time of the first signal
+        self._previous: dict[signal.Signals, Handler] = {}
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self._polled: tuple[int, bool] | None = None  # (step, answer) of the last poll
+        self.agreed_step: int | None = None
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    # -- the handler: note, chain, nothing else -------------------------------------------
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if self._first_at is None:
+            self._first_at = now
+            self._received = 1
+        elif now - self._first_at >= _ONE_NOTICE_S:
+            self._received += 1
+        previous = self._previous.get(signal.Signals(signum))
+        if callable(previous):
+            previous(signum, frame)
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def noticed(self) -> bool:
+        """Whether this process received one of the signals."""
+        return self._received > 0
+
+    @property
+    def agreed(self) -> bool:
+        """Whether every rank has agreed that the job is being preempted."""
+        return self.agreed_step is not None
+
+    def remaining_s(self) -> float:
+        """Seconds of the grace period left (the whole period before any signal here)."""
+        if self._first_at is None:
+            return self.grace_s
+        return max(0.0, self.grace_s - (time.monotonic() - self._first_at))
+
+    @property
+    def gave_up(self) -> bool:
+        """A second signal came, or the grace period ran out: stop waiting."""
+        return self._received >= 2 or (self._first_at is not None and self.remaining_s() <= 0)
+
+    # -- agreement ----------------------------------------------------------------------------
+
+    def poll(self, step: int) -> bool:
+        """Whether the job is being preempted, the same on every rank at the same ``step``.
+
+        Collective when there is a group: every rank calls it once per step
+        (a repeated call for the same step answers again without a collective).
+        """
+        if self._polled is not None and self._polled[0] == step:
+            return self._polled[1]
+        if self.agreed_step is None:
+            if self._group is None:
+                seen = self.noticed
+            else:
+                seen = self._collect()
+                self._launch()
+            if seen:
+                self.agreed_step = step
+                logger.warning("preemption noticed (%s): saving step %d, %.1f s of grace left",
+                               "/".join(s.name for s in self.signals), step, self.remaining_s())
+        answer = self.agreed_step is not None
+        self._polled = (step, answer)
+        return answer
+
+    def _collect(self) -> bool:
+        if self._pending is None:
+            return False
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
+        return bool(flag.item())
+
+    def _launch(self) -> None:
+        flag = torch.tensor([1 if self.noticed else 0], dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        if work is not None:
+            self._pending = (work, flag)
+
+    # -- end ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Put back the handlers that were installed before (collects a pending agreement)."""
+        if self._pending is not None:
+            try:
+                self._pending[0].wait()
+            except Exception:  # a peer that is gone; nothing to agree on any more
+                logger.debug("preemption agreement abandoned at close", exc_info=True)
+            self._pending = None
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
