@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -21,14 +19,19 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME
 from tests.checkpoint_helpers import assert_same
+from tests.doc_blocks import REPO, code_blocks
+from tests.doc_blocks import run as _run
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "docs" / "recipes.md"
-_BLOCK = re.compile(r"```python\n# recipe: (\S+)\n(.*?)```", re.DOTALL)
+_RECIPE = "# recipe: "
 
 
 def recipes() -> dict[str, str]:
-    return {name: f"# recipe: {name}\n{body}" for name, body in _BLOCK.findall(RECIPES.read_text())}
+    return {
+        block.first_line.removeprefix(_RECIPE).strip(): block.code
+        for block in code_blocks(RECIPES)
+        if block.lang == "python" and block.first_line.startswith(_RECIPE)
+    }
 
 
 def _write(tmp_path: Path, *names: str) -> dict[str, Path]:
@@ -39,15 +42,6 @@ def _write(tmp_path: Path, *names: str) -> dict[str, Path]:
         (tmp_path / name).write_text(found[name])
         out[name] = tmp_path / name
     return out
-
-
-def _run(args: list[str], *, cwd: Path, env: dict[str, str] | None = None) -> str:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(
-        args, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-    return proc.stdout
 
 
 def _torchrun(*args: str) -> list[str]:
