@@ -308,6 +308,10 @@ class CheckpointManager:
             raise ConfigurationError(f"step={step!r} must be an integer >= 0.")
         self._drain()
         error = self._take_error()
+        if self._abandoned and error is not None:
+            # The abandoned save still runs collectives on the coordinator's group in
+            # DCP's thread: no collective here may cross them. This rank stops alone.
+            raise error
         logger.debug("step %d: staging", step)
         name = step_dir(step)
         url = self._volume.url_of(name)
