@@ -11,6 +11,7 @@
 | ``DCP_VOLUMES_BACKEND``     | ``fsspec``: S3/Azure through s3fs/adlfs, not obstore |
 | ``DCP_VOLUMES_CLIENT_START_TIMEOUT`` | seconds until a client creation is stuck (0: never) |
 | ``DCP_VOLUMES_EXIT_TIMEOUT`` | seconds a save in flight may take once the interpreter exits |
+| ``AWS_ENDPOINT_URL[_S3]`` (the SDKs') | the S3 endpoint; its scheme decides plain http |
 | ``AWS_EC2_METADATA_DISABLED`` (botocore's) | ``true``: no credentials from instance metadata |
 | ``AWS_UNSIGNED_PAYLOAD`` (obstore's) | set: it decides payload signing (else unsigned over TLS) |
 """
@@ -156,9 +157,24 @@ def aws_credentials_in_environment() -> bool:
     return any(os.environ.get(name) for name in _AWS_CREDENTIAL_VARIABLES)
 
 
+# Where the AWS SDKs (and obstore) take an S3 endpoint from, the most specific first:
+# the service's own variable wins over the one for every service.
+AWS_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+
+
 def aws_endpoint() -> str:
-    """The S3 endpoint obstore takes from the environment (``AWS_ENDPOINT[_URL]``), or ``""``."""
-    return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or ""
+    """The S3 endpoint the environment gives (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``,
+    ``AWS_ENDPOINT``, in that order), or ``""``."""
+    return aws_endpoint_source()[1]
+
+
+def aws_endpoint_source() -> tuple[str, str]:
+    """(the variable, its value) that gives the S3 endpoint, or ``("", "")`` when none does."""
+    for name in AWS_ENDPOINT_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return name, value
+    return "", ""
 
 
 def aws_unsigned_payload_set() -> bool:

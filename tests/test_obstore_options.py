@@ -75,6 +75,73 @@ def test_an_unmappable_option_is_an_error_naming_it(options: dict, named: str) -
     assert "DCP_VOLUMES_BACKEND=fsspec" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("options", "typo", "meant"),
+    [
+        ({"endpont_url": "http://127.0.0.1:9000"}, "endpont_url", "endpoint_url"),
+        ({"regoin_name": "eu-west-1"}, "regoin_name", "region_name"),
+        ({"client_kwargs": {"endpont_url": "http://127.0.0.1:9000"}}, "endpont_url",
+         "endpoint_url"),
+        ({"client_kwargs": {"regoin_name": "eu-west-1"}}, "regoin_name", "region_name"),
+        ({"sercet": "secret-3"}, "sercet", "secret"),
+    ],
+)
+def test_a_misspelt_option_is_refused_with_the_name_it_most_likely_means(
+    options: dict, typo: str, meant: str
+) -> None:
+    with pytest.raises(ConfigurationError) as err:
+        s3_settings({"key": "k", "secret": "secret-3", **options}, POLICY)
+    message = str(err.value)
+    assert f"'{typo}'" in message
+    assert f"did you mean '{meant}'?" in message
+    assert "Fix:" in message
+    assert "DCP_VOLUMES_BACKEND" not in message  # another client does not fix a typo
+    assert "secret-3" not in message
+
+
+def test_an_azure_typo_is_refused_with_the_name_it_most_likely_means() -> None:
+    with pytest.raises(ConfigurationError, match="did you mean 'account_name'") as err:
+        azure_settings({"acount_name": "acct", "account_key": "a2V5LXNlY3JldA=="}, POLICY)
+    assert "a2V5LXNlY3JldA==" not in str(err.value)
+
+
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT"])
+def test_an_http_endpoint_from_the_environment_allows_plain_http(
+    variable: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "http://127.0.0.1:9000")
+    out = s3_settings({"key": "k", "secret": "secret-6"}, POLICY)
+    assert out.config["endpoint"] == "http://127.0.0.1:9000"
+    assert out.client_options["allow_http"] is True
+    assert out.config["virtual_hosted_style_request"] is False  # a custom endpoint: path style
+    assert out.endpoint_source == variable
+    # The user's own settings win: an endpoint in the options, or allow_http itself.
+    mine = s3_settings({"key": "k", "secret": "secret-6", "endpoint_url": "https://minio:9000"},
+                       POLICY)
+    assert mine.config["endpoint"] == "https://minio:9000"
+    assert "allow_http" not in mine.client_options
+    off = s3_settings({"key": "k", "secret": "secret-6",
+                       "client_options": {"allow_http": False}}, POLICY)
+    assert off.client_options["allow_http"] is False
+
+
+def test_an_https_endpoint_from_the_environment_stays_on_tls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "HTTPS://minio.internal:9000")
+    out = s3_settings({"key": "k", "secret": "secret-6"}, POLICY)
+    assert "allow_http" not in out.client_options
+
+
+def test_the_settings_repr_names_no_secret() -> None:
+    out = s3_settings({"key": "AKIDEXAMPLE", "secret": "secret-value-7"}, POLICY)
+    assert "secret-value-7" not in repr(out)
+    assert "secret_access_key" in repr(out)
+
+
 def test_adlfs_names_and_connection_strings_map() -> None:
     out = azure_settings(
         {"connection_string": "DefaultEndpointsProtocol=http;AccountName=acct;"

@@ -253,6 +253,30 @@ def test_local_root_missing(tmp_path) -> None:
         Volume(str(tmp_path / "absent")).check_root()
 
 
+def test_a_local_volume_below_a_file_says_which_file_and_how_to_fix(tmp_path) -> None:
+    blocker = tmp_path / "hostname"  # as /etc/hostname: a file where a directory must be
+    blocker.write_text("x")
+    vol = Volume(str(blocker / "vol"))
+    for attempt in (lambda: vol.check_root(create=True), lambda: vol.write_bytes("f", b"1"),
+                    vol.check_root):
+        with pytest.raises(VolumeError) as err:
+            attempt()
+        message = str(err.value)
+        assert f"{blocker} is a file" in message, message
+        assert "Fix:" in message, message
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_local_volume_on_a_virtual_filesystem_says_why_and_how_to_fix() -> None:
+    vol = Volume("/proc/nope/vol")
+    for attempt in (lambda: vol.check_root(create=True), lambda: vol.write_bytes("f", b"1")):
+        with pytest.raises(VolumeError) as err:
+            attempt()
+        message = str(err.value)
+        assert "/proc/nope/vol" in message and "/proc does not take new directories" in message
+        assert "Fix:" in message, message
+
+
 def test_redact_url_strips_userinfo_and_query() -> None:
     assert redact_url("s3://AKIA:secret@bucket/x?sig=abc") == "s3://bucket/x"
     assert redact_url("/plain/path") == "/plain/path"

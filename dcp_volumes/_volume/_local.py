@@ -61,6 +61,13 @@ def fsync_dir(path: str) -> None:
 def check_dir(path: str, *, writable: bool) -> None:
     """Raise a clear error unless ``path`` is a directory (``writable``: this process may write)."""
     if not os.path.isdir(path):
+        existing = _existing_ancestor(path)
+        if not os.path.isdir(existing):
+            where = "it" if existing == os.path.abspath(path) else existing
+            raise VolumeError(
+                f"{path} is not a directory: {where} is a file. Fix: correct the path (a "
+                "local volume is a directory)."
+            )
         raise VolumeNotFoundError(
             f"The directory {path} does not exist. Fix: create it or mount the volume."
         )
@@ -71,13 +78,61 @@ def check_dir(path: str, *, writable: bool) -> None:
         )
 
 
+def make_dirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``; where the path cannot be created, an error that
+    says which part of it stops it and what to do (other errors, e.g. a full disk, as raised)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        error = _uncreatable(path, exc)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def _existing_ancestor(path: str) -> str:
+    """``path`` itself or its nearest ancestor that exists."""
+    current = os.path.abspath(path)
+    while not os.path.lexists(current):
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    return current
+
+
+def _uncreatable(path: str, exc: OSError) -> VolumeError | None:
+    """The error for a directory ``path`` that ``os.makedirs`` could not create, or ``None``
+    where the cause is not the path (a full disk, an I/O error: the caller's to name)."""
+    existing = _existing_ancestor(path)
+    reason = exc.strerror or type(exc).__name__
+    if not os.path.isdir(existing):
+        return VolumeError(
+            f"Cannot create the directory {path}: {existing} is a file, not a directory. "
+            "Fix: choose a path whose parents are directories, or move that file away."
+        )
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return VolumeAccessError(
+            f"Cannot create the directory {path}: this process may not create directories "
+            f"in {existing} ({reason}). Fix: choose a path on a disk or volume this process "
+            f"can write, or change the permissions of {existing} (or mount it read-write)."
+        )
+    if exc.errno == errno.ENOENT:
+        return VolumeNotFoundError(
+            f"Cannot create the directory {path}: {existing} does not take new directories "
+            f"({reason}); virtual filesystems such as /proc and /sys do not. Fix: choose a "
+            "path on a local disk or a mounted volume."
+        )
+    return None
+
+
 def place_file(src: str, dst: str, *, move: bool) -> None:
     """Put ``src`` at ``dst`` so that no reader sees it half written.
 
     ``move=True`` renames when both are on one filesystem and removes ``src``
     after a copy otherwise.
     """
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    make_dirs(os.path.dirname(dst))
     if move:
         try:
             os.replace(src, dst)
@@ -106,7 +161,7 @@ def publish_bytes(dst: str, data: Data, *, exclusive: bool) -> None:
     ``exclusive=True`` links instead of renaming, so an existing ``dst`` fails
     with ``FileExistsError`` instead of being replaced.
     """
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    make_dirs(os.path.dirname(dst))
     tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -195,7 +250,7 @@ class LocalBackend:
 
     def check_root(self, root: str, *, create: bool) -> Listing:
         if create:
-            os.makedirs(root, exist_ok=True)
+            make_dirs(root)
         check_dir(root, writable=create)
         return self.list(root, recursive=False)
 
@@ -272,7 +327,7 @@ class LocalBackend:
                 os.remove(path)
 
     def copy(self, src: str, dst: str) -> None:
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        make_dirs(os.path.dirname(dst))
         tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             shutil.copyfile(src, tmp)

@@ -18,17 +18,25 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 from dcp_volumes._exceptions import BackendNotInstalledError
 from dcp_volumes._volume._backend import Capabilities, Data, FileInfo, Listing, scatter
 from dcp_volumes._volume._client_watchdog import watch_client_start
 from dcp_volumes._volume._mapped import mapped, mapped_parts
 from dcp_volumes._volume._obstore_options import StoreSettings
-from dcp_volumes._volume._retry import answered_status
+from dcp_volumes._volume._retry import (
+    EndpointUnreachableError,
+    UnsendableRequestError,
+    answered_status,
+    redact_url,
+)
 
 # The pid of this process once it did I/O through obstore; True in a child
 # forked after that (its inherited runtime cannot run there).
@@ -106,6 +114,77 @@ class ObstoreBackend:
         bucket, _, key = path.partition("/")
         return self._store(bucket), key
 
+    # -- errors ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _client_errors(self) -> Iterator[None]:
+        """Raise the client's final failures (see ``_final``) as the retry layer's types."""
+        try:
+            yield
+        except self._obs.exceptions.GenericError as exc:
+            final = self._final(exc)
+            if final is None:
+                raise
+            raise final from exc
+
+    def _final(self, exc: Exception) -> Exception | None:
+        """The error for a failure obstore's client has dealt with already, else ``None``.
+
+        A connection that could not be made was retried by the client itself
+        (its ``retry_config``, set from the volume's policy): retrying it again
+        above would multiply the wait. A request the client cannot build is
+        never sent, so no retry can help.
+        """
+        failure = read_failure(exc)
+        if failure.unsendable:
+            endpoint = self._endpoint(failure)
+            if endpoint.startswith("http://") and not self._settings.client_options.get(
+                "allow_http", True
+            ):
+                why = "the endpoint is plain http:// but client_options sets allow_http=False"
+                fix = "use the store's https:// endpoint, or drop allow_http=False."
+            else:
+                why = f"the client's reason: {failure.cause}"
+                fix = self._endpoint_fix()
+            return UnsendableRequestError(
+                f"the object-store client cannot build a request to {endpoint} from these "
+                f"settings ({why}); nothing was sent. Fix: {fix}"
+            )
+        if failure.connect:
+            what = (
+                "connection refused at"
+                if failure.cause == "ConnectionRefused"
+                else f"cannot connect ({failure.cause}) to"
+            )
+            return EndpointUnreachableError(
+                f"{what} {self._endpoint(failure)} (tried {failure.retries + 1} times). Fix: "
+                "check that the store is running and reachable at that address; "
+                f"{self._endpoint_fix()}"
+            )
+        return None
+
+    def _endpoint(self, failure: _Failure) -> str:
+        """The address the failed request went to (scheme, host and port only)."""
+        url = failure.url or str(self._settings.config.get("endpoint") or "")
+        try:
+            parts = urlsplit(url)
+        except ValueError:
+            return "the configured endpoint"
+        if not parts.scheme or not parts.hostname:
+            return "the configured endpoint"
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        port = f":{parts.port}" if parts.port else ""
+        return redact_url(f"{parts.scheme}://{host}{port}")
+
+    def _endpoint_fix(self) -> str:
+        """Where to correct the endpoint, by where it came from."""
+        source = self._settings.endpoint_source
+        if source == "storage_options":
+            return "correct the endpoint in storage_options (endpoint_url / endpoint)."
+        if source:
+            return f"the endpoint comes from the environment ({source}): correct or unset it."
+        return "pass the store's endpoint (storage_options endpoint_url, or AWS_ENDPOINT_URL)."
+
     # -- queries --------------------------------------------------------------------------
 
     def check_root(self, root: str, *, create: bool) -> Listing:
@@ -134,7 +213,8 @@ class ObstoreBackend:
 
     def head(self, path: str) -> FileInfo:
         store, key = self._split(path)
-        return _info(path, self._obs.head(store, key))
+        with self._client_errors():
+            return _info(path, self._obs.head(store, key))
 
     def list(self, prefix: str, *, recursive: bool) -> Listing:
         store, key = self._split(prefix)
@@ -150,7 +230,7 @@ class ObstoreBackend:
                 return Listing(files=files, dirs=[])
             found = self._obs.list_with_delimiter(store, prefix=key or None)
         except self._obs.exceptions.GenericError as exc:
-            error = self._failed_listing(store, key, bucket, exc)
+            error = self._final(exc) or self._failed_listing(store, key, bucket, exc)
             if error is exc:
                 raise
             raise error from exc
@@ -170,16 +250,21 @@ class ObstoreBackend:
                     return self._obs.get(store, key).bytes()
                 return self._obs.get(store, key, options={"range": {"offset": start}}).bytes()
             return self._obs.get_range(store, key, start=start, end=end)
-        except self._obs.exceptions.GenericError:
+        except self._obs.exceptions.GenericError as exc:
+            final = self._final(exc)
+            if final is not None:
+                raise final from exc
             # A range that starts at or past the end is refused (416) as a generic
             # error; like a file read, it holds no bytes.
-            if start > 0 and self._obs.head(store, key)["size"] <= start:
-                return b""
+            with self._client_errors():
+                if start > 0 and self._obs.head(store, key)["size"] <= start:
+                    return b""
             raise
 
     def read_whole(self, path: str, expect: int) -> Data:
         store, key = self._split(path)
-        return self._obs.get(store, key).bytes()
+        with self._client_errors():
+            return self._obs.get(store, key).bytes()
 
     def read_into(self, path: str, start: int, outs: Sequence[memoryview]) -> int:
         length = sum(len(o) for o in outs)
@@ -200,7 +285,7 @@ class ObstoreBackend:
         # fresh allocation in one of its runtime's threads, and glibc keeps such
         # memory in per-thread arenas (an async save's peak RSS grew to 2.1x
         # the state that way instead of 1.1x).
-        with open(local_path, "rb") as f:
+        with open(local_path, "rb") as f, self._client_errors():
             if size > part_size:
                 self._obs.put(
                     store,
@@ -218,7 +303,8 @@ class ObstoreBackend:
 
     def put(self, path: str, data: Data, *, create_only: bool) -> None:
         store, key = self._split(path)
-        self._obs.put(store, key, data, mode="create" if create_only else "overwrite")
+        with self._client_errors():
+            self._obs.put(store, key, data, mode="create" if create_only else "overwrite")
 
     def delete(self, paths: Sequence[str]) -> None:
         by_bucket: dict[str, list[str]] = {}
@@ -227,20 +313,22 @@ class ObstoreBackend:
             by_bucket.setdefault(bucket, []).append(key)
         for bucket, keys in by_bucket.items():
             store = self._store(bucket)
-            try:
-                self._obs.delete(store, keys)
-            except FileNotFoundError:
-                # Some stores report a missing one and stop: delete the rest one by one.
-                for key in keys:
-                    with contextlib.suppress(FileNotFoundError):
-                        self._obs.delete(store, key)
+            with self._client_errors():
+                try:
+                    self._obs.delete(store, keys)
+                except FileNotFoundError:
+                    # Some stores report a missing one and stop: delete the rest one by one.
+                    for key in keys:
+                        with contextlib.suppress(FileNotFoundError):
+                            self._obs.delete(store, key)
 
     def copy(self, src: str, dst: str) -> None:
         store, src_key = self._split(src)
         dst_bucket, _, dst_key = dst.partition("/")
         if dst_bucket != src.partition("/")[0]:
             raise ValueError(f"copy across buckets ({src} -> {dst}) is not supported")
-        self._obs.copy(store, src_key, dst_key, overwrite=True)
+        with self._client_errors():
+            self._obs.copy(store, src_key, dst_key, overwrite=True)
 
 
 class MissingBucket(FileNotFoundError):
@@ -249,6 +337,61 @@ class MissingBucket(FileNotFoundError):
     def __init__(self, bucket: str) -> None:
         super().__init__(f"no bucket or container {bucket!r}")
         self.code = "NoSuchBucket"
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """What obstore's client says about a request that failed (see ``read_failure``)."""
+
+    connect: bool  # the connection was never made (refused, no route, DNS): retried already
+    unsendable: bool  # the request could not be built from the settings: never sent
+    cause: str  # the innermost reason the client names: "ConnectionRefused", "dns error", ...
+    retries: int  # how often the client retried the request
+    url: str | None  # where the request went
+
+
+# The fields of obstore's "Debug source" (Rust's {:?} of object_store's error) read below.
+_HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
+_REQWEST_KIND = re.compile(r"reqwest::Error \{\s*kind: (\w+)")
+_OS_KIND = re.compile(r"Os \{\s*code: -?\d+,\s*kind: (\w+)")
+_CONNECT_STEP = re.compile(r'ConnectError\(\s*"([^"]+)"')
+_INNER_SOURCE = re.compile(r"source: (\w+),?\s*\}")
+_RETRIES = re.compile(r"\bretries: (\d+),")
+_URI = re.compile(r"\buri: Some\(\s*([^\s,()]+)")
+
+
+def read_failure(exc: BaseException) -> _Failure:
+    """What obstore's ``GenericError`` says about its request, read from its message.
+
+    obstore raises every failure of its HTTP client as one ``GenericError`` with
+    no attributes and no ``__cause__``; the structure (the kind of failure, how
+    often the client retried, the URL) is only in the "Debug source" its message
+    ends with. This is the one place that reads it.
+    """
+    text = str(exc)
+    http_kind = _HTTP_KIND.search(text)
+    reqwest_kind = _REQWEST_KIND.search(text)
+    os_kind = _OS_KIND.search(text)
+    step = _CONNECT_STEP.search(text)
+    inner = _INNER_SOURCE.search(text)
+    retries = _RETRIES.search(text)
+    uri = _URI.search(text)
+    unsendable = reqwest_kind is not None and reqwest_kind.group(1) == "Builder"
+    if os_kind:
+        cause = os_kind.group(1)
+    elif step:
+        cause = step.group(1)
+    elif unsendable and inner:
+        cause = inner.group(1)
+    else:
+        cause = "unknown"
+    return _Failure(
+        connect=http_kind is not None and http_kind.group(1) == "Connect",
+        unsendable=unsendable,
+        cause=cause,
+        retries=int(retries.group(1)) if retries else 0,
+        url=uri.group(1) if uri else None,
+    )
 
 
 def _info(path: str, meta: Mapping[str, Any]) -> FileInfo:

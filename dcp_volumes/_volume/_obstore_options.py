@@ -10,8 +10,9 @@ endpoint that was silently dropped would send the job to another store.
 
 from __future__ import annotations
 
+import difflib
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -130,6 +131,44 @@ _AZURE_KEYS = frozenset(
 _CLIENT_DEFAULT_TIMEOUT_S = 30.0
 # Options the store takes as keyword arguments of its own, not config keys.
 _STORE_ARGUMENTS = frozenset({"client_options", "retry_config", "credential_provider"})
+# s3fs's names (top level and in client_kwargs) and what obstore calls them.
+_S3FS_RENAMES = {
+    "key": "access_key_id",
+    "aws_access_key_id": "access_key_id",
+    "secret": "secret_access_key",
+    "aws_secret_access_key": "secret_access_key",
+    "token": "session_token",
+    "aws_session_token": "session_token",
+    "endpoint_url": "endpoint",
+    "region_name": "region",
+    "requester_pays": "request_payer",
+}
+# s3fs options handled here besides the renames (client_kwargs' own: verify, use_ssl).
+_S3FS_OPTIONS = frozenset({"client_kwargs", "config_kwargs", "use_ssl", "anon", "profile"})
+_S3FS_CLIENT_KWARGS = frozenset({*_S3FS_RENAMES, "verify", "use_ssl"})
+_BOTOCORE_CONFIG = frozenset(
+    {
+        "s3",
+        "connect_timeout",
+        "read_timeout",
+        "max_pool_connections",
+        "retries",
+        "request_checksum_calculation",
+        "response_checksum_validation",
+        "signature_version",
+    }
+)
+_ADLFS_OPTIONS = frozenset(
+    {"connection_string", "sas_token", "account_host", "credential", "anon"}
+)
+# Every top-level option name an S3 or an Azure volume takes, for "did you mean".
+_S3_NAMES = frozenset(
+    {*_S3FS_RENAMES, *_S3FS_OPTIONS, *_S3_KEYS, *_CLIENT_OPTIONS, *_CLIENT_CACHE_OPTIONS,
+     *_STORE_ARGUMENTS}
+)
+_AZURE_NAMES = frozenset(
+    {*_ADLFS_OPTIONS, *_AZURE_KEYS, *_CLIENT_OPTIONS, *_CLIENT_CACHE_OPTIONS, *_STORE_ARGUMENTS}
+)
 
 
 @dataclass
@@ -140,6 +179,17 @@ class StoreSettings:
     client_options: dict[str, Any] = field(default_factory=dict)
     retry_config: dict[str, Any] = field(default_factory=dict)
     credential_provider: Any = None
+    # Where ``config["endpoint"]`` came from, for messages: "storage_options" or the
+    # environment variable that gave it ("" when no endpoint is configured).
+    endpoint_source: str = ""
+
+    def __repr__(self) -> str:
+        # The config holds credentials: name its keys, never its values.
+        return (
+            f"StoreSettings(config keys={sorted(self.config)}, "
+            f"client_options keys={sorted(self.client_options)}, "
+            f"endpoint_source={self.endpoint_source!r})"
+        )
 
     def kwargs(self) -> dict[str, Any]:
         out: dict[str, Any] = {"config": self.config, "client_options": self.client_options}
@@ -178,23 +228,12 @@ def s3_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSetting
     opts = dict(options)
     client_kwargs = dict(opts.pop("client_kwargs", None) or {})
     config_kwargs = dict(opts.pop("config_kwargs", None) or {})
-    renames = {
-        "key": "access_key_id",
-        "aws_access_key_id": "access_key_id",
-        "secret": "secret_access_key",
-        "aws_secret_access_key": "secret_access_key",
-        "token": "session_token",
-        "aws_session_token": "session_token",
-        "endpoint_url": "endpoint",
-        "region_name": "region",
-        "requester_pays": "request_payer",
-    }
     for source in (client_kwargs, opts):
         for name in list(source):
-            if name in renames:
+            if name in _S3FS_RENAMES:
                 value = source.pop(name)
                 if value is not None:
-                    out.config[renames[name]] = value
+                    out.config[_S3FS_RENAMES[name]] = value
     if client_kwargs.pop("verify", True) is False:
         out.client_options["allow_invalid_certificates"] = True
     if client_kwargs.pop("use_ssl", True) is False or opts.pop("use_ssl", True) is False:
@@ -205,12 +244,20 @@ def s3_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSetting
     if profile is not None:
         out.credential_provider = _boto3_chain(profile)
     _config_kwargs(config_kwargs, out)
-    _unmapped("client_kwargs", client_kwargs, "s3fs")
-    _rest(opts, out, _S3_KEYS, "s3fs")
-    endpoint = out.config.get("endpoint")
-    if isinstance(endpoint, str) and endpoint.startswith("http://"):
-        out.client_options.setdefault("allow_http", True)
-    if not str(endpoint or _env.aws_endpoint()).startswith("http://"):
+    _unmapped("client_kwargs", client_kwargs, "s3fs", _S3FS_CLIENT_KWARGS)
+    _rest(opts, out, _S3_KEYS, "s3fs", _S3_NAMES)
+    if out.config.get("endpoint"):
+        out.endpoint_source = "storage_options"
+    else:
+        # The SDKs' variables, read here rather than left to obstore: the endpoint's
+        # scheme decides plain http wherever it comes from, and the S3 variable wins
+        # over the general one, as in the AWS SDKs.
+        variable, endpoint = _env.aws_endpoint_source()
+        if endpoint:
+            out.config["endpoint"] = endpoint
+            out.endpoint_source = variable
+    _allow_plain_http(out)
+    if not _is_plain_http(out.config.get("endpoint")):
         _unsigned_over_tls(out)
     if "endpoint" in out.config:
         # A custom endpoint (MinIO, Ceph, a proxy) addresses buckets by path, as
@@ -220,6 +267,17 @@ def s3_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSetting
         out.config["region"] = "us-east-1"  # requests must be signed for some region
     _check_aws_credentials(out)
     return out
+
+
+def _is_plain_http(endpoint: object) -> bool:
+    return isinstance(endpoint, str) and urlsplit(endpoint.strip()).scheme.lower() == "http"
+
+
+def _allow_plain_http(out: StoreSettings) -> None:
+    """An ``http://`` endpoint is a request for plain http: obstore's client refuses to
+    build any request to one unless ``allow_http`` is set (the user's setting wins)."""
+    if _is_plain_http(out.config.get("endpoint")):
+        out.client_options.setdefault("allow_http", True)
 
 
 def _unsigned_over_tls(out: StoreSettings) -> None:
@@ -286,10 +344,10 @@ def azure_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSett
                 out.config[target] = value
     if opts.pop("anon", False):
         out.config["skip_signature"] = True
-    _rest(opts, out, _AZURE_KEYS, "adlfs")
-    endpoint = out.config.get("endpoint")
-    if isinstance(endpoint, str) and endpoint.startswith("http://"):
-        out.client_options.setdefault("allow_http", True)
+    _rest(opts, out, _AZURE_KEYS, "adlfs", _AZURE_NAMES)
+    if out.config.get("endpoint"):
+        out.endpoint_source = "storage_options"
+    _allow_plain_http(out)
     return out
 
 
@@ -317,9 +375,15 @@ def _start(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSettings:
     return out
 
 
-def _rest(opts: dict[str, Any], out: StoreSettings, keys: frozenset[str], peer: str) -> None:
+def _rest(
+    opts: dict[str, Any],
+    out: StoreSettings,
+    keys: frozenset[str],
+    peer: str,
+    known: Collection[str],
+) -> None:
     """obstore's own keys pass through; s3fs/adlfs cache settings are ignored; anything else
-    is an error naming it."""
+    is an error naming it (``known``: the names it may be a misspelling of)."""
     for name, value in opts.items():
         if name in _STORE_ARGUMENTS:
             continue
@@ -331,18 +395,41 @@ def _rest(opts: dict[str, Any], out: StoreSettings, keys: frozenset[str], peer: 
         elif name in keys:
             out.config[name] = value
         else:
-            _unmapped("storage_options", {name: value}, peer)
+            _unmapped("storage_options", {name: value}, peer, known)
 
 
-def _unmapped(where: str, rest: Mapping[str, Any], peer: str) -> None:
-    if rest:
-        names = ", ".join(repr(n) for n in sorted(rest))
+def _unmapped(where: str, rest: Mapping[str, Any], peer: str, known: Collection[str]) -> None:
+    """Refuse the option names in ``rest`` (never their values: they may be secrets).
+
+    A name close to one in ``known`` is most likely a misspelling, and the fix is
+    the right spelling, not another client.
+    """
+    if not rest:
+        return
+    names = sorted(rest)
+    listed = ", ".join(repr(n) for n in names)
+    guesses = {name: guess for name in names if (guess := _close_name(name, known))}
+    meant = ", ".join(f"{guess!r}" if len(names) == 1 else f"{guess!r} for {name!r}"
+                      for name, guess in guesses.items())
+    if len(guesses) == len(names):
         raise ConfigurationError(
-            f"{where} {names} cannot be passed to the object-store client (obstore): it is "
-            f"neither a {peer} option this library maps nor one of obstore's own settings. "
-            "Fix: remove it, use obstore's name for it (see the obstore store docs), or "
-            "set DCP_VOLUMES_BACKEND=fsspec to use the fsspec client, which takes it."
+            f"{where} {listed}: no such {peer} option or obstore setting; did you mean "
+            f"{meant}? Fix: correct the name (a misspelt option would otherwise leave a "
+            "credential or an endpoint unset)."
         )
+    hint = f" (did you mean {meant}?)" if guesses else ""
+    raise ConfigurationError(
+        f"{where} {listed} cannot be passed to the object-store client (obstore): it is "
+        f"neither a {peer} option this library maps nor one of obstore's own settings{hint}. "
+        "Fix: remove it, use obstore's name for it (see the obstore store docs), or "
+        "set DCP_VOLUMES_BACKEND=fsspec to use the fsspec client, which takes it."
+    )
+
+
+def _close_name(name: str, known: Collection[str]) -> str | None:
+    """The known option name ``name`` most likely misspells, if one is close enough."""
+    found = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.8)
+    return found[0] if found else None
 
 
 def _config_kwargs(config_kwargs: dict[str, Any], out: StoreSettings) -> None:
@@ -351,20 +438,14 @@ def _config_kwargs(config_kwargs: dict[str, Any], out: StoreSettings) -> None:
     style = s3.pop("addressing_style", None)
     if style is not None:
         out.config["virtual_hosted_style_request"] = style == "virtual"
-    _unmapped("config_kwargs['s3']", s3, "botocore")
+    _unmapped("config_kwargs['s3']", s3, "botocore", ("addressing_style",))
     for name, target in (("connect_timeout", "connect_timeout"), ("read_timeout", "timeout")):
         if name in config_kwargs:
             out.client_options[target] = timedelta(seconds=float(config_kwargs.pop(name)))
     # Connection pools, botocore's own retries and checksums: obstore has its own.
-    for name in (
-        "max_pool_connections",
-        "retries",
-        "request_checksum_calculation",
-        "response_checksum_validation",
-        "signature_version",
-    ):
+    for name in _BOTOCORE_CONFIG:
         config_kwargs.pop(name, None)
-    _unmapped("config_kwargs", config_kwargs, "botocore")
+    _unmapped("config_kwargs", config_kwargs, "botocore", _BOTOCORE_CONFIG)
 
 
 def _connection_string(text: str, out: StoreSettings) -> None:

@@ -115,6 +115,27 @@ _TRANSIENT_ERRNOS = frozenset(
 )
 
 
+class FinalBackendError(Exception):
+    """A backend's failure that its client has already dealt with as far as it should.
+
+    Raised by a backend (from its client's error) for a request the client
+    retried itself and gave up on, or one it can never send. The retry layer
+    never retries it again (two layers of retries would multiply the wait);
+    its message says what happened, and how to fix it.
+    """
+
+
+class EndpointUnreachableError(FinalBackendError, ConnectionError):
+    """The store's endpoint refused or never took the connection, through the client's
+    own retries. Becomes a ``VolumeError``."""
+
+
+class UnsendableRequestError(FinalBackendError, ValueError):
+    """The client cannot build the request from its settings (it is never sent: an
+    ``http://`` endpoint with plain http switched off, a malformed URL or header).
+    Becomes a ``ConfigurationError``."""
+
+
 # How long a store's answers may lag its writes: some S3-compatible servers,
 # caching gateways and NFS attribute caches list (or even find) an object only
 # a moment after it was written. A file missing from a listing, or not found
@@ -226,7 +247,10 @@ def _error_codes(exc: BaseException) -> set[str]:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, DcpVolumesError)):
+    if isinstance(
+        exc,
+        (FileNotFoundError, PermissionError, FileExistsError, DcpVolumesError, FinalBackendError),
+    ):
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
@@ -300,6 +324,10 @@ def translate_error(
     """
     if isinstance(exc, DcpVolumesError):
         return exc
+    if isinstance(exc, UnsendableRequestError):
+        return ConfigurationError(f"Cannot {op} {where}: {scrub(str(exc))}")
+    if isinstance(exc, FinalBackendError):
+        return VolumeError(f"Cannot {op} {where}: {scrub(str(exc))}")
     detail = _detail(exc, scrub)
     codes = _error_codes(exc)
     if codes & _MISSING_BUCKET_CODES:

@@ -37,7 +37,7 @@ OBSTORE_PROTOCOLS = {"s3": "s3", "s3a": "s3", "az": "azure", "abfs": "azure", "a
 # read (``Capabilities.ranged_reads_cost_whole_object``).
 WHOLE_OBJECT_RANGES = "ranged_reads_cost_whole_object"
 
-_BACKENDS: dict[tuple[int, str, str, RetryPolicy], Backend] = {}
+_BACKENDS: dict[tuple[int, str, str, RetryPolicy, str], Backend] = {}
 _LOCK = threading.Lock()
 _LOCAL = LocalBackend()
 _warned_fork = False
@@ -55,7 +55,14 @@ def backend_for(protocol: str, storage_options: Mapping[str, Any], retry: RetryP
     """This process's backend for ``protocol`` and ``storage_options``."""
     if protocol in LOCAL_PROTOCOLS:
         return _LOCAL
-    key = (os.getpid(), protocol, fsspec.utils.tokenize(storage_options), retry)
+    # The environment's endpoint is part of an S3 client's settings (see s3_settings).
+    key = (
+        os.getpid(),
+        protocol,
+        fsspec.utils.tokenize(storage_options),
+        retry,
+        _env.aws_endpoint() if protocol in OBSTORE_PROTOCOLS else "",
+    )
     backend = _BACKENDS.get(key)
     if backend is None:
         with _LOCK:
