@@ -8,8 +8,10 @@ Subcommands are small functions registered in one table (``COMMANDS``) with
     _ls.configure = lambda p: p.add_argument("url")
 
 Exit codes: 0 success, 1 failure (a checksum mismatch, an unreachable
-volume...), 2 usage or configuration error. Errors are one line on stderr,
-never a traceback. ``--json`` prints one JSON document on stdout for scripts.
+volume, nothing to verify...), 2 usage or configuration error, 141 (as a
+process killed by SIGPIPE) when stdout is closed early (``... | head``), quietly.
+Errors are one line on stderr, never a traceback. ``--json`` prints one JSON
+document on stdout for scripts. Progress bars go to stderr, on a terminal only.
 Storage options (endpoint, credentials) come from ``--storage-options JSON``
 or the ``DCP_VOLUMES_STORAGE_OPTIONS`` environment variable.
 """
@@ -17,8 +19,11 @@ or the ``DCP_VOLUMES_STORAGE_OPTIONS`` environment variable.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -32,8 +37,10 @@ from dcp_volumes._exceptions import (
     ConfigurationError,
     DcpVolumesError,
 )
+from dcp_volumes._progress import progress_bar
 from dcp_volumes._volume import Volume, redact_url
 from dcp_volumes.checkpoint._discovery import (
+    NO_STEP,
     CheckpointInfo,
     inspect_dir,
     parse_step,
@@ -56,6 +63,8 @@ from dcp_volumes.checkpoint._retention import (
 )
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+#: Exit code when stdout was closed early: a shell's code for a process killed by SIGPIPE.
+EXIT_CLOSED_STDOUT = 128 + signal.SIGPIPE.value
 
 Handler = Callable[[argparse.Namespace, "Output"], int]
 
@@ -87,7 +96,11 @@ def command(
 
 
 class Output:
-    """Where results go: text or one JSON document on stdout, progress on stderr."""
+    """Where results go: text or one JSON document on stdout, progress on stderr.
+
+    ``progress``: bars are wanted (no ``--no-progress``); they are drawn only when
+    stderr is a terminal.
+    """
 
     def __init__(self, *, as_json: bool, progress: bool, stream: IO[str] | None = None) -> None:
         self.as_json = as_json
@@ -104,18 +117,7 @@ class Output:
             self.stream.write("\n")
 
     def bar(self, *, total: int, desc: str, unit: str = "B") -> Any:
-        from tqdm import tqdm  # type: ignore[import-untyped]
-
-        return tqdm(
-            total=total,
-            desc=desc,
-            unit=unit,
-            unit_scale=unit == "B",
-            unit_divisor=1024 if unit == "B" else 1000,
-            file=sys.stderr,
-            disable=not self.progress,
-            leave=False,
-        )
+        return progress_bar(total=total, desc=desc, unit=unit, enabled=self.progress)
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -154,9 +156,19 @@ def human_age(created: float | None, now: float | None = None) -> str:
     return f"{age / 86400:.0f}d"
 
 
+def _step(info: CheckpointInfo | None) -> int | None:
+    """The step for JSON: ``None`` when the directory name carries none."""
+    return None if info is None or info.step == NO_STEP else info.step
+
+
+def _step_text(info: CheckpointInfo | None) -> str:
+    step = _step(info)
+    return "-" if step is None else str(step)
+
+
 def _info_doc(info: CheckpointInfo) -> dict[str, Any]:
     return {
-        "step": info.step,
+        "step": _step(info),
         "name": info.name,
         "url": redact_url(info.url),
         "complete": info.complete,
@@ -200,7 +212,8 @@ def _checkpoints_at(vol: Volume) -> tuple[list[tuple[Volume, CheckpointInfo | No
         METADATA_NAME, MANIFEST_NAME, rank_metadata_name(0), rank_manifest_name(0)))
     if is_checkpoint or (step is not None and parent is not None and vol.list("")):
         # A checkpoint directory, committed or not (its name may not carry a step).
-        info = inspect_dir(parent, last, step or 0) if parent is not None else None
+        info = (inspect_dir(parent, last, NO_STEP if step is None else step)
+                if parent is not None else None)
         return [(vol, info)], True
     if step is not None and parent is not None:
         matches = [i for i in scan(parent) if i.step == step]
@@ -212,7 +225,7 @@ def _checkpoints_at(vol: Volume) -> tuple[list[tuple[Volume, CheckpointInfo | No
             f"`dcp-volumes ls {parent.display_url}`."
         )
     vol.check_root()
-    return [(vol.child(i.name), i) for i in scan(vol)], False
+    return [(vol.child(i.name), i) for i in scan(vol, unnumbered=True)], False
 
 
 def _single(vol: Volume) -> tuple[Volume, CheckpointInfo | None]:
@@ -237,7 +250,9 @@ def _configure_ls(p: argparse.ArgumentParser) -> None:
 def _ls(args: argparse.Namespace, out: Output) -> int:
     vol = _volume(args, args.url)
     vol.check_root()
-    infos = scan(vol)
+    # With the checkpoints whose directory name carries no step (STEP "-", JSON null):
+    # they load and verify like any other; only the manager's retention skips them.
+    infos = scan(vol, unnumbered=True)
     out.json({"url": vol.display_url, "checkpoints": [_info_doc(i) for i in infos]})
     if not infos:
         out.line(f"no checkpoints under {vol.display_url}")
@@ -246,7 +261,7 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
     rows = [["STEP", "STATUS", "SIZE", "FILES", "AGE", "NAME"]]
     for i in infos:
         rows.append([
-            str(i.step),
+            _step_text(i),
             "complete" if i.complete else "partial",
             human_size(i.size),
             str(i.num_files if i.num_files is not None else "-"),
@@ -265,6 +280,9 @@ def _configure_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="a checkpoint (ROOT/step-00000100, ROOT/100) or a root "
                                "(verifies every complete checkpoint in it)")
     p.add_argument("--concurrency", type=int, default=8, help="parallel downloads (default 8)")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="exit 0 when there is no complete checkpoint to verify (default: exit 1, "
+                        "so that a wrong path fails a CI job)")
 
 
 @command("verify", "download a checkpoint and check every file's checksum", _configure_verify)
@@ -277,7 +295,7 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
     failed = 0
     for cvol, info in targets:
         if not single and info is not None and not info.complete:
-            results.append({"url": cvol.display_url, "step": info.step, "status": "skipped",
+            results.append({"url": cvol.display_url, "step": _step(info), "status": "skipped",
                             "problems": list(info.problems)})
             out.line(f"SKIPPED  {cvol.display_url}  (partial: {'; '.join(info.problems[:2])})")
             continue
@@ -296,16 +314,27 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
             problems = verify_checkpoint(cvol, concurrency=args.concurrency, progress=bar.update)
         status = "failed" if problems else "ok"
         failed += bool(problems)
-        results.append({"url": cvol.display_url, "step": info.step if info else None,
+        results.append({"url": cvol.display_url, "step": _step(info),
                         "status": status, "checksums": checksummed, "bytes": total,
                         "problems": problems})
         note = "" if checksummed else "  (no manifest: structure checked, no checksums)"
         out.line(f"{status.upper():8} {cvol.display_url}  {human_size(total)}{note}")
         for problem in problems:
             out.line(f"    {problem}")
-    if not targets:
-        out.line(f"no checkpoints under {vol.display_url}")
-    out.json({"url": vol.display_url, "ok": failed == 0, "checkpoints": results})
+    verified = sum(r["status"] != "skipped" for r in results)
+    empty = verified == 0 and not args.allow_empty
+    out.json({"url": vol.display_url, "ok": failed == 0 and not empty, "checkpoints": results})
+    if verified == 0:
+        skipped = len(results)
+        why = (f"no complete checkpoint under {vol.display_url} ({skipped} partial skipped)"
+               if skipped else f"no checkpoints under {vol.display_url}")
+        if args.allow_empty:
+            out.line(why)
+            return EXIT_OK
+        _error(args.command, f"nothing verified: {why}. Fix: pass a checkpoint or a run root "
+                             "(`dcp-volumes ls` lists them), or --allow-empty when an empty "
+                             "root is fine.")
+        return EXIT_FAILURE
     return EXIT_FAILURE if failed else EXIT_OK
 
 
@@ -396,7 +425,6 @@ def _entries(metadata: Any) -> list[dict[str, Any]]:
 @command("inspect", "show tensor names, shapes and dtypes of a checkpoint", _configure_inspect)
 def _inspect(args: argparse.Namespace, out: Output) -> int:
     cvol, info = _single(_volume(args, args.url))
-    step = info.step if info is not None else None
     rank_local = info is not None and info.rank_local
     if args.rank is not None and not rank_local:
         raise ConfigurationError(
@@ -421,14 +449,14 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
     transforms = sorted(
         {"+".join(getattr(i, "transform_descriptors", None) or ()) for i in stored} - {""}
     )
-    out.json({"url": cvol.display_url, "step": step,
+    out.json({"url": cvol.display_url, "step": _step(info),
               "complete": info.complete if info else None,
               "rank_local": rank_local, "rank": rank, "ranks": info.ranks if info else None,
               "tensor_bytes": tensor_bytes, "stored_bytes": stored_bytes,
               "transforms": transforms, "entries": entries})
     how = f" ({', '.join(transforms)})" if transforms else ""
     scope = f"  rank {rank} of {info.ranks} (rank-local)" if rank is not None and info else ""
-    out.line(f"{cvol.display_url}  step {step}  "
+    out.line(f"{cvol.display_url}  step {_step_text(info)}  "
              f"{'complete' if info is None or info.complete else 'PARTIAL'}{scope}  "
              f"{len(entries)} entries, {human_size(tensor_bytes)} of tensors, "
              f"{human_size(stored_bytes)} stored{how}")
@@ -462,7 +490,7 @@ def _demo(args: argparse.Namespace, out: Output) -> int:
 
     def say(text: str) -> None:
         if not out.as_json:
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-untyped]
 
             tqdm.write(text, file=out.stream)  # keeps the progress bar below the lines
 
@@ -559,6 +587,24 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 2000 else text[:2000] + "..."
 
 
+def _error(command: str, text: str) -> None:
+    print(f"dcp-volumes {command}: error: {text}", file=sys.stderr)
+
+
+def _stdout_closed() -> int:
+    """Leave quietly after the reader of stdout went away (``dcp-volumes ls | head``).
+
+    As the Python docs recommend for SIGPIPE: point stdout at /dev/null, so that
+    the interpreter's last flush at exit finds nowhere to fail, and exit with
+    the code of a process killed by SIGPIPE, as other command-line tools do.
+    """
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # no real fd (a test's)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return EXIT_CLOSED_STDOUT
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
     parser = build_parser()
@@ -571,12 +617,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = not args.no_progress
     out = Output(as_json=args.json, progress=progress)
     try:
-        return int(args.handler(args, out))
+        code = int(args.handler(args, out))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:
+        # The volume layer turns its own errors into DcpVolumesError: a bare
+        # EPIPE reaching here is a write to stdout whose reader went away.
+        return _stdout_closed()
     except (ConfigurationError, BackendNotInstalledError) as exc:
-        print(f"dcp-volumes {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        _error(args.command, _one_line(exc))
         return EXIT_USAGE
     except (DcpVolumesError, OSError) as exc:
-        print(f"dcp-volumes {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        _error(args.command, _one_line(exc))
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print(f"dcp-volumes {args.command}: interrupted", file=sys.stderr)

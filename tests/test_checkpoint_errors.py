@@ -29,6 +29,7 @@ from dcp_volumes import (
     VolumeReader,
     VolumeWriter,
 )
+from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME
 from tests.checkpoint_helpers import blank_like, data_file, failure_of, join, sample_state
 from tests.emulators import Azurite, MotoServer
@@ -248,13 +249,18 @@ def test_invalid_reader_options(tmp_path: Path) -> None:
 # -- missing or damaged checkpoints -----------------------------------------------------------
 
 
-def _assert_not_found(where: Path, match: str) -> None:
+def _assert_not_found(
+    where: Path | str, match: str, storage_options: dict[str, Any] | None = None
+) -> str:
+    """The reader's message for ``where`` (also through ``dcp.load``); returns it."""
     with pytest.raises(CheckpointNotFoundError, match=match) as excinfo:
-        VolumeReader(where).read_metadata()
+        VolumeReader(where, storage_options=storage_options).read_metadata()
     assert str(where) in str(excinfo.value)
     # Through dcp.load the message survives DCP's wrapping.
     with pytest.raises(BaseException, match=match):
-        dcp.load(blank_like(SMALL), storage_reader=VolumeReader(where))
+        dcp.load(blank_like(SMALL),
+                 storage_reader=VolumeReader(where, storage_options=storage_options))
+    return str(excinfo.value)
 
 
 def test_no_checkpoint_at_all(tmp_path: Path) -> None:
@@ -266,6 +272,67 @@ def test_incomplete_checkpoint_without_metadata(tmp_path: Path) -> None:
     dcp.save(SMALL, storage_writer=VolumeWriter(ck))
     (ck / METADATA_NAME).unlink()  # as after a crash before the commit
     _assert_not_found(ck, "incomplete")
+
+
+def test_incomplete_checkpoint_with_spread_prefixes_only(tmp_path: Path) -> None:
+    # A save that crashed before its manifest and .metadata: only data files, below
+    # hashed prefixes (3f/__0_<tag>_1.distcp). Not mistaken for a run root.
+    ck = tmp_path / "ck"
+    dcp.save(sample_state(big_mib=1), storage_writer=VolumeWriter(
+        ck, prefix_spread=16, file_size="256KiB"))
+    (ck / METADATA_NAME).unlink()
+    (ck / MANIFEST_NAME).unlink()
+    assert not any(p.suffix == ".distcp" for p in ck.iterdir())
+    _assert_not_found(ck, "incomplete")
+
+
+def test_run_root_is_named_with_its_checkpoints(tmp_path: Path) -> None:
+    # Issue 30: a run root of three complete checkpoints was called "incomplete: 9 files
+    # are there but not .metadata ... A save crashed or is still running".
+    root = tmp_path / "run"
+    for step in (1, 2, 3):
+        dcp.save(SMALL, storage_writer=VolumeWriter(root / f"step-{step:08d}"))
+    message = _assert_not_found(root, "is a run root, not a checkpoint")
+    assert "incomplete" not in message and "crashed" not in message
+    assert "3 checkpoint(s)" in message and "all complete" in message
+    assert "step-00000001, step-00000002, step-00000003" in message
+    assert f"e.g. {root / 'step-00000003'} (the newest complete one)" in message
+    assert "CheckpointManager" in message and "Fix:" in message
+
+
+def test_run_root_of_partial_and_unnumbered_checkpoints(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    dcp.save(SMALL, storage_writer=VolumeWriter(root / "step-00000001"))
+    (root / "step-00000001" / METADATA_NAME).unlink()
+    message = _assert_not_found(root, "run root")
+    assert "step-00000001 (partial)" in message and "None of them is complete" in message
+    # A checkpoint whose directory name carries no step is one too (no manager hint:
+    # CheckpointManager restores step-named checkpoints only).
+    dcp.save(SMALL, storage_writer=VolumeWriter(root / "final"))
+    message = _assert_not_found(root, "run root")
+    assert f"e.g. {root / 'final'}." in message and "CheckpointManager" not in message
+
+
+def test_directory_that_is_no_checkpoint(tmp_path: Path) -> None:
+    # Issue 30: a directory holding only notes.txt was an "incomplete" checkpoint too.
+    where = tmp_path / "notes"
+    where.mkdir()
+    (where / "notes.txt").write_text("not a checkpoint")
+    message = _assert_not_found(where, "is not a checkpoint")
+    assert "notes.txt" in message and "incomplete" not in message and "Fix:" in message
+
+
+@pytest.mark.emulator
+def test_run_root_on_s3(s3_bucket: tuple[str, dict[str, Any]]) -> None:
+    bucket, opts = s3_bucket
+    for step in (10, 20):
+        dcp.save(SMALL, storage_writer=VolumeWriter(f"{bucket}/run/step-{step:08d}",
+                                                    storage_options=opts))
+    message = _assert_not_found(f"{bucket}/run", "run root", opts)
+    assert f"e.g. {bucket}/run/step-00000020 (the newest complete one)" in message
+    assert opts["secret"] not in message
+    Volume(f"{bucket}/notes", storage_options=opts).publish("notes.txt", b"x")
+    _assert_not_found(f"{bucket}/notes", "is not a checkpoint", opts)
 
 
 def _truncate(shard: Path) -> None:

@@ -9,11 +9,16 @@ the rest call ``main(argv)`` in this process, the same code without the
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
+import select
+import shlex
+import struct
 import subprocess
 import sys
+import termios
 import time
 import warnings
 from dataclasses import dataclass
@@ -24,6 +29,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from dcp_volumes import CheckpointManager
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._manifest import (
     MANIFEST_NAME,
@@ -32,7 +38,7 @@ from dcp_volumes.checkpoint._manifest import (
     Manifest,
     checksum_bytes,
 )
-from dcp_volumes.cli import main
+from dcp_volumes.cli import EXIT_CLOSED_STDOUT, main
 from tests.emulators import repo_root
 
 Location = tuple[str, dict[str, Any]]
@@ -45,19 +51,26 @@ class Result:
     stderr: str
 
 
+def cli_process(options: dict[str, Any] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run the CLI in a fresh interpreter: the
+    ``dcp-volumes`` console script (``python -m dcp_volumes.cli`` when not installed)."""
+    env = dict(os.environ)
+    env.pop("DCP_VOLUMES_STORAGE_OPTIONS", None)
+    if options:
+        env["DCP_VOLUMES_STORAGE_OPTIONS"] = json.dumps(options)
+    env["PYTHONPATH"] = str(repo_root()) + os.pathsep + env.get("PYTHONPATH", "")
+    script = Path(sys.executable).with_name("dcp-volumes")  # the installed console script
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "dcp_volumes.cli"]
+    return command, env
+
+
 def run_cli(*args: str, options: dict[str, Any] | None = None, subprocess_: bool = False
             ) -> Result:
     """Run the CLI: the ``dcp-volumes`` console script (``python -m dcp_volumes.cli`` when
     the package is not installed) in a fresh interpreter, or ``main(ARGS)`` in this
     process (same code, no interpreter start-up: most tests use this to stay fast)."""
     if subprocess_:
-        env = dict(os.environ)
-        env.pop("DCP_VOLUMES_STORAGE_OPTIONS", None)
-        if options:
-            env["DCP_VOLUMES_STORAGE_OPTIONS"] = json.dumps(options)
-        env["PYTHONPATH"] = str(repo_root()) + os.pathsep + env.get("PYTHONPATH", "")
-        script = Path(sys.executable).with_name("dcp-volumes")  # the installed console script
-        command = [str(script)] if script.exists() else [sys.executable, "-m", "dcp_volumes.cli"]
+        command, env = cli_process(options)
         proc = subprocess.run(
             [*command, *args],
             capture_output=True, text=True, timeout=120, env=env, cwd=str(repo_root()),
@@ -164,7 +177,7 @@ def test_verify_ok_then_flipped_byte_names_the_file(root: Location) -> None:
     res = run_cli("verify", f"{url}/step-00000300", options=options)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.startswith("OK")
-    assert "%|" in res.stderr or "B/s" in res.stderr  # the tqdm bar went to stderr
+    assert res.stderr == ""  # no bar: stderr is not a terminal (test_progress_* below)
 
     data_file = next(
         f.path for f in Volume(url, storage_options=options).child("step-00000300").list("")
@@ -314,3 +327,145 @@ def test_missing_bucket_fails_cleanly(s3_bucket: Location) -> None:
     assert res.returncode == 1
     assert "no-such-bucket-dcpv" in res.stderr and "Traceback" not in res.stderr
     assert options["secret"] not in res.stderr
+
+
+# -- issue 30: step-less checkpoints, nothing to verify, closed stdout, progress ---------------
+
+
+def test_checkpoints_whose_name_has_no_step_are_listed(root: Location) -> None:
+    # Issue 30: `zvol/s1` verified OK, but `ls zvol` said "no checkpoints under" and
+    # `inspect` called it "step 0".
+    url, options = root
+    write_stock(url, options, "final", 7)
+    res = run_cli("ls", url, options=options)
+    assert res.returncode == 0, res.stderr
+    rows = {line.split()[0]: line for line in res.stdout.splitlines()[1:]}
+    assert set(rows) == {"-", "100", "200", "300", "400"}
+    assert "complete" in rows["-"] and "final" in rows["-"]
+    res = run_cli("ls", url, "--json", options=options)
+    final = next(c for c in json.loads(res.stdout)["checkpoints"] if c["name"] == "final")
+    assert final["step"] is None and final["complete"] is True
+
+    res = run_cli("inspect", f"{url}/final", options=options)
+    assert res.returncode == 0, res.stderr
+    assert "  step -  complete" in res.stdout.splitlines()[0]
+    res = run_cli("inspect", f"{url}/final", "--json", options=options)
+    assert json.loads(res.stdout)["step"] is None
+
+    res = run_cli("verify", url, "--json", "--no-progress", options=options)
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(res.stdout)
+    assert {c["url"].rsplit("/", 1)[-1]: c["status"] for c in doc["checkpoints"]}["final"] == "ok"
+
+    # Retention and the manager keep to step-named checkpoints: "final" is never pruned.
+    res = run_cli("gc", url, "--keep-last", "1", "--dry-run", "--json", options=options)
+    assert "final" not in {c["name"] for c in json.loads(res.stdout)["would_delete"]}
+    with CheckpointManager(url, storage_options=options) as mgr:
+        assert "final" not in {i.name for i in mgr.list()}
+        latest = mgr.latest()
+        assert latest is not None and latest.name == "step-00000300"
+
+
+@pytest.mark.parametrize("content", ["empty", "other files", "partial only",
+                                     pytest.param("s3 prefix", marks=pytest.mark.emulator)])
+def test_verify_with_nothing_to_verify_fails(
+    tmp_path: Path, request: pytest.FixtureRequest, content: str
+) -> None:
+    # Issue 30: `verify /etc` and `verify emptydir` said "no checkpoints under ..." and exit 0,
+    # so a CI job with a wrong path passed.
+    url, options = str(tmp_path / "run"), {}
+    os.makedirs(url)
+    if content == "other files":
+        Path(url, "notes.txt").write_text("not a checkpoint")
+    elif content == "partial only":
+        Volume(url).publish("step-00000004/__0_0.distcp", b"a crashed save")
+    elif content == "s3 prefix":
+        bucket, options = request.getfixturevalue("s3_bucket")
+        url = f"{bucket}/nothing-here"
+    res = run_cli("verify", url, options=options)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stderr.startswith("dcp-volumes verify: error: nothing verified: no ")
+    assert url in res.stderr and "--allow-empty" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    if content == "partial only":
+        assert "1 partial skipped" in res.stderr
+    res = run_cli("verify", url, "--json", options=options)
+    assert res.returncode == 1 and json.loads(res.stdout)["ok"] is False
+    res = run_cli("verify", url, "--allow-empty", options=options)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.splitlines()[-1].startswith("no ") and res.stderr == ""
+
+
+def _stock_run(tmp_path: Path) -> str:
+    url = str(tmp_path / "run")
+    write_stock(url, {}, "step_100", 100)
+    write_stock(url, {}, "200", 200)
+    return url
+
+
+@pytest.mark.parametrize("args", [["ls", "{root}"], ["gc", "{root}", "--keep-last", "1",
+                                                    "--dry-run"]], ids=lambda a: a[0])
+def test_closed_stdout_ends_quietly(tmp_path: Path, args: list[str]) -> None:
+    # Issue 30: `dcp-volumes inspect ... | head -3` ended with "dcp-volumes inspect: error:
+    # [Errno 32] Broken pipe". Here the reader of stdout is gone before the first line
+    # (main handles it for every subcommand; these two start without torch: fast).
+    url = _stock_run(tmp_path)
+    command, env = cli_process()
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([*command, *[a.format(root=url) for a in args]],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              timeout=120, env=env, cwd=str(repo_root()))
+    finally:
+        os.close(write_end)
+    assert proc.stderr == ""
+    assert proc.returncode == EXIT_CLOSED_STDOUT == 141
+
+
+def test_head_of_a_long_listing_ends_quietly(tmp_path: Path) -> None:
+    # The issue's own pipeline; the output (~250 KB) outgrows the pipe after head leaves.
+    ck = tmp_path / "big"
+    state = {f"layer_{i:04d}.attention.weight": torch.zeros(1) for i in range(1500)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(ck)), no_dist=True)
+    command, env = cli_process()
+    line = " ".join(shlex.quote(c) for c in [*command, "inspect", str(ck), "--json"])
+    proc = subprocess.run(["bash", "-c", f"set -o pipefail; {line} | head -3"],
+                          capture_output=True, text=True, timeout=120, env=env,
+                          cwd=str(repo_root()))
+    assert proc.stdout.splitlines()[0] == "{"
+    assert proc.stderr == ""
+    assert proc.returncode == EXIT_CLOSED_STDOUT
+
+
+def test_progress_bars_only_on_a_terminal(tmp_path: Path) -> None:
+    # Issue 30: `verify ... 2>file` left the bar's \r updates in the file.
+    url = _stock_run(tmp_path)
+    add_manifest(url, {}, "200")  # its checksums make the bar count bytes
+    with (tmp_path / "stderr").open("w") as err, contextlib.redirect_stderr(err), \
+            contextlib.redirect_stdout(io.StringIO()):
+        assert main(["verify", f"{url}/200"]) == 0
+    written = (tmp_path / "stderr").read_text()
+    assert "\r" not in written and "%|" not in written
+
+    # On a terminal the bar is drawn (and --no-progress turns it off there too).
+    def on_a_terminal(*args: str) -> str:
+        master, replica = os.openpty()
+        # A real terminal's size: tqdm fits its bar into stderr's width (0 on a new pty).
+        fcntl.ioctl(replica, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+        drawn = b""
+        try:
+            with os.fdopen(replica, "w") as tty:
+                with contextlib.redirect_stderr(tty), contextlib.redirect_stdout(io.StringIO()):
+                    assert main(["verify", f"{url}/200", *args]) == 0
+                # Read while the terminal is open: Linux drops what is unread when it closes.
+                while select.select([master], [], [], 0.5)[0]:
+                    drawn += os.read(master, 65536)
+        finally:
+            os.close(master)
+        return drawn.decode(errors="replace")
+
+    assert "%|" in on_a_terminal() and "200" in on_a_terminal()
+    assert on_a_terminal("--no-progress") == ""

@@ -8,7 +8,10 @@ Layout (documented in ``CheckpointManager``)::
 
 Directories written by other tools are recognised too when their name carries
 a step number in a common form (``step-100``, ``step_100``, ``100``,
-``checkpoint-100``, ``ckpt_100``, ``global_step100``, ``iter-100``).
+``checkpoint-100``, ``ckpt_100``, ``global_step100``, ``iter-100``). Listings
+for people (``dcp-volumes ls``, a reader's diagnosis) also show checkpoint
+directories whose name carries no step (``scan(..., unnumbered=True)``; their
+step is ``NO_STEP``); ``CheckpointManager`` keeps to step-named ones.
 
 A checkpoint is *complete* when ``.metadata`` exists and, when it has a
 manifest, every file of the manifest is on the volume with the recorded size
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 #: Directory name of the checkpoint of ``step`` written by ``CheckpointManager``.
 STEP_DIR_FORMAT = "step-{step:08d}"
+#: ``CheckpointInfo.step`` of a checkpoint whose directory name carries no step number.
+NO_STEP = -1
 
 _CANONICAL = re.compile(r"^step-(\d{8,})$")
 _STEP_NAME = re.compile(
@@ -69,6 +74,10 @@ _LIST_CONCURRENCY = 16
 # A rank's data file as stock DCP (``__3_0.distcp``) or VolumeWriter (``__3_9c1e07aa_0.distcp``)
 # names it, possibly below a spread prefix.
 _RANK_DATA = re.compile(r"^__(\d+)_(?:[0-9a-f]+_)?\d+" + re.escape(_layout.DATA_SUFFIX) + "$")
+# VolumeWriter's own data file (with a save tag), the only kind below a spread prefix.
+_TAGGED_DATA = re.compile(r"^__\d+_[0-9a-f]+_\d+" + re.escape(_layout.DATA_SUFFIX) + "$")
+# A hashed spread prefix (``_layout.spread_prefix``): two or more hex digits.
+_SPREAD_DIR = re.compile(r"^[0-9a-f]{2,}$")
 
 
 #: Manifests already read, by (directory, size, etag, mtime, file name) of the manifest file.
@@ -96,7 +105,9 @@ class CheckpointInfo:
     """One checkpoint directory under a root, complete or not.
 
     Attributes:
-        step: training step, parsed from the directory name.
+        step: training step, parsed from the directory name; ``NO_STEP`` (-1) when the
+            name carries none (only listings for people hold those: ``CheckpointManager``
+            lists and restores step-named checkpoints only).
         url: URL (plain path for local volumes) of the checkpoint directory.
         complete: ``.metadata`` exists and the files match the manifest.
         name: the directory name below the root (``step-00000100``).
@@ -260,25 +271,84 @@ def is_rank_local(names: set[str]) -> bool:
     return any(marker_rank(n) is not None or manifest_rank(n) is not None for n in names)
 
 
-def scan(volume: Volume, *, manifests: ManifestCache | None = None) -> list[CheckpointInfo]:
+def is_save_file(name: str) -> bool:
+    """Whether ``name`` (relative to a checkpoint directory) is a file a DCP save writes.
+
+    A commit marker, a manifest, or a data file of DCP's naming (``__0_0.distcp``)
+    at the directory's top, or one of VolumeWriter's tagged data files below a
+    hashed spread prefix (``3f/__0_9c1e07aa_0.distcp``).
+    """
+    top, sep, rest = name.partition("/")
+    if not sep:
+        return (name in (METADATA_NAME, MANIFEST_NAME) or marker_rank(name) is not None
+                or manifest_rank(name) is not None or _RANK_DATA.match(name) is not None)
+    return ("/" not in rest and _SPREAD_DIR.match(top) is not None
+            and _TAGGED_DATA.match(rest) is not None)
+
+
+def holds_save(names: Collection[str]) -> bool:
+    """Whether files (paths relative to one directory) are those of a DCP save there.
+
+    Some at the top are a save's (a marker, a manifest, a data file), or all of
+    them are VolumeWriter data files below spread prefixes. Files of
+    checkpoints in sub-directories (a run root) do not count.
+    """
+    if any(is_save_file(n) for n in names if "/" not in n):
+        return True
+    return bool(names) and all(is_save_file(n) for n in names)
+
+
+def _is_unnumbered_checkpoint(name: str, files: Sequence[FileInfo]) -> bool:
+    """Whether the directory ``name`` (no step in it) below a root holds a DCP save.
+
+    A spread prefix of a checkpoint (``3f/`` holding only tagged data files: the
+    root given is itself a checkpoint) is not one.
+    """
+    names = [f.path[len(name) + 1 :] for f in files]
+    if _SPREAD_DIR.match(name) and all(_TAGGED_DATA.match(n) for n in names):
+        return False
+    return holds_save(names)
+
+
+def scan(
+    volume: Volume,
+    *,
+    manifests: ManifestCache | None = None,
+    unnumbered: bool = False,
+    listing: Sequence[FileInfo] | None = None,
+) -> list[CheckpointInfo]:
     """All checkpoints under ``volume``'s root, complete or not, oldest first.
 
     One recursive listing of the root (a consistent snapshot, and few requests
     on object stores), then one read per manifest. Raises the volume's error
     when the root cannot be listed: callers that delete must never act on a
     listing that failed.
+
+    Args:
+        volume: the run root.
+        manifests: manifests read before (see ``inspect_dir``).
+        unnumbered: also directories whose name carries no step number but that
+            hold a save's files (their ``step`` is ``NO_STEP``; they sort first),
+            for listings shown to people. ``CheckpointManager`` leaves them out:
+            it restores and prunes by step.
+        listing: the root's recursive listing, when the caller has it already.
     """
     by_dir: dict[str, list[FileInfo]] = {}
-    for f in volume.list(""):
+    for f in volume.list("") if listing is None else listing:
         top, sep, _ = f.path.partition("/")
-        if sep and parse_step(top) is not None:
+        if sep and (unnumbered or parse_step(top) is not None):
             by_dir.setdefault(top, []).append(f)
+    by_dir = {
+        name: files for name, files in by_dir.items()
+        if parse_step(name) is not None or _is_unnumbered_checkpoint(name, files)
+    }
     if not by_dir:
         return []
 
     def one(name: str) -> CheckpointInfo | None:
-        step = int(parse_step(name) or 0)
-        return inspect_dir(volume, name, step, by_dir[name], manifests=manifests)
+        step = parse_step(name)
+        return inspect_dir(volume, name, NO_STEP if step is None else step, by_dir[name],
+                           manifests=manifests)
 
     if len(by_dir) == 1 or volume.capabilities.local_files:
         found = [one(name) for name in by_dir]

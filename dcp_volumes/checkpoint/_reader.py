@@ -42,6 +42,13 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._sizes import parse_size
 from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._discovery import (
+    NO_STEP,
+    CheckpointInfo,
+    holds_save,
+    newest_complete,
+    scan,
+)
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._file_job import Decoders, FileJob
 from dcp_volumes.checkpoint._manifest import (
@@ -355,11 +362,22 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                 "is still running. Fix: load it with the ranks that saved it, or load an older "
                 "checkpoint."
             )
-        if present:
+        if holds_save([f.path for f in present]):
             return CheckpointNotFoundError(
                 f"The checkpoint at {where} is incomplete: {len(present)} files are there but "
                 f"not {marker}, the marker a save writes last. A save crashed or is still "
                 "running. Fix: wait for the save to finish, or load an older checkpoint."
+            )
+        found = scan(self._volume, listing=present, unnumbered=True) if present else []
+        if found:
+            return _run_root_error(where, marker, found)
+        if present:
+            shown = ", ".join(f.path for f in present[:3]) + (", ..." if len(present) > 3 else "")
+            return CheckpointNotFoundError(
+                f"{where} is not a checkpoint: it holds {len(present)} file(s) ({shown}) but "
+                f"no {marker}, no data files of a DCP save and no checkpoints below it. Fix: "
+                f"pass the URL of a checkpoint directory (one holding {METADATA_NAME}; "
+                "`dcp-volumes ls ROOT` lists those under a run root)."
             )
         return CheckpointNotFoundError(
             f"No checkpoint at {where}: nothing is there (no {marker}). Fix: check the path or "
@@ -566,6 +584,31 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             f"checksum ({actual}, manifest {job.record.checksum}): its bytes changed after the "
             "save. Load an older checkpoint."
         )
+
+
+def _run_root_error(
+    where: str, marker: str, found: Sequence[CheckpointInfo]
+) -> CheckpointNotFoundError:
+    """The error for a run root (checkpoints below it) given where one checkpoint belongs."""
+    shown = ", ".join(i.name + ("" if i.complete else " (partial)") for i in found[-8:])
+    if all(i.complete for i in found):
+        shown += ": all complete"
+    older = f"{len(found) - 8} older, " if len(found) > 8 else ""
+    what = (f"{where} is a run root, not a checkpoint: it has no {marker} of its own but "
+            f"{len(found)} checkpoint(s) below it ({older}{shown}).")
+    numbered = newest_complete([i for i in found if i.step != NO_STEP])
+    best = numbered or next((i for i in reversed(found) if i.complete), None)
+    if best is None:
+        return CheckpointNotFoundError(
+            f"{what} None of them is complete: their saves crashed or are still running. "
+            "Fix: wait for a save to finish, or pass a checkpoint from another run."
+        )
+    manager = (f", or let CheckpointManager({where!r}).restore(state) load the newest "
+               "complete one" if numbered is not None else "")
+    return CheckpointNotFoundError(
+        f"{what} Fix: pass one checkpoint's URL, e.g. {redact_url(best.url)}"
+        f"{' (the newest complete one)' if numbered is not None else ''}{manager}."
+    )
 
 
 def _ranges(ranks: Sequence[int]) -> str:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from dcp_volumes._exceptions import ConfigurationError, DcpVolumesError, VolumeError
 from dcp_volumes._extras import DEMO_MODULES, require
+from dcp_volumes._progress import progress_bar
 from dcp_volumes._volume import Volume
 from dcp_volumes.demo._config import Crash, DemoConfig, plan_crashes
 
@@ -142,13 +143,11 @@ def claim(volume: Volume, cfg: DemoConfig) -> None:
 
 def write_training_set(volume: Volume, cfg: DemoConfig, progress: bool) -> None:
     """The samples of ``_workload.make_samples`` under ``train/``, in parallel."""
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
     from dcp_volumes.demo._workload import make_samples
 
     samples = make_samples(cfg.files, cfg.seed)
-    with tqdm(total=len(samples), desc="writing the training set", unit="file",
-              file=sys.stderr, disable=not progress, leave=False) as bar, \
+    with progress_bar(total=len(samples), desc="writing the training set", unit="file",
+                      enabled=progress) as bar, \
             ThreadPoolExecutor(8) as pool:
         for _ in pool.map(lambda s: volume.publish(f"train/{s[0]}", s[1]), samples):
             bar.update(1)
@@ -162,13 +161,10 @@ class _Progress:
 
     def __init__(self, run_dir: str, total: int, desc: str, say: Say, progress: bool,
                  crashes: int) -> None:
-        from tqdm import tqdm
-
         self.run_dir, self.say, self.crashes = run_dir, say, crashes
         self.offsets: dict[str, int] = {}
         self.starts: dict[str, dict[str, Any]] = {}
-        self.bar = tqdm(total=total, desc=desc, unit="step", file=sys.stderr,
-                        disable=not progress, leave=False)
+        self.bar = progress_bar(total=total, desc=desc, unit="step", enabled=progress)
 
     def poll(self) -> None:
         try:
