@@ -37,7 +37,9 @@ from dcp_volumes._exceptions import (
     ConfigurationError,
     DcpVolumesError,
 )
+from dcp_volumes._extras import BENCH_MODULES, require
 from dcp_volumes._progress import progress_bar
+from dcp_volumes._sizes import format_size
 from dcp_volumes._volume import Volume, redact_url
 from dcp_volumes.checkpoint._discovery import (
     NO_STEP,
@@ -131,18 +133,6 @@ def _storage_options(text: str | None) -> dict[str, Any]:
 
 def _volume(args: argparse.Namespace, url: str) -> Volume:
     return Volume(url, storage_options=_storage_options(args.storage_options))
-
-
-def human_size(n: int | None) -> str:
-    """``1536`` -> ``1.5 KiB``."""
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def human_age(created: float | None, now: float | None = None) -> str:
@@ -263,7 +253,7 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
         rows.append([
             _step_text(i),
             "complete" if i.complete else "partial",
-            human_size(i.size),
+            format_size(i.size),
             str(i.num_files if i.num_files is not None else "-"),
             human_age(i.created, now),
             i.name + ("" if i.managed else "  (stock DCP)" if i.complete else "")
@@ -318,7 +308,7 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
                         "status": status, "checksums": checksummed, "bytes": total,
                         "problems": problems})
         note = "" if checksummed else "  (no manifest: structure checked, no checksums)"
-        out.line(f"{status.upper():8} {cvol.display_url}  {human_size(total)}{note}")
+        out.line(f"{status.upper():8} {cvol.display_url}  {format_size(total)}{note}")
         for problem in problems:
             out.line(f"    {problem}")
     verified = sum(r["status"] != "skipped" for r in results)
@@ -378,7 +368,7 @@ def _gc(args: argparse.Namespace, out: Output) -> int:
                 bar.update(1)
     for info in victims:
         out.line(f"{verb}  {info.name}  ({'complete' if info.complete else 'partial'}, "
-                 f"{human_size(info.size)})")
+                 f"{format_size(info.size)})")
     out.line(f"{verb} {len(victims)}, kept {len(kept)} under {vol.display_url}")
     out.json({
         "url": vol.display_url,
@@ -458,8 +448,8 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
     scope = f"  rank {rank} of {info.ranks} (rank-local)" if rank is not None and info else ""
     out.line(f"{cvol.display_url}  step {_step_text(info)}  "
              f"{'complete' if info is None or info.complete else 'PARTIAL'}{scope}  "
-             f"{len(entries)} entries, {human_size(tensor_bytes)} of tensors, "
-             f"{human_size(stored_bytes)} stored{how}")
+             f"{len(entries)} entries, {format_size(tensor_bytes)} of tensors, "
+             f"{format_size(stored_bytes)} stored{how}")
     rows = [["NAME", "DTYPE", "SHAPE", "CHUNKS"]]
     for e in entries:
         if e["kind"] == "tensor":
@@ -537,7 +527,10 @@ def _benchmarks_cli() -> Any:
 
 
 def _configure_bench(p: argparse.ArgumentParser) -> None:
-    bench = _benchmarks_cli()
+    try:
+        bench = _benchmarks_cli()
+    except ImportError:  # the [bench] extra is missing: `dcp-volumes bench` says so
+        bench = None
     if bench is None:
         p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
         return
@@ -547,6 +540,7 @@ def _configure_bench(p: argparse.ArgumentParser) -> None:
 @command("bench", "benchmark suite: checkpoints and data against peers and floors "
          "(from a repository checkout)", _configure_bench)
 def _bench(args: argparse.Namespace, out: Output) -> int:
+    require("bench", BENCH_MODULES, needed_for="dcp-volumes bench")
     bench = _benchmarks_cli()
     if bench is None or not hasattr(args, "suite"):
         raise ConfigurationError(

@@ -33,11 +33,11 @@ sys.exit(main({argv!r}))
 
 
 def _run_without(
-    hidden: set[str], argv: list[str], tmp_path: Path
+    hidden: set[str], argv: list[str], cwd: Path
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", _HIDE.format(hidden=hidden, argv=argv)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        capture_output=True, text=True, timeout=120, cwd=cwd,
     )
 
 
@@ -52,6 +52,19 @@ def test_the_demo_without_its_extra_names_the_install_command(
     assert "pip install 'dcp_volumes[demo]'" in lines[0]
     assert all(name in lines[0] for name in hidden)
     assert not (tmp_path / "w").exists() or not any((tmp_path / "w").iterdir())
+
+
+def test_the_bench_command_without_its_extra_names_the_install_command(tmp_path: Path) -> None:
+    proc = _run_without({"psutil"}, ["bench", "checkpoint", "--quick"], ROOT)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "psutil" in lines[0] and "pip install 'dcp_volumes[bench]'" in lines[0]
+
+
+def test_other_commands_work_without_the_bench_extra(tmp_path: Path) -> None:
+    proc = _run_without({"psutil", "matplotlib", "moto"}, ["ls", str(tmp_path)], ROOT)
+    assert proc.returncode == 0, proc.stderr
 
 
 def _requirements(extras: dict[str, list[str]], name: str) -> set[str]:
