@@ -258,10 +258,13 @@ class CheckpointManager:
         With ``preemption_signals`` this is collective: call it once per step, on
         every rank, with the same step (the ranks agree through it).
         """
-        if self._watch is not None and self._watch.poll(step):
-            return self._watch.agreed_step == step
         interval = self.options.save_interval_steps
-        return interval is not None and step % interval == 0
+        due = interval is not None and step % interval == 0
+        # A save step checks at once (every rank knows it is one): a notice never
+        # waits for the check schedule across saves that slow the steps down.
+        if self._watch is not None and self._watch.poll(step, now=due):
+            return self._watch.agreed_step == step
+        return due
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the job is being preempted and the save made for it is committed.

@@ -6,14 +6,16 @@ notes the signal (and chains to a handler installed before it); the work
 happens on the training thread at the next step boundary.
 
 Ranks must agree on the step at which they save, though the signal reaches
-them at different moments or reaches one node only. Each ``poll`` (one per
-step, on every rank) collects the result of the MAX all-reduce of every
-rank's "signal seen" flag started by the previous ``poll`` (it ran on gloo's
-thread while the step computed) and starts the next one. So every rank sees a
-preemption at the same step, one step after the first rank noticed it, and a
-step with no signal pending costs one small collective launched in the
-background. It runs on a process group of its own: the manager's background
-saves use theirs at any moment.
+them at different moments or reaches one node only. Every rank calls ``poll``
+once per step; on check steps it collects the MAX all-reduce of every rank's
+"signal seen" flag (and longest step time) that the previous check started (it
+ran on gloo's thread meanwhile) and starts the next one. Check steps come
+every ``k`` polls, ``k`` chosen from the reduced step time so that a check
+runs about every ``CHECK_EVERY_S`` of training: every rank derives the same
+``k`` from the same reduced values, so every rank checks, and sees a
+preemption, at the same step, at most about two checks after the first rank
+noticed it; the steps between checks cost a counter. It runs on a process
+group of its own: the manager's background saves use theirs at any moment.
 
 A second signal (a second later or more), or the grace period running out, ends the waiting: the
 watch says so (``gave_up``) and the manager stops waiting for the save in
@@ -23,6 +25,7 @@ flight. Nothing partial is taken for complete (``.metadata`` is written last).
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
@@ -41,6 +44,10 @@ logger = logging.getLogger(__name__)
 # same signal twice (SLURM or a container runtime signals them all, and
 # torchrun's agent forwards its own).
 _ONE_NOTICE_S = 1.0
+# How often ranks compare notes: the collective's cost spread over this much
+# training, against a notice that arrives within about twice this.
+CHECK_EVERY_S = 0.5
+_MAX_POLLS_PER_CHECK = 1000
 
 Handler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -96,6 +103,11 @@ class PreemptionWatch:
         self._previous: dict[signal.Signals, Handler] = {}
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self._polled: tuple[int, bool] | None = None  # (step, answer) of the last poll
+        self._polls = 0  # polls made: the same count on every rank
+        self._next_check = 1  # the poll count of the next check step
+        self._every = 1  # polls between checks, from the reduced step time
+        self._last_poll_at: float | None = None
+        self._slowest_step_s = 0.0  # this rank's longest step since the last check
         self.agreed_step: int | None = None
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
@@ -138,20 +150,19 @@ class PreemptionWatch:
 
     # -- agreement ----------------------------------------------------------------------------
 
-    def poll(self, step: int) -> bool:
+    def poll(self, step: int, *, now: bool = False) -> bool:
         """Whether the job is being preempted, the same on every rank at the same ``step``.
 
         Collective when there is a group: every rank calls it once per step
         (a repeated call for the same step answers again without a collective).
+        ``now``: every rank checks at this step (a save step: every rank knows it
+        is one), waiting for the answer, so a notice never waits for the
+        schedule across saves that slow the steps down.
         """
         if self._polled is not None and self._polled[0] == step:
             return self._polled[1]
         if self.agreed_step is None:
-            if self._group is None:
-                seen = self.noticed
-            else:
-                seen = self._collect()
-                self._launch()
+            seen = self.noticed if self._group is None else self._check(now)
             if seen:
                 self.agreed_step = step
                 logger.warning("preemption noticed (%s): saving step %d, %.1f s of grace left",
@@ -160,19 +171,39 @@ class PreemptionWatch:
         self._polled = (step, answer)
         return answer
 
+    def _check(self, now: bool) -> bool:
+        """On a check step: the previous check's answer, and the next check started
+        (``now``: and its answer waited for)."""
+        at = time.monotonic()
+        if self._last_poll_at is not None:
+            self._slowest_step_s = max(self._slowest_step_s, at - self._last_poll_at)
+        self._last_poll_at = at
+        self._polls += 1
+        if self._polls < self._next_check and not now:
+            return False
+        seen = self._collect()
+        values = torch.tensor([1.0 if self.noticed else 0.0, self._slowest_step_s],
+                              dtype=torch.float64)
+        work = dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        if work is not None:
+            self._pending = (work, values)
+        self._slowest_step_s = 0.0
+        self._next_check = self._polls + self._every
+        if now:
+            seen = self._collect() or seen
+        return seen
+
     def _collect(self) -> bool:
+        """The answer of the check in flight (started a check ago: done by now, mostly)."""
         if self._pending is None:
             return False
-        work, flag = self._pending
+        work, values = self._pending
         self._pending = None
         work.wait()
-        return bool(flag.item())
-
-    def _launch(self) -> None:
-        flag = torch.tensor([1 if self.noticed else 0], dtype=torch.int32)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        if work is not None:
-            self._pending = (work, flag)
+        slowest = float(values[1].item())
+        if slowest > 0:
+            self._every = min(_MAX_POLLS_PER_CHECK, max(1, math.ceil(CHECK_EVERY_S / slowest)))
+        return bool(values[0].item())
 
     # -- end ----------------------------------------------------------------------------------
 
