@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -238,120 +239,228 @@ def markdown(report: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------
 # Plots
 # ---------------------------------------------------------------------------
+# Each frame answers the question a reader asks of a cell: how far is ours from
+# the floor, and from the best peer? So a frame draws ours (sync and async), the
+# best peer of each cell and the floor, one frame per link and rank count (or
+# size); every method lives in the tables of results/<stem>.md.
 
-_STYLE = {"loopback": "-", "remote": "--", "tbf": ":"}
-PLOTTED = ("raw_put", "raw_multipart", "torch_save", "fsspec_t8", "fsspec_async", "s3tc",
-           "vw_sync", "vw_async", "vw_sync_fresh", "vw_async_fresh")
+# Our writers as plotted: a fresh VolumeWriter per save (the README's first
+# example) where the run has it, else the reused one.
+_OURS_PLOTTED = (
+    (("vw_sync_fresh", "vw_sync"), "ours, dcp.save", "tab:blue", "o"),
+    (("vw_async_fresh", "vw_async"), "ours, dcp.async_save", "tab:orange", "s"),
+)
+_FRESH = {"vw_sync_fresh", "vw_async_fresh"}
+_PEER = {"color": "tab:gray", "marker": "^", "linestyle": "-"}
+_FLOOR = {"color": "black", "linestyle": "--", "marker": "x", "linewidth": 1.5}
+_TARGET = {"color": "black", "linestyle": ":", "marker": "_", "markersize": 12, "linewidth": 1.0}
+# A peer's blocking time: the async peers stage; a sync peer blocks for its save.
+_PEERS = ("fsspec_t1", "fsspec_t8", "fsspec_async", "s3tc", "torch_save", "local_fs")
 
 
-def _color(m: str) -> str:
-    colors = {
-        "raw_put": "black", "raw_multipart": "gray", "memcpy": "gray", "torch_save": "tab:brown",
-        "fsspec_t8": "tab:blue", "fsspec_async": "tab:cyan", "s3tc": "tab:purple",
-        "vw_sync": "tab:olive", "vw_async": "tab:green", "vw_sync_fresh": "tab:orange",
-        "vw_async_fresh": "tab:red", "local_fs": "tab:pink",
-    }
-    return colors.get(m, "tab:gray")
+def _ok(save: dict[str, Any] | None) -> bool:
+    return save is not None and bool(save["e2e_s"])
 
 
-def _series(
-    report: dict[str, Any], link: str, method: str, key: str, *, by: str, fixed: int
-) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
-    other = "world_size" if by == "size_mib" else "size_mib"
-    for cell in sorted(report["cells"], key=lambda c: c[by]):
-        s = cell["saves"].get(method)
-        if cell["link"] != link or cell[other] != fixed or not s or not s["e2e_s"]:
+def _ours(cells: list[dict[str, Any]], candidates: tuple[str, ...]) -> str | None:
+    """The first of ``candidates`` that saved in any of ``cells``."""
+    return next((m for m in candidates if any(_ok(c["saves"].get(m)) for c in cells)), None)
+
+
+def _ours_label(label: str, method: str) -> str:
+    return f"{label} ({'fresh' if method in _FRESH else 'reused'} writer)"
+
+
+def _mib(cell: dict[str, Any]) -> float:
+    return float(cell["size_mib"] * cell["world_size"])
+
+
+def _best_blocking_peer(cell: dict[str, Any]) -> str | None:
+    peers = [m for m in _PEERS if _ok(cell["saves"].get(m))]
+    return min(peers, key=lambda m: cell["saves"][m]["steady_blocking_s"], default=None)
+
+
+def _frame_series(ax: Any, cells: list[dict[str, Any]], x: str, metric: str) -> None:
+    """Draw ours, the best peer and the floor over ``cells`` (sorted by ``x``) into ``ax``.
+
+    ``metric`` is ``throughput`` (MiB/s, all ranks; floor: the raw upload) or
+    ``blocking`` (seconds; floor: the memcpy).
+    """
+    cells = sorted(cells, key=lambda c: c[x])
+    xs = [c[x] for c in cells]
+    if metric == "throughput":
+        floor = [_mib(c) / c["targets"]["floor_s"] for c in cells]
+        target = [f / 1.15 for f in floor]
+        ax.plot(xs, floor, label="upload floor (fastest raw upload, same bytes)", **_FLOOR)
+        ax.plot(xs, target, label="target: e2e <= 1.15x floor", **_TARGET)
+        peer_names = [c["targets"].get("best_peer") for c in cells]
+
+        def value(c: dict[str, Any], m: str) -> float:
+            return float(c["saves"][m]["steady_mib_s"])
+    else:
+        floor = [c["targets"]["memcpy_s"] for c in cells]
+        ax.plot(xs, floor, label="memcpy floor (copy into warm tensors)", **_FLOOR)
+        ax.plot(xs, [2 * f for f in floor], label="target: async <= 2x memcpy", **_TARGET)
+        peer_names = [_best_blocking_peer(c) for c in cells]
+
+        def value(c: dict[str, Any], m: str) -> float:
+            return float(c["saves"][m]["steady_blocking_s"])
+
+    peers = [(c[x], c, p) for c, p in zip(cells, peer_names, strict=True)
+             if p and _ok(c["saves"].get(p))]
+    if peers:
+        py = [value(c, p) for _, c, p in peers]
+        ax.plot([xv for xv, _, _ in peers], py, label="best peer (named at each point)", **_PEER)
+        for (xv, _, name), yv in zip(peers, py, strict=True):
+            ax.annotate(name, (xv, yv), textcoords="offset points", xytext=(4, -10),
+                        fontsize=7, color="dimgray")
+    for candidates, label, color, marker in _OURS_PLOTTED:
+        m = _ours(cells, candidates)
+        if m is None:
             continue
-        xs.append(cell[by])
-        ys.append(s[key])
-    return xs, ys
+        pts = [(c[x], value(c, m)) for c in cells if _ok(c["saves"].get(m))]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker,
+                linewidth=2, label=_ours_label(label, m))
+    ax.set_xticks(xs, [str(v) for v in xs])
+    ax.grid(True, alpha=0.3)
 
 
-def _save(fig: Any, path: Path) -> None:
-    fig.tight_layout()
+def _grid(report: dict[str, Any], metric: str, *, by: str) -> tuple[Any, int]:
+    """One frame per link (rows) and per value of the other axis (columns)."""
+    plt = pyplot()
+    cfg = report["config"]
+    links = [link for link in cfg["links"] if any(c["link"] == link for c in report["cells"])]
+    other = "world_size" if by == "size_mib" else "size_mib"
+    columns = sorted({c[other] for c in report["cells"]})
+    width = max(9.0, 4.6 * len(columns) + 1)
+    fig, axes = plt.subplots(max(1, len(links)), max(1, len(columns)),
+                             figsize=(width, 3.6 * max(1, len(links)) + 0.8), squeeze=False)
+    for i, link in enumerate(links):
+        for j, col in enumerate(columns):
+            ax = axes[i][j]
+            cells = [c for c in report["cells"] if c["link"] == link and c[other] == col]
+            if not cells:
+                ax.axis("off")
+                continue
+            _frame_series(ax, cells, by, metric)
+            if by == "size_mib":
+                ax.set_xscale("log", base=2)
+                ax.set_xticks([c[by] for c in cells], [str(c[by]) for c in cells])
+                ax.minorticks_off()
+                ax.set_xlabel("state per rank, MiB")
+                ax.set_title(f"{link}, {col} rank{'s' if col != 1 else ''}", fontsize=10)
+            else:
+                ax.set_xlabel("ranks")
+                ax.set_title(f"{link}, {col} MiB per rank", fontsize=10)
+            if metric == "throughput":
+                ax.set_ylabel("MiB/s, all ranks (higher is better)")
+                ax.set_ylim(bottom=0)
+            else:
+                from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+
+                ax.set_yscale("log")
+                ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+                ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+                ax.yaxis.set_minor_formatter(NullFormatter())
+                ax.set_ylabel("blocking s (log; lower is better)")
+    handles, labels = {}, []
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if label not in handles:
+                handles[label] = h
+                labels.append(label)
+    ncol = 3 if width >= 13 else 2
+    fig.legend([handles[label] for label in labels], labels, loc="lower center",
+               ncol=min(ncol, len(labels)), fontsize=8, frameon=False)
+    return fig, -(-len(labels) // ncol)
+
+
+def _save(fig: Any, path: Path, *, title: str, legend_rows: int) -> None:
+    width, height = fig.get_size_inches()
+    lines = textwrap.wrap(title, width=int(width * 15), break_on_hyphens=False)
+    fig.suptitle("\n".join(lines), fontsize=9)
+    # Room at the bottom for the shared legend, at the top for the title.
+    fig.tight_layout(rect=(0, (0.25 + 0.2 * legend_rows) / height, 1,
+                           1 - (0.2 + 0.17 * len(lines)) / height))
     fig.savefig(path, dpi=100)
     import matplotlib.pyplot as plt
 
     plt.close(fig)
 
 
-def plot_all(report: dict[str, Any], stem_path: Path) -> list[Path]:
-    """The four figures, as ``<stem>_<figure>.png``; returns their paths."""
-    plt = pyplot()
-    cfg = report["config"]
-    links = cfg["links"]
-    top_ranks, top_size = max(cfg["ranks"]), max(cfg["sizes_mib_per_rank"])
-    title = f"{cfg['target']}: {report['command']}"
-    paths = []
-
-    for fig_name, key, ylabel in (
-        ("throughput", "steady_mib_s", "MiB/s, all ranks (steady state, higher is better)"),
-        ("blocking", "steady_blocking_s", "blocking s (training waits; lower is better)"),
-    ):
-        fig, ax = plt.subplots(figsize=(9, 5.5))
-        methods = PLOTTED + (("memcpy",) if key == "steady_blocking_s" else ())
-        for link in links:
-            for m in methods:
-                xs, ys = _series(report, link, m, key, by="size_mib", fixed=top_ranks)
-                if xs:
-                    ax.plot(xs, ys, _STYLE.get(link, "-"), marker="o", color=_color(m),
-                            label=f"{m} ({link})")
-        ax.set_xscale("log", base=2)
-        if key == "steady_blocking_s":
-            ax.set_yscale("log")
-        ax.set_xlabel(f"state per rank, MiB ({top_ranks} ranks)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{fig_name} vs state size", fontsize=10)
-        ax.legend(fontsize=6, ncol=2)
-        fig.suptitle(title, fontsize=7)
-        path = stem_path.with_name(f"{stem_path.name}_{fig_name}.png")
-        _save(fig, path)
-        paths.append(path)
-
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    for link in links:
-        for m in PLOTTED:
-            xs, ys = _series(report, link, m, "steady_mib_s", by="world_size", fixed=top_size)
-            if xs:
-                ax.plot(xs, ys, _STYLE.get(link, "-"), marker="o", color=_color(m),
-                        label=f"{m} ({link})")
-    ax.set_xlabel(f"ranks ({top_size} MiB each)")
-    ax.set_ylabel("MiB/s, all ranks (higher is better)")
-    ax.set_title("scaling with ranks", fontsize=10)
-    ax.legend(fontsize=6, ncol=2)
-    fig.suptitle(title, fontsize=7)
-    path = stem_path.with_name(f"{stem_path.name}_scaling.png")
-    _save(fig, path)
-    paths.append(path)
-
+def _goodput_figure(report: dict[str, Any], title: str) -> Any:
+    """Goodput vs interval for the largest cell of each link: ours, the best peer, the floor."""
     from benchmarks._goodput import GoodputModel
 
+    plt = pyplot()
     g = report["goodput"]
     model = GoodputModel(g["failures_per_day"], g["restart_s"])
     heads = _headline_cells(g["cells"])
-    fig, axes = plt.subplots(1, max(1, len(heads)), figsize=(7 * max(1, len(heads)), 5),
+    fig, axes = plt.subplots(1, max(1, len(heads)), figsize=(6.5 * max(1, len(heads)), 5.4),
                              squeeze=False)
-    for ax, cell in zip(axes[0], heads, strict=False):
-        for m, w in cell["writers"].items():
-            xs, ys = model.curve(w["blocking_s"], w["e2e_s"])
-            ax.plot(xs, ys, color=_color(m), label=f"{m}: best {w['best_goodput']:.3%} "
-                    f"at {w['best_interval_s']:.0f} s")
-            ax.plot([w["best_interval_s"]], [w["best_goodput"]], "o", color=_color(m))
+    for ax, gcell in zip(axes[0], heads, strict=False):
+        writers = gcell["writers"]
+        cell = next((c for c in report["cells"] if c["link"] == gcell["link"]
+                     and c["size_mib"] == gcell["size_mib"]
+                     and c["world_size"] == gcell["world_size"]), None)
+        curves: list[tuple[str, float, float, dict[str, Any]]] = []
+        if cell is not None:
+            # No writer does better than this: nothing blocks, and the commit
+            # comes when the raw upload of the same bytes would be done.
+            curves.append(("ceiling: no blocking, commit at the upload floor", 0.0,
+                           cell["targets"]["floor_s"], dict(_FLOOR, marker="")))
+        peers = [m for m in writers if not m.startswith("vw_")]
+        if peers:
+            best = max(peers, key=lambda m: writers[m]["best_goodput"])
+            w = writers[best]
+            curves.append((f"best peer: {best}", w["blocking_s"], w["e2e_s"],
+                           dict(_PEER, marker="")))
+        for candidates, label, color, _ in _OURS_PLOTTED:
+            m = next((m for m in candidates if m in writers), None)
+            if m is not None:
+                w = writers[m]
+                curves.append((_ours_label(label, m), w["blocking_s"], w["e2e_s"],
+                               {"color": color, "marker": "", "linewidth": 2}))
+        tops = []
+        for label, blocking, e2e, style in curves:
+            xs, ys = model.curve(blocking, e2e)
+            b = model.best(blocking, e2e)
+            tops.append(b["best_goodput"])
+            ax.plot(xs, ys, label=f"{label}: best {b['best_goodput']:.3%} at "
+                    f"{b['best_interval_s']:.0f} s", **style)
+            ax.plot([b["best_interval_s"]], [b["best_goodput"]], "o", color=style["color"])
         ax.set_xscale("log")
-        best = max((w["best_goodput"] for w in cell["writers"].values()), default=1.0)
-        ax.set_ylim(max(0.0, best - 0.05), min(1.0, best + 0.005))
+        top = max(tops, default=1.0)
+        ax.set_ylim(max(0.0, top - 0.05), min(1.0, top + 0.005))
         ax.set_xlabel("checkpoint interval, s")
         ax.set_ylabel("goodput (share of wall time kept)")
-        ax.set_title(
-            f"{cell['link']}, {cell['world_size']} x {cell['size_mib']} MiB: "
-            f"{g['failures_per_day']:g} failures/day, restart {g['restart_s']:.0f} s",
-            fontsize=9,
-        )
-        ax.legend(fontsize=6)
-    fig.suptitle(title, fontsize=7)
+        ax.set_title(f"{gcell['link']}, {gcell['world_size']} x {gcell['size_mib']} MiB: "
+                     f"{g['failures_per_day']:g} failures/day, restart {g['restart_s']:.0f} s",
+                     fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
+    return fig
+
+
+def plot_all(report: dict[str, Any], stem_path: Path) -> list[Path]:
+    """The four figures, as ``<stem>_<figure>.png``; returns their paths.
+
+    ``throughput``: steady MiB/s vs state per rank, a frame per link and rank
+    count; ``blocking``: the same cells' blocking seconds against the memcpy;
+    ``scaling``: MiB/s vs ranks, a frame per link and size; ``goodput``: the
+    goodput model for the largest cell of each link.
+    """
+    title = f"{report['config']['target']}: {report['command']}"
+    paths = []
+    for name, metric, by in (("throughput", "throughput", "size_mib"),
+                             ("blocking", "blocking", "size_mib"),
+                             ("scaling", "throughput", "world_size")):
+        fig, legend_rows = _grid(report, metric, by=by)
+        path = stem_path.with_name(f"{stem_path.name}_{name}.png")
+        _save(fig, path, title=title, legend_rows=legend_rows)
+        paths.append(path)
+    fig = _goodput_figure(report, title)
     path = stem_path.with_name(f"{stem_path.name}_goodput.png")
-    _save(fig, path)
+    _save(fig, path, title=title, legend_rows=0)
     paths.append(path)
     return paths
-

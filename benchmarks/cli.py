@@ -8,6 +8,7 @@
     python -m benchmarks checkpoint --target s3://bucket/run --endpoint http://minio:9000 \\
         --storage-option key=... --storage-option secret=...
     python -m benchmarks checkpoint --link tbf --tbf-rate 800mbit   # kernel-shaped lo
+    python -m benchmarks replot [benchmarks/results/checkpoint.json ...]  # redraw the PNGs
 
 This module only parses and dispatches; the benchmarks are ``bench_*.py``.
 Heavy imports (torch, the clients) happen once a benchmark runs, so building
@@ -24,13 +25,14 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from benchmarks._common import LINKS, TBF_ENV, results_path, write_json
+from benchmarks._common import LINKS, RESULTS_DIR, TBF_ENV, results_path, write_json
 from benchmarks._goodput import DEFAULT_FAILURES_PER_DAY, DEFAULT_RESTART_S
 from benchmarks._targets import TargetError, add_target_arguments, resolve
 
-SUITES = ("checkpoint", "data", "all")
+SUITES = ("checkpoint", "data", "all", "replot")
 QUICK = {"sizes": (8,), "ranks": (2,), "repeats": 2, "load_repeats": 1, "local_tier_repeats": 1}
 
 
@@ -46,7 +48,12 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The suite's options (``dcp-volumes bench`` adds the same to its subparser)."""
-    p.add_argument("suite", choices=SUITES, help="which benchmark(s) to run")
+    p.add_argument("suite", choices=SUITES,
+                   help="which benchmark(s) to run; replot: draw the figures of saved results "
+                        "again")
+    p.add_argument("results", nargs="*", metavar="JSON",
+                   help="replot: the result files to draw (default: every checkpoint and data "
+                        "result under the results directory)")
     add_target_arguments(p)
     p.add_argument("--quick", action="store_true",
                    help="the smoke profile: 2 ranks x 8 MiB, 2 saves, small data sets (~2 min)")
@@ -88,7 +95,7 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     argv = [args.suite]
     for dest, default in defaults.items():
         value = getattr(args, dest, None)
-        if dest in ("suite", "json", "no_progress") or value is None or value == default:
+        if dest in ("suite", "results", "json", "no_progress") or value is None or value == default:
             continue
         flag = "--" + dest.replace("_", "-")  # every option here is spelled after its dest
         if value is True:
@@ -232,8 +239,54 @@ def run_data(args: argparse.Namespace) -> int:
     return int(bench_data.main(argv))
 
 
+def _result_file(name: str) -> Path:
+    path = Path(name)
+    if path.exists():
+        return path
+    if (RESULTS_DIR / path).exists():
+        return RESULTS_DIR / path
+    raise ValueError(f"{name}: no such result file (here or under {RESULTS_DIR}). Fix: give the "
+                     "path of a .json a benchmark wrote, e.g. benchmarks/results/checkpoint.json")
+
+
+def replot(names: Sequence[str], out: Any = None) -> int:
+    """Draw the figures of saved results again, beside each JSON, from its numbers alone.
+
+    With no names: every checkpoint and data result under the results directory
+    (what a change to the plots regenerates before it is committed).
+    """
+    from benchmarks import _ckpt_report, _data_report
+
+    explicit = bool(names)
+    files = (
+        [_result_file(n) for n in names]
+        if explicit
+        else sorted(p for p in RESULTS_DIR.rglob("*.json") if not p.name.endswith(".partial.json"))
+    )
+    for path in files:
+        report = json.loads(path.read_text())
+        kind = report.get("benchmark")
+        if kind == "checkpoint":
+            drawn = _ckpt_report.plot_all(report, path.with_suffix(""))
+        elif kind == "data":
+            drawn = [path.with_suffix(".png")]
+            _data_report.plot(report, drawn[0])
+        elif explicit:
+            raise ValueError(f"{path}: not a checkpoint or data result (its 'benchmark' is "
+                             f"{kind!r}). Fix: give a checkpoint*.json or data*.json")
+        else:
+            continue
+        print(f"{path}: " + ", ".join(p.name for p in drawn), file=out or sys.stdout)
+    return 0
+
+
 def run(args: argparse.Namespace, argv: Sequence[str], out: Any = None) -> int:
     """Run what ``args`` asks for; ``argv`` is the command line (for the reports and tbf)."""
+    if args.suite == "replot":
+        return replot(args.results, out)
+    if args.results:
+        raise ValueError(f"{' '.join(args.results)}: result files are for `replot`; "
+                         f"`{args.suite}` takes options only")
     resolve(args.target, endpoint=args.endpoint, options=args.storage_option)  # fail early
     if getattr(args, "no_progress", False):
         os.environ["TQDM_DISABLE"] = "1"  # tqdm reads it (the ranks inherit it too)

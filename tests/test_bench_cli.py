@@ -7,7 +7,10 @@ Nothing here starts a server or a rank: the runs themselves are in
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +18,7 @@ from benchmarks import cli as bench_cli
 from benchmarks._goodput import GoodputModel
 from benchmarks._targets import TargetError, parse_storage_options, resolve
 from dcp_volumes import cli
+from tests.emulators import repo_root
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -72,6 +76,8 @@ def test_usage_errors_exit_2(
         (["bench", "checkpoint", "--quick", "--methods", "vw_fast"], "unknown methods"),
         (["bench", "checkpoint", "--quick", "--target", "dir"], "no server to put"),
         (["bench", "checkpoint", "--quick", "--storage-option", "novalue"], "not key=value"),
+        (["bench", "checkpoint", "checkpoint.json", "--quick"], "result files are for `replot`"),
+        (["bench", "replot", "no/such/result.json"], "no such result file"),
     ],
 )
 def test_configuration_errors_are_one_line_exit_2(
@@ -81,6 +87,22 @@ def test_configuration_errors_are_one_line_exit_2(
     err = capsys.readouterr().err
     assert message in err and err.startswith("dcp-volumes bench: error:")
     assert "Traceback" not in err
+
+
+def test_replot_draws_a_saved_run_again_beside_its_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A committed run of two cells; the figures come from its numbers alone.
+    src = repo_root() / "benchmarks" / "results" / "checkpoint_gcs_quick.json"
+    run = tmp_path / "checkpoint_gcs_quick.json"
+    shutil.copy(src, run)
+    (tmp_path / "other.json").write_text(json.dumps({"benchmark": "local_tier"}))
+    assert cli.main(["bench", "replot", str(run)]) == 0
+    for fig in ("throughput", "blocking", "scaling", "goodput"):
+        assert (tmp_path / f"checkpoint_gcs_quick_{fig}.png").stat().st_size > 10_000
+    assert "checkpoint_gcs_quick_goodput.png" in capsys.readouterr().out
+    assert cli.main(["bench", "replot", str(tmp_path / "other.json")]) == 2
+    assert "not a checkpoint or data result" in capsys.readouterr().err
 
 
 def test_outside_a_checkout_says_how_to_run_it(
