@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
@@ -281,6 +282,48 @@ def test_bad_steps_and_closed_manager(tmp_path: Path) -> None:
     mgr.close()  # idempotent
     with pytest.raises(CheckpointError, match="closed"):
         mgr.save(1, state_for(1))
+
+
+@pytest.fixture
+def saved_step_12(tmp_path: Path) -> str:
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(12, {"model": {"w": torch.ones(16, 4)}, "step": 12})
+    return root
+
+
+def _restore_error(root: str, state: dict[str, Any]) -> CheckpointError:
+    with CheckpointManager(root) as mgr, pytest.raises(CheckpointError) as err:
+        mgr.restore(state)
+    assert isinstance(err.value.__cause__, BaseException)  # DCP's exception, chained
+    return err.value
+
+
+def test_a_restore_into_another_shape_names_the_key_both_shapes_and_the_fix(
+    saved_step_12: str,
+) -> None:
+    err = _restore_error(saved_step_12, {"model": {"w": torch.zeros(8, 4)}, "step": 0})
+    text = str(err)
+    assert "step-00000012" in text and "rank 0 failed" in text
+    assert "model.w" in text
+    assert "torch.Size([16, 4])" in text and "torch.Size([8, 4])" in text
+    assert "Fix:" in text and "allow_partial_load=True" in text
+    assert "CheckpointException ranks" not in text  # DCP's summary says nothing
+
+
+def test_a_restore_with_a_key_the_checkpoint_lacks_names_it_and_the_fix(
+    saved_step_12: str,
+) -> None:
+    state = {"model": {"w": torch.zeros(16, 4)}, "sched": {"x": torch.zeros(2)}, "step": 0}
+    text = str(_restore_error(saved_step_12, state))
+    assert "rank 0 failed" in text and "Missing key" in text and "sched.x" in text
+    assert "Fix:" in text and "DefaultLoadPlanner(allow_partial_load=True)" in text
+    # The fix the message gives works: the keys the checkpoint has are loaded.
+    with CheckpointManager(saved_step_12) as mgr:
+        step = mgr.restore(state, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    assert step == 12
+    assert torch.equal(state["model"]["w"], torch.ones(16, 4)) and state["step"] == 12
+    assert torch.equal(state["sched"]["x"], torch.zeros(2))  # left as it was
 
 
 def test_bad_roots(tmp_path: Path, s3_bucket: Location) -> None:

@@ -43,6 +43,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dcp_volumes._exceptions import (
@@ -79,6 +80,15 @@ from dcp_volumes.checkpoint._writer import VolumeWriter
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "ManagerOptions"]
+
+# How to fix a restore that DCP's planner refused (the state does not match the checkpoint).
+_MISMATCH_FIX = (
+    "The state given to restore() must have the checkpoint's keys and shapes. Fix: build the "
+    "model (and optimizer) with the configuration the checkpoint was saved with; or, to load "
+    "only the keys the checkpoint has and leave the others as they are, pass "
+    "planner=DefaultLoadPlanner(allow_partial_load=True) (from "
+    "torch.distributed.checkpoint) to restore()."
+)
 
 
 class CheckpointManager:
@@ -357,13 +367,30 @@ class CheckpointManager:
 
     # -- restore --------------------------------------------------------------------------
 
-    def restore(self, state: dict[str, Any], *, step: int | None = None) -> int | None:
+    def restore(
+        self,
+        state: dict[str, Any],
+        *,
+        step: int | None = None,
+        planner: LoadPlanner | None = None,
+    ) -> int | None:
         """Load the newest complete checkpoint (or ``step``) into ``state``.
 
         ``Stateful`` values are restored in place (``load_state_dict``), other
         values are replaced. Partial checkpoints are skipped with a warning.
         Returns the step loaded, or ``None`` when there is no complete
         checkpoint. Collective: every rank loads the step the coordinator chose.
+
+        Args:
+            state: what to load into; its keys and shapes must be the checkpoint's.
+            step: load this step instead of the newest complete one.
+            planner: ``dcp.load``'s planner (default: DCP's ``DefaultLoadPlanner``);
+                ``DefaultLoadPlanner(allow_partial_load=True)`` loads only the keys
+                the checkpoint has and leaves the others of ``state`` as they are.
+
+        Raises:
+            CheckpointError: the checkpoint does not match ``state`` (a key it lacks,
+                another shape): the message names the rank, the key and the shapes.
         """
         self._check_open()
         self._drain()
@@ -395,12 +422,12 @@ class CheckpointManager:
         )
         logger.info("restoring step %d from %s%s", chosen_step, url,
                     f" (local copy in {local})" if local else "")
-        with typed_errors(f"restore {url}"):
+        with typed_errors(f"restore {url}", refused_fix=_MISMATCH_FIX):
             # Read .metadata here first: where DCP fails on it, it keeps only the
             # message (its AssertionError joins the texts), not our typed error.
             # A rank-local checkpoint: each rank loads its own __<rank>.metadata.
             reader._read_for_load(self.rank if rank_local else None)
-            dcp.load(state, checkpoint_id=url, storage_reader=reader,
+            dcp.load(state, checkpoint_id=url, storage_reader=reader, planner=planner,
                      process_group=self._coord.group, no_dist=not self._coord.distributed)
         return chosen_step
 
