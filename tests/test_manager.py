@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -64,7 +65,7 @@ def restored(mgr: CheckpointManager, **kw: Any) -> tuple[int | None, dict[str, A
     return mgr.restore(state, **kw), state
 
 
-def complete_steps(url: str, options: dict[str, Any]) -> list[int]:
+def complete_steps(url: str, options: dict[str, Any] | None) -> list[int]:
     return [i.step for i in scan(Volume(url, storage_options=options)) if i.complete]
 
 
@@ -470,7 +471,7 @@ def test_local_tier_restores_from_local_disk_and_falls_back_per_file(
 # the tests below check its results.
 
 
-def _agree_on_restore(rank: int, url: str, options: dict) -> dict[str, Any]:
+def _agree_on_restore(rank: int, url: str, options: dict | None) -> dict[str, Any]:
     mgr = CheckpointManager(url, keep_last=2, storage_options=options)
     for i in (1, 2, 3):
         mgr.save(i, state_for(i, rank=rank))
@@ -509,11 +510,21 @@ def _one_rank_fails(rank: int, url: str, how: str, bad_staging: str) -> dict[str
     return {"errors": errors, "committed": committed, "complete": complete_steps(url, {})}
 
 
+def _options_from_environment(rank: int, url: str) -> dict[str, Any]:
+    # No storage_options anywhere: DCP_VOLUMES_STORAGE_OPTIONS (set for every rank)
+    # must reach the manager, its writer and its reader (the endpoint is moto's).
+    try:
+        return _agree_on_restore(rank, url, None)
+    except Exception as exc:  # reported, not raised: the other scenarios still run
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def _rank_scenarios(rank: int, world: int, base: str, s3_url: str, s3_options: dict,
-                    bad_staging: str) -> dict[str, Any]:
+                    bad_staging: str, env_url: str) -> dict[str, Any]:
     return {
         "agree_local": _agree_on_restore(rank, f"{base}/agree", {}),
         "agree_s3": _agree_on_restore(rank, s3_url, s3_options),
+        "agree_env": _options_from_environment(rank, env_url),
         "stateful": _one_rank_fails(rank, f"{base}/stateful", "stateful", bad_staging),
         "staging": _one_rank_fails(rank, f"{base}/staging", "staging", bad_staging),
     }
@@ -527,13 +538,30 @@ def two_ranks(
     bad = base / "not-a-dir"
     bad.write_bytes(b"")  # a staging "directory" that is a file: unusable on rank 1
     bucket = moto_server.create_bucket(f"t-ranks-{os.getpid()}")
+    env_bucket = moto_server.create_bucket(f"t-ranks-env-{os.getpid()}")
+    # As a user sets it once for the job (the local scenarios ignore it: paths take none).
+    env = {"DCP_VOLUMES_STORAGE_OPTIONS": json.dumps(moto_server.storage_options())}
     return run_ranks(_rank_scenarios, 2, str(base), f"{bucket}/run",
-                     moto_server.storage_options(), str(bad), timeout=240)
+                     moto_server.storage_options(), str(bad), f"{env_bucket}/run",
+                     timeout=240, env=env)
 
 
 @pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.emulator)])
 def test_two_ranks_save_and_agree_on_restore(two_ranks: list[dict[str, Any]], where: str) -> None:
     results = [r[f"agree_{where}"] for r in two_ranks]
+    assert [r["step"] for r in results] == [3, 3]
+    assert [r["diff"] for r in results] == [[], []]
+    assert results[0]["complete"] == [2, 3]
+
+
+@pytest.mark.emulator
+def test_two_ranks_take_storage_options_from_the_environment(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    # DCP_VOLUMES_STORAGE_OPTIONS is every entry point's default, the manager's too
+    # (it used to go to AWS's endpoint with no credentials).
+    results = [r["agree_env"] for r in two_ranks]
+    assert [r.get("error") for r in results] == [None, None]
     assert [r["step"] for r in results] == [3, 3]
     assert [r["diff"] for r in results] == [[], []]
     assert results[0]["complete"] == [2, 3]

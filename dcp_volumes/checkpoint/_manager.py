@@ -105,7 +105,9 @@ class CheckpointManager:
         keep_last: keep the newest N complete checkpoints (None: keep all).
             Older complete ones and partial ones older than the newest complete
             are deleted in the background after each commit.
-        storage_options: passed to fsspec (endpoint, credentials...).
+        storage_options: client options (endpoint, credentials...); ``None``:
+            ``DCP_VOLUMES_STORAGE_OPTIONS``, if set. Explicit options, ``{}`` included,
+            are used alone.
         staging_dir: local NVMe directory for serialised shards before upload
             (default: ``DCP_VOLUMES_STAGING`` or a temp dir).
         async_save: ``save`` returns after the in-memory staging copy and the
@@ -165,7 +167,8 @@ class CheckpointManager:
             writer_options=dict(writer_options or {}),
             reader_options=dict(reader_options or {}),
         )
-        self.storage_options = dict(storage_options or {})
+        # None stays None: each Volume then takes DCP_VOLUMES_STORAGE_OPTIONS.
+        self.storage_options = None if storage_options is None else dict(storage_options)
         self._volume = Volume(root_url, storage_options=self.storage_options, retry=retry)
         self._retry = retry
         self.staging_dir = os.fspath(staging_dir) if staging_dir is not None else None
