@@ -8,7 +8,13 @@ from dcp_volumes._volume._backend import Capabilities, FileInfo
 from dcp_volumes._volume._client_watchdog import STUCK_EXIT_CODE
 from dcp_volumes._volume._local import WRITE_PIECE, pieces, write_all
 from dcp_volumes._volume._obstore import used_here as obstore_used_here
-from dcp_volumes._volume._retry import LAG_DELAYS_S, LAG_TOTAL_S, RetryPolicy, redact_url
+from dcp_volumes._volume._retry import (
+    LAG_DELAYS_S,
+    LAG_TOTAL_S,
+    RetryPolicy,
+    redact_options,
+    redact_url,
+)
 from dcp_volumes._volume._select import LOCAL_PROTOCOLS
 from dcp_volumes._volume._volume import Volume, refuse_url_credentials
 
@@ -24,6 +30,7 @@ __all__ = [
     "Volume",
     "obstore_used_here",
     "pieces",
+    "redact_options",
     "redact_url",
     "refuse_url_credentials",
     "write_all",
