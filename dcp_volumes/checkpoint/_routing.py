@@ -302,9 +302,13 @@ class _RouteTable:
 
     def _install(self) -> None:
         for module_name, name, kind in TARGETS:
-            if (module_name, name) in self._installed:
-                continue
             module = importlib.import_module(module_name)
+            if (module_name, name) in self._installed:
+                stock, _ = self._installed[(module_name, name)]
+                if getattr(module, name) is not stock:
+                    continue  # our wrapper, or someone's over it
+                # Whoever wrapped ours put the stock function back: wrap it again.
+                del self._installed[(module_name, name)]
             original = getattr(module, name)
             wrapper = _wrap(original, kind, self)
             setattr(module, name, wrapper)
