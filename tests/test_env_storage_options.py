@@ -53,13 +53,13 @@ def test_every_entry_point_honours_the_variable(
     bucket, options = s3_bucket
     write_samples(f"{bucket}/train", options, 4)  # explicit options: before the variable
     monkeypatch.setenv(ENV, json.dumps(options))  # moto's endpoint: nowhere else below
-    state = {"w": torch.arange(32.0), "step": 7}
+    state: dict[str, Any] = {"w": torch.arange(32.0), "step": 7}
     (tmp_path / "staging").mkdir()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's "no process group" notes
         dcp.save(state, no_dist=True, storage_writer=VolumeWriter(
             f"{bucket}/plain", staging_dir=tmp_path / "staging"))
-        loaded = {"w": torch.zeros(32), "step": 0}
+        loaded: dict[str, Any] = {"w": torch.zeros(32), "step": 0}
         dcp.load(loaded, no_dist=True, storage_reader=VolumeReader(f"{bucket}/plain"))
     assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 7
 
@@ -67,7 +67,7 @@ def test_every_entry_point_honours_the_variable(
                            staging_dir=tmp_path / "staging") as mgr:
         mgr.save(3, state)
         assert [i.step for i in mgr.list()] == [3]
-        restored = {"w": torch.zeros(32), "step": 0}
+        restored: dict[str, Any] = {"w": torch.zeros(32), "step": 0}
         assert mgr.restore(restored) == 3
     assert torch.equal(restored["w"], state["w"])
 

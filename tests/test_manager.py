@@ -315,7 +315,8 @@ def test_a_restore_into_another_shape_names_the_key_both_shapes_and_the_fix(
 def test_a_restore_with_a_key_the_checkpoint_lacks_names_it_and_the_fix(
     saved_step_12: str,
 ) -> None:
-    state = {"model": {"w": torch.zeros(16, 4)}, "sched": {"x": torch.zeros(2)}, "step": 0}
+    state: dict[str, Any] = {
+        "model": {"w": torch.zeros(16, 4)}, "sched": {"x": torch.zeros(2)}, "step": 0}
     text = str(_restore_error(saved_step_12, state))
     assert "rank 0 failed" in text and "Missing key" in text and "sched.x" in text
     assert "Fix:" in text and "DefaultLoadPlanner(allow_partial_load=True)" in text
