@@ -5,7 +5,7 @@
 | ``DCP_VOLUMES_STAGING``     | default local staging dir for checkpoint writes  |
 | ``DCP_VOLUMES_CACHE``       | default local cache dir for training inputs      |
 | ``DCP_VOLUMES_MAX_RETRIES`` | attempts per volume call on transient errors     |
-| ``DCP_VOLUMES_STORAGE_OPTIONS`` | JSON object of fsspec options for the CLI and routed saves |
+| ``DCP_VOLUMES_STORAGE_OPTIONS`` | JSON object: options of a remote URL given none |
 | ``DCP_VOLUMES_ROUTE``       | URL prefixes ``route()`` routes (comma-separated) |
 | ``DCP_VOLUMES_ROUTE_CONFIG`` | TOML or JSON file of routing defaults and per-prefix options |
 | ``DCP_VOLUMES_BACKEND``     | ``fsspec``: S3/Azure through s3fs/adlfs, not obstore |
@@ -93,7 +93,14 @@ def world_info() -> tuple[int, int, int, int]:
 
 
 def storage_options() -> dict[str, Any]:
-    """The options in ``DCP_VOLUMES_STORAGE_OPTIONS`` (the CLI's and routed saves' default)."""
+    """The options in ``DCP_VOLUMES_STORAGE_OPTIONS``: the default of every entry point.
+
+    ``Volume`` applies them to a remote URL given no ``storage_options``
+    (``None``), so ``VolumeWriter``, ``VolumeReader``, ``CheckpointManager``,
+    ``VolumeDataset``, ``FileCache``, ``route()`` and the CLI all honour them;
+    explicit options, ``{}`` included, replace them whole (never merged). Local
+    paths take no options.
+    """
     raw = os.environ.get(STORAGE_OPTIONS)
     return parse_options(raw, STORAGE_OPTIONS) if raw else {}
 

@@ -15,6 +15,7 @@ from dcp_volumes import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointManager,
+    CheckpointNotFoundError,
     DcpVolumesError,
     VolumeReader,
     VolumeWriter,
@@ -71,3 +72,50 @@ def test_the_manager_raises_the_typed_error(tmp_path: Path) -> None:
         CheckpointError, match="restore"
     ):
         mgr.restore({"w": torch.zeros(7)})  # a shape DCP itself refuses
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.emulator)])
+def test_storage_error_finds_a_missing_checkpoint_that_dcp_swallowed(
+    request: pytest.FixtureRequest, tmp_path: Path, where: str
+) -> None:
+    # DCP's load catches our CheckpointNotFoundError (and the rank-local fallback's)
+    # and raises AssertionError("metadata is None; ...") carrying only their text.
+    if where == "local":
+        url, options = str(tmp_path / "never-saved"), {}
+    else:
+        bucket, options = request.getfixturevalue("s3_bucket")
+        url = f"{bucket}/run/step-00000001"
+    with pytest.raises(BaseException) as err, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"w": torch.zeros(4)}, no_dist=True,
+                 storage_reader=VolumeReader(url, storage_options=options))
+    assert not isinstance(err.value, DcpVolumesError)
+    typed = storage_error(err.value)
+    assert isinstance(typed, CheckpointNotFoundError), repr(err.value)
+    assert "No checkpoint at" in str(typed) and "Fix:" in str(typed)
+    with pytest.raises(CheckpointNotFoundError):  # the docstring's idiom
+        raise storage_error(err.value) or err.value
+    assert storage_error(err.value) is typed  # asked again: the same answer
+
+
+def test_storage_error_ignores_a_swallowed_error_of_another_call() -> None:
+    # Only the call that caught our error and then raised links them: an error raised
+    # elsewhere while one of ours is still alive is not ours.
+    kept = CheckpointNotFoundError("kept alive by this test")
+
+    def swallow_then_fail() -> None:
+        try:
+            raise kept
+        except CheckpointNotFoundError:
+            pass
+        raise AssertionError("metadata is None")
+
+    def fail_elsewhere() -> None:
+        raise AssertionError("metadata is None")
+
+    with pytest.raises(AssertionError) as linked:
+        swallow_then_fail()
+    assert storage_error(linked.value) is kept
+    with pytest.raises(AssertionError) as unrelated:
+        fail_elsewhere()
+    assert storage_error(unrelated.value) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
@@ -63,7 +65,7 @@ def restored(mgr: CheckpointManager, **kw: Any) -> tuple[int | None, dict[str, A
     return mgr.restore(state, **kw), state
 
 
-def complete_steps(url: str, options: dict[str, Any]) -> list[int]:
+def complete_steps(url: str, options: dict[str, Any] | None) -> list[int]:
     return [i.step for i in scan(Volume(url, storage_options=options)) if i.complete]
 
 
@@ -283,6 +285,49 @@ def test_bad_steps_and_closed_manager(tmp_path: Path) -> None:
         mgr.save(1, state_for(1))
 
 
+@pytest.fixture
+def saved_step_12(tmp_path: Path) -> str:
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(12, {"model": {"w": torch.ones(16, 4)}, "step": 12})
+    return root
+
+
+def _restore_error(root: str, state: dict[str, Any]) -> CheckpointError:
+    with CheckpointManager(root) as mgr, pytest.raises(CheckpointError) as err:
+        mgr.restore(state)
+    assert isinstance(err.value.__cause__, BaseException)  # DCP's exception, chained
+    return err.value
+
+
+def test_a_restore_into_another_shape_names_the_key_both_shapes_and_the_fix(
+    saved_step_12: str,
+) -> None:
+    err = _restore_error(saved_step_12, {"model": {"w": torch.zeros(8, 4)}, "step": 0})
+    text = str(err)
+    assert "step-00000012" in text and "rank 0 failed" in text
+    assert "model.w" in text
+    assert "torch.Size([16, 4])" in text and "torch.Size([8, 4])" in text
+    assert "Fix:" in text and "allow_partial_load=True" in text
+    assert "CheckpointException ranks" not in text  # DCP's summary says nothing
+
+
+def test_a_restore_with_a_key_the_checkpoint_lacks_names_it_and_the_fix(
+    saved_step_12: str,
+) -> None:
+    state: dict[str, Any] = {
+        "model": {"w": torch.zeros(16, 4)}, "sched": {"x": torch.zeros(2)}, "step": 0}
+    text = str(_restore_error(saved_step_12, state))
+    assert "rank 0 failed" in text and "Missing key" in text and "sched.x" in text
+    assert "Fix:" in text and "DefaultLoadPlanner(allow_partial_load=True)" in text
+    # The fix the message gives works: the keys the checkpoint has are loaded.
+    with CheckpointManager(saved_step_12) as mgr:
+        step = mgr.restore(state, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    assert step == 12
+    assert torch.equal(state["model"]["w"], torch.ones(16, 4)) and state["step"] == 12
+    assert torch.equal(state["sched"]["x"], torch.zeros(2))  # left as it was
+
+
 def test_bad_roots(tmp_path: Path, s3_bucket: Location) -> None:
     _, options = s3_bucket
     with pytest.raises(BucketNotFoundError, match="no-such-bucket-dcpv"):
@@ -427,7 +472,7 @@ def test_local_tier_restores_from_local_disk_and_falls_back_per_file(
 # the tests below check its results.
 
 
-def _agree_on_restore(rank: int, url: str, options: dict) -> dict[str, Any]:
+def _agree_on_restore(rank: int, url: str, options: dict | None) -> dict[str, Any]:
     mgr = CheckpointManager(url, keep_last=2, storage_options=options)
     for i in (1, 2, 3):
         mgr.save(i, state_for(i, rank=rank))
@@ -466,11 +511,21 @@ def _one_rank_fails(rank: int, url: str, how: str, bad_staging: str) -> dict[str
     return {"errors": errors, "committed": committed, "complete": complete_steps(url, {})}
 
 
+def _options_from_environment(rank: int, url: str) -> dict[str, Any]:
+    # No storage_options anywhere: DCP_VOLUMES_STORAGE_OPTIONS (set for every rank)
+    # must reach the manager, its writer and its reader (the endpoint is moto's).
+    try:
+        return _agree_on_restore(rank, url, None)
+    except Exception as exc:  # reported, not raised: the other scenarios still run
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def _rank_scenarios(rank: int, world: int, base: str, s3_url: str, s3_options: dict,
-                    bad_staging: str) -> dict[str, Any]:
+                    bad_staging: str, env_url: str) -> dict[str, Any]:
     return {
         "agree_local": _agree_on_restore(rank, f"{base}/agree", {}),
         "agree_s3": _agree_on_restore(rank, s3_url, s3_options),
+        "agree_env": _options_from_environment(rank, env_url),
         "stateful": _one_rank_fails(rank, f"{base}/stateful", "stateful", bad_staging),
         "staging": _one_rank_fails(rank, f"{base}/staging", "staging", bad_staging),
     }
@@ -484,13 +539,30 @@ def two_ranks(
     bad = base / "not-a-dir"
     bad.write_bytes(b"")  # a staging "directory" that is a file: unusable on rank 1
     bucket = moto_server.create_bucket(f"t-ranks-{os.getpid()}")
+    env_bucket = moto_server.create_bucket(f"t-ranks-env-{os.getpid()}")
+    # As a user sets it once for the job (the local scenarios ignore it: paths take none).
+    env = {"DCP_VOLUMES_STORAGE_OPTIONS": json.dumps(moto_server.storage_options())}
     return run_ranks(_rank_scenarios, 2, str(base), f"{bucket}/run",
-                     moto_server.storage_options(), str(bad), timeout=240)
+                     moto_server.storage_options(), str(bad), f"{env_bucket}/run",
+                     timeout=240, env=env)
 
 
 @pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.emulator)])
 def test_two_ranks_save_and_agree_on_restore(two_ranks: list[dict[str, Any]], where: str) -> None:
     results = [r[f"agree_{where}"] for r in two_ranks]
+    assert [r["step"] for r in results] == [3, 3]
+    assert [r["diff"] for r in results] == [[], []]
+    assert results[0]["complete"] == [2, 3]
+
+
+@pytest.mark.emulator
+def test_two_ranks_take_storage_options_from_the_environment(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    # DCP_VOLUMES_STORAGE_OPTIONS is every entry point's default, the manager's too
+    # (it used to go to AWS's endpoint with no credentials).
+    results = [r["agree_env"] for r in two_ranks]
+    assert [r.get("error") for r in results] == [None, None]
     assert [r["step"] for r in results] == [3, 3]
     assert [r["diff"] for r in results] == [[], []]
     assert results[0]["complete"] == [2, 3]

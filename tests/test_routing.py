@@ -302,6 +302,11 @@ def test_unroute_leaves_a_later_wrapper_in_place(
         dcp_volumes.unroute()
     finally:
         dcp.save = STOCK[("torch.distributed.checkpoint", "save")]
+    # They put the stock function back: routing again wraps it again (it used to
+    # skip the name, still noted as wrapped, and every later dcp.save went to stock DCP).
+    with dcp_volumes.route([str(tmp_path)]):
+        dcp.save(_state(), checkpoint_id=str(tmp_path / "restored"))
+    assert _managed(tmp_path / "restored")
 
 
 def test_runner_routes_an_unchanged_script(tmp_path: Path) -> None:

@@ -25,16 +25,23 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+import dcp_volumes
 from dcp_volumes import (
+    CheckpointInfo,
     CheckpointManager,
+    DataLoader,
     FileCache,
+    Route,
+    Routing,
     VolumeDataset,
     VolumeReader,
     VolumeWriter,
+    ZstdCompression,
 )
 from dcp_volumes._volume import RetryPolicy, Volume
 from tests.emulators import MotoServer
 from tests.test_cli import run_cli
+from tests.test_data_support import write_samples
 
 pytestmark = [pytest.mark.emulator, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -143,9 +150,17 @@ def _fetch(url: str, opts: dict[str, Any], tmp: Path) -> None:
     FileCache(tmp / "cache").fetch(f"{url.rstrip('/')}/no-such-file.bin", storage_options=opts)
 
 
+def _routed_save(url: str, opts: dict[str, Any], tmp: Path) -> None:
+    # route() logs its prefixes and each routed call: they must not show the secret either.
+    with dcp_volumes.route([url], storage_options=opts, staging_dir=tmp,
+                           writer_options={"retry": FAST}), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state(), checkpoint_id=url, no_dist=True)
+
+
 OPERATIONS: dict[str, Callable[[str, dict[str, Any], Path], None]] = {
     "save": _save, "load": _load, "restore": _restore, "manager save": _manager_save,
-    "dataset": _dataset, "cache fetch": _fetch,
+    "dataset": _dataset, "cache fetch": _fetch, "routed save": _routed_save,
 }
 
 # (case, how to build (url, storage_options) from the fixtures).
@@ -210,11 +225,18 @@ def test_reprs_never_show_the_secret(servers: dict[str, str], tmp_path: Path,
                  lambda: VolumeWriter(url, storage_options=opts, staging_dir=tmp_path),
                  lambda: VolumeReader(url, storage_options=opts),
                  lambda: CheckpointManager(url, storage_options=opts, staging_dir=tmp_path,
-                                           retry=FAST)):
+                                           retry=FAST),
+                 lambda: CheckpointInfo(step=1, url=url, complete=True)):
         try:
             objects.append(make())
         except Exception as exc:  # refused at construction: then the error must hide it
             _assert_hidden(_texts(exc), f"constructing for {case}")
+    # Routing: what route() and active_routes() return (a Route is a dataclass whose
+    # default repr printed storage_options whole).
+    with dcp_volumes.route([url], storage_options=opts) as routing:
+        objects += [routing, *routing.routes, dcp_volumes.active_routes()]
+    with dcp_volumes.route({url: opts}) as routing:
+        objects += [routing, *routing.routes, dcp_volumes.active_routes()]
     for obj in objects:
         texts = [repr(obj), str(obj)]
         for attr in ("checkpoint_id", "display_url"):
@@ -278,3 +300,63 @@ def test_bad_storage_options_json_never_echoes_it(tmp_path: Path) -> None:
     res = run_cli("ls", str(tmp_path), "--storage-options", text)
     assert res.returncode != 0
     _assert_hidden([res.stdout, res.stderr], "the CLI's bad-JSON error")
+
+
+# Every public type that holds storage options (or a URL that may carry a secret), as a
+# user builds it: a guard below makes a new public type join this list.
+HOLDERS = {"CheckpointInfo", "CheckpointManager", "DataLoader", "FileCache", "Route",
+           "Routing", "VolumeDataset", "VolumeReader", "VolumeWriter"}
+# Public types that hold neither.
+NO_OPTIONS = {"RetryPolicy", "ZstdCompression"}
+
+
+def test_every_public_type_is_checked_below() -> None:
+    types = {name for name in dcp_volumes.__all__
+             if isinstance(getattr(dcp_volumes, name), type)
+             and not issubclass(getattr(dcp_volumes, name), BaseException)}
+    assert types == HOLDERS | NO_OPTIONS, "add the new public type to HOLDERS or NO_OPTIONS"
+
+
+def test_no_public_object_shows_the_secret(
+    s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    bucket, good = s3_bucket
+    # The shared moto accepts any key pair: every object below really uses the secret.
+    opts = {**good, "secret": SECRET, "token": SECRET}
+    write_samples(f"{bucket}/train", opts, 4)
+    objects: dict[str, list[Any]] = {name: [] for name in HOLDERS | NO_OPTIONS}
+    with caplog.at_level(logging.DEBUG):
+        with CheckpointManager(f"{bucket}/run", storage_options=opts, staging_dir=tmp_path,
+                               async_save=False) as mgr:
+            mgr.save(1, _state())
+            objects["CheckpointManager"].append(mgr)
+            objects["CheckpointInfo"] += mgr.list()
+        signed = f"{bucket}/run/step-00000001?X-Amz-Signature={SECRET}"
+        objects["CheckpointInfo"].append(CheckpointInfo(step=1, url=signed, complete=True))
+        objects["VolumeWriter"].append(VolumeWriter(f"{bucket}/w", storage_options=opts,
+                                                    staging_dir=tmp_path))
+        objects["VolumeReader"].append(VolumeReader(f"{bucket}/run/step-00000001",
+                                                    storage_options=opts))
+        ds = VolumeDataset(f"{bucket}/train", storage_options=opts,
+                           cache_dir=tmp_path / "cache", shuffle=False)
+        loader = DataLoader(ds, batch_size=2, num_workers=0)
+        assert len(list(loader)) == 2
+        objects["VolumeDataset"].append(ds)
+        objects["DataLoader"].append(loader)
+        cache = FileCache(tmp_path / "cache2")
+        first = Volume(f"{bucket}/train", storage_options=opts).list()[0].path
+        cache.fetch(f"{bucket}/train/{first}", storage_options=opts)
+        objects["FileCache"].append(cache)
+        with dcp_volumes.route([f"{bucket}/routed/"], storage_options=opts) as routing:
+            objects["Routing"].append(routing)
+            objects["Route"] += [*routing.routes, dcp_volumes.active_routes()]
+        objects["RetryPolicy"].append(FAST)
+        objects["ZstdCompression"].append(ZstdCompression())
+    for name, found in objects.items():
+        assert found, f"no {name} was built"
+        for obj in found:
+            _assert_hidden([repr(obj), str(obj)], f"the repr of {name}")
+    _assert_hidden(_log_texts(caplog), "the logs of building the public objects")
+    route = objects["Route"][0]
+    assert isinstance(route, Route) and isinstance(objects["Routing"][0], Routing)
+    assert "'secret': '***'" in repr(route)  # hidden, yet the key is there to see

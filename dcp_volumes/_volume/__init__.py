@@ -9,7 +9,13 @@ from dcp_volumes._volume._client_watchdog import STUCK_EXIT_CODE
 from dcp_volumes._volume._lag import despite_lag, until_shown
 from dcp_volumes._volume._local import WRITE_PIECE, pieces, write_all
 from dcp_volumes._volume._obstore import used_here as obstore_used_here
-from dcp_volumes._volume._retry import LAG_DELAYS_S, LAG_TOTAL_S, RetryPolicy, redact_url
+from dcp_volumes._volume._retry import (
+    LAG_DELAYS_S,
+    LAG_TOTAL_S,
+    RetryPolicy,
+    redact_options,
+    redact_url,
+)
 from dcp_volumes._volume._select import LOCAL_PROTOCOLS
 from dcp_volumes._volume._volume import Volume, refuse_url_credentials
 
@@ -26,6 +32,7 @@ __all__ = [
     "despite_lag",
     "obstore_used_here",
     "pieces",
+    "redact_options",
     "redact_url",
     "refuse_url_credentials",
     "until_shown",

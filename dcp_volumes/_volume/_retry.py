@@ -207,6 +207,29 @@ def secret_values(options: Mapping[str, Any]) -> list[str]:
     return found
 
 
+def redact_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` as a repr, log or message may show them: the value of every secret
+    key (``secret_values``' keys, nested too) as ``***``, URLs without credentials
+    (``redact_url``), and any other text with a secret in it scrubbed."""
+    hidden = secret_values(options)
+
+    def show(key: Any, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: show(k, v) for k, v in value.items()}
+        if str(key).lower() in _SECRET_KEYS:
+            return "***"
+        if isinstance(value, (list, tuple)):
+            return type(value)(show(None, v) for v in value)
+        if isinstance(value, str):
+            text = redact_url(value)
+            for secret in hidden + url_secrets(value):
+                text = text.replace(secret, "***")
+            return text
+        return value
+
+    return {k: show(k, v) for k, v in options.items()}
+
+
 def url_secrets(url: str) -> list[str]:
     """The secrets a URL may carry: its password and its query's values (``?sig=...``)."""
     if "@" not in url and "?" not in url:

@@ -67,6 +67,9 @@ class Volume:
             ``connection_string``...) or obstore's own; any fsspec option for
             other protocols; and ours, ``ranged_reads_cost_whole_object=True``
             for a server that reads the whole object per ranged read (moto).
+            ``None`` (not given): the options in ``DCP_VOLUMES_STORAGE_OPTIONS``
+            for a remote URL (local paths take none); given options, ``{}``
+            included, are used alone (never merged with the variable's).
         retry: retry policy for transient errors; defaults to 5 attempts
             (``DCP_VOLUMES_MAX_RETRIES`` overrides the count).
     """
@@ -86,6 +89,10 @@ class Volume:
             )
         protocol, path = split_protocol(url)
         self.protocol: str = (protocol or "file").lower()
+        if storage_options is None and self.protocol not in LOCAL_PROTOCOLS:
+            # The one place every entry point (writer, reader, manager, dataset,
+            # cache, routing, CLI) takes the environment's default options from.
+            storage_options = _env.storage_options()
         self.storage_options: dict[str, Any] = dict(storage_options or {})
         refuse_url_credentials(self.protocol, url)
         self.retry = retry or RetryPolicy(attempts=_env.max_retries(5))

@@ -19,7 +19,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dcp_volumes._exceptions import CheckpointError, DcpVolumesError, storage_error
+from dcp_volumes._exceptions import (
+    CheckpointError,
+    DcpVolumesError,
+    rank_failures,
+    storage_error,
+)
 from dcp_volumes._world import World, distributed
 
 logger = logging.getLogger(__name__)
@@ -35,10 +40,13 @@ def summary(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def typed_errors(what: str) -> Iterator[None]:
+def typed_errors(what: str, *, refused_fix: str = "") -> Iterator[None]:
     """Raise the dcp_volumes error inside DCP's ``CheckpointException`` (a
     ``BaseException`` that ``except DcpVolumesError`` would miss); any other failure
-    of DCP becomes a ``CheckpointError`` naming ``what``."""
+    of DCP becomes a ``CheckpointError`` naming ``what``, the failed rank and its
+    error (not DCP's bare "CheckpointException ranks:..."). ``refused_fix`` ends
+    the message where DCP itself refused on some rank (its planner: a key or a
+    shape the checkpoint does not match), not where storage failed."""
     try:
         yield
     except (KeyboardInterrupt, SystemExit, DcpVolumesError):
@@ -47,7 +55,17 @@ def typed_errors(what: str) -> Iterator[None]:
         typed = storage_error(exc)
         if typed is not None:
             raise typed from exc
-        raise CheckpointError(f"Could not {what}: {summary(exc)}") from exc
+        failed = rank_failures(exc)
+        if not failed:
+            raise CheckpointError(f"Could not {what}: {summary(exc)}") from exc
+        rank, first = failed[0]
+        others = [str(r) for r, _ in failed[1:]]
+        also = f" (rank{'s' if len(others) > 1 else ''} {', '.join(others)} too)" if others else ""
+        reason = summary(first).rstrip(".")
+        fix = f" {refused_fix}" if refused_fix else ""
+        raise CheckpointError(
+            f"Could not {what}: rank {rank} failed{also}: {reason}.{fix}"
+        ) from exc
 
 
 class Coordinator:

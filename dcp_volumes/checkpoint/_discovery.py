@@ -33,7 +33,7 @@ import logging
 import re
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from dcp_volumes._exceptions import (
@@ -139,6 +139,15 @@ class CheckpointInfo:
     newer_format: bool = False
     rank_local: bool = False
     ranks: int | None = None
+
+    def __repr__(self) -> str:
+        # The dataclass repr, with the URL as messages show it (a signed URL's
+        # ?sig=, a user:password@ removed): url itself stays loadable.
+        shown = []
+        for f in fields(self):
+            value = redact_url(self.url) if f.name == "url" else getattr(self, f.name)
+            shown.append(f"{f.name}={value!r}")
+        return f"CheckpointInfo({', '.join(shown)})"
 
 
 def sort_key(info: CheckpointInfo) -> tuple[int, int, str]:

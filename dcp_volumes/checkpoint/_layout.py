@@ -146,7 +146,7 @@ class CheckpointLocation:
     """
 
     _volume: Volume
-    _storage_options: dict[str, Any]
+    _storage_options: dict[str, Any] | None  # None: DCP_VOLUMES_STORAGE_OPTIONS
     _retry: RetryPolicy | None
     options: Any
 

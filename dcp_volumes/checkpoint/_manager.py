@@ -45,6 +45,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dcp_volumes._exceptions import (
@@ -83,6 +84,15 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "ManagerOptions"]
 
+# How to fix a restore that DCP's planner refused (the state does not match the checkpoint).
+_MISMATCH_FIX = (
+    "The state given to restore() must have the checkpoint's keys and shapes. Fix: build the "
+    "model (and optimizer) with the configuration the checkpoint was saved with; or, to load "
+    "only the keys the checkpoint has and leave the others as they are, pass "
+    "planner=DefaultLoadPlanner(allow_partial_load=True) (from "
+    "torch.distributed.checkpoint) to restore()."
+)
+
 
 class CheckpointManager:
     """Save, list, restore and prune the checkpoints of one training run.
@@ -98,7 +108,9 @@ class CheckpointManager:
         keep_last: keep the newest N complete checkpoints (None: keep all).
             Older complete ones and partial ones older than the newest complete
             are deleted in the background after each commit.
-        storage_options: passed to fsspec (endpoint, credentials...).
+        storage_options: client options (endpoint, credentials...); ``None``:
+            ``DCP_VOLUMES_STORAGE_OPTIONS``, if set. Explicit options, ``{}`` included,
+            are used alone.
         staging_dir: local NVMe directory for serialised shards before upload
             (default: ``DCP_VOLUMES_STAGING`` or a temp dir).
         async_save: ``save`` returns after the in-memory staging copy and the
@@ -185,7 +197,8 @@ class CheckpointManager:
             save_interval_steps=save_interval_steps,
             preemption_grace_s=preemption_grace_s,
         )
-        self.storage_options = dict(storage_options or {})
+        # None stays None: each Volume then takes DCP_VOLUMES_STORAGE_OPTIONS.
+        self.storage_options = None if storage_options is None else dict(storage_options)
         self._volume = Volume(root_url, storage_options=self.storage_options, retry=retry)
         self._retry = retry
         self.staging_dir = os.fspath(staging_dir) if staging_dir is not None else None
@@ -446,13 +459,30 @@ class CheckpointManager:
 
     # -- restore --------------------------------------------------------------------------
 
-    def restore(self, state: dict[str, Any], *, step: int | None = None) -> int | None:
+    def restore(
+        self,
+        state: dict[str, Any],
+        *,
+        step: int | None = None,
+        planner: LoadPlanner | None = None,
+    ) -> int | None:
         """Load the newest complete checkpoint (or ``step``) into ``state``.
 
         ``Stateful`` values are restored in place (``load_state_dict``), other
         values are replaced. Partial checkpoints are skipped with a warning.
         Returns the step loaded, or ``None`` when there is no complete
         checkpoint. Collective: every rank loads the step the coordinator chose.
+
+        Args:
+            state: what to load into; its keys and shapes must be the checkpoint's.
+            step: load this step instead of the newest complete one.
+            planner: ``dcp.load``'s planner (default: DCP's ``DefaultLoadPlanner``);
+                ``DefaultLoadPlanner(allow_partial_load=True)`` loads only the keys
+                the checkpoint has and leaves the others of ``state`` as they are.
+
+        Raises:
+            CheckpointError: the checkpoint does not match ``state`` (a key it lacks,
+                another shape): the message names the rank, the key and the shapes.
         """
         self._check_open()
         self._drain()
@@ -484,12 +514,12 @@ class CheckpointManager:
         )
         logger.info("restoring step %d from %s%s", chosen_step, url,
                     f" (local copy in {local})" if local else "")
-        with typed_errors(f"restore {url}"):
+        with typed_errors(f"restore {url}", refused_fix=_MISMATCH_FIX):
             # Read .metadata here first: where DCP fails on it, it keeps only the
             # message (its AssertionError joins the texts), not our typed error.
             # A rank-local checkpoint: each rank loads its own __<rank>.metadata.
             reader._read_for_load(self.rank if rank_local else None)
-            dcp.load(state, checkpoint_id=url, storage_reader=reader,
+            dcp.load(state, checkpoint_id=url, storage_reader=reader, planner=planner,
                      process_group=self._coord.group, no_dist=not self._coord.distributed)
         return chosen_step
 

@@ -129,7 +129,8 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
 
     Args:
         path: the checkpoint's URL or directory.
-        storage_options: passed to fsspec (endpoint, credentials...).
+        storage_options: client options (endpoint, credentials...); ``None``:
+            ``DCP_VOLUMES_STORAGE_OPTIONS``, if set.
         verify: download every referenced file whole and check its checksum
             (otherwise only files read whole anyway are checked).
         local_copy_dir: the ``local_copy_dir`` given to ``VolumeWriter``: files
@@ -172,7 +173,8 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             coalesce_gap=int(parse_size(coalesce_gap, what="coalesce_gap") or 0),
             prefetch_bytes=int(parse_size(prefetch_bytes, what="prefetch_bytes") or 0),
         )
-        self._storage_options = dict(storage_options or {})
+        # None stays None: each Volume then takes DCP_VOLUMES_STORAGE_OPTIONS.
+        self._storage_options = None if storage_options is None else dict(storage_options)
         self._retry = retry
         self._volume = Volume(path, storage_options=self._storage_options, retry=retry)
         self._storage_data: dict[Any, Any] = {}

@@ -24,7 +24,8 @@ A wrapper acts only when the call passes ``checkpoint_id`` *and no*
 ``storage_writer`` / ``storage_reader``, and the id starts with a routed prefix
 (the longest matching prefix wins); it then builds a ``VolumeWriter`` /
 ``VolumeReader`` for the id with that route's options and calls the original
-with it. Every other call goes to the original untouched. No private torch
+with it (and ``checkpoint_id=None``: DCP then logs the writer's or reader's id,
+which shows no credentials). Every other call goes to the original untouched. No private torch
 attribute is read or patched. References taken *before* routing
 (``from torch.distributed.checkpoint import save`` at import time, a
 ``functools.partial`` of ``dcp.save``) keep calling the stock function;
@@ -68,12 +69,13 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType, TracebackType
 from typing import Any
 
 from dcp_volumes import _env
 from dcp_volumes._exceptions import ConfigurationError
+from dcp_volumes._volume import redact_options, redact_url
 from dcp_volumes.checkpoint._reader import VolumeReader
 from dcp_volumes.checkpoint._writer import VolumeWriter
 
@@ -142,8 +144,8 @@ class Route:
             value = getattr(self, name)
             if not isinstance(value, Mapping):
                 raise ConfigurationError(
-                    f"Route {self.prefix!r}: {name} must be a mapping (a dict or a TOML table), "
-                    f"not {type(value).__name__}."
+                    f"Route {redact_url(self.prefix)!r}: {name} must be a mapping (a dict or "
+                    f"a TOML table), not {type(value).__name__}."
                 )
             object.__setattr__(self, name, _frozen(value))
         for name in ("upload_concurrency", "read_concurrency"):
@@ -151,16 +153,29 @@ class Route:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ConfigurationError(
-                    f"Route {self.prefix!r}: {name}={value!r} must be an integer >= 1."
+                    f"Route {redact_url(self.prefix)!r}: {name}={value!r} must be an integer >= 1."
                 )
         if not isinstance(self.overwrite, bool):
             raise ConfigurationError(
-                f"Route {self.prefix!r}: overwrite={self.overwrite!r} must be true or false."
+                f"Route {redact_url(self.prefix)!r}: overwrite={self.overwrite!r} must be true "
+                "or false."
             )
         _check_keywords(self.prefix, "writer_options", self.writer_options, VolumeWriter,
                         _WRITER_OWN)
         _check_keywords(self.prefix, "reader_options", self.reader_options, VolumeReader,
                         _READER_OWN)
+
+    def __repr__(self) -> str:
+        # Not the dataclass repr: storage_options hold credentials (redact_options' rule).
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "prefix":
+                value = redact_url(value)
+            elif isinstance(value, Mapping):
+                value = redact_options(value)
+            shown.append(f"{f.name}={value!r}")
+        return f"Route({', '.join(shown)})"
 
     def matches(self, checkpoint_id: str) -> bool:
         """Whether ``checkpoint_id`` is this prefix or lies below it."""
@@ -199,13 +214,13 @@ def _check_keywords(
     for key in options:
         if key in own:
             raise ConfigurationError(
-                f"Route {prefix!r}: {what} sets {key!r}, which the route sets itself; give it "
-                f"as the route's own option ({key} = ...) instead."
+                f"Route {redact_url(prefix)!r}: {what} sets {key!r}, which the route sets "
+                f"itself; give it as the route's own option ({key} = ...) instead."
             )
         if key not in accepted:
             raise ConfigurationError(
-                f"Route {prefix!r}: {what} has {key!r}, which {cls.__name__} does not take. "
-                f"It takes: {', '.join(sorted(accepted - own))}."
+                f"Route {redact_url(prefix)!r}: {what} has {key!r}, which {cls.__name__} does "
+                f"not take. It takes: {', '.join(sorted(accepted - own))}."
             )
 
 
@@ -240,7 +255,7 @@ class Routing:
         self.remove()
 
     def __repr__(self) -> str:
-        return f"Routing({[r.prefix for r in self._routes]!r})"
+        return f"Routing({[redact_url(r.prefix) for r in self._routes]!r})"
 
 
 class _RouteTable:
@@ -272,7 +287,8 @@ class _RouteTable:
             new = {r.prefix for r in routes}
             self._routes = tuple(r for r in self._routes if r.prefix not in new) + tuple(routes)
             self._install()
-        logger.info("dcp_volumes routing on for %s", ", ".join(r.prefix for r in routes))
+        logger.info("dcp_volumes routing on for %s",
+                    ", ".join(redact_url(r.prefix) for r in routes))
 
     def remove(self, routes: Sequence[Route] | None) -> None:
         with self._lock:
@@ -286,9 +302,13 @@ class _RouteTable:
 
     def _install(self) -> None:
         for module_name, name, kind in TARGETS:
-            if (module_name, name) in self._installed:
-                continue
             module = importlib.import_module(module_name)
+            if (module_name, name) in self._installed:
+                stock, _ = self._installed[(module_name, name)]
+                if getattr(module, name) is not stock:
+                    continue  # our wrapper, or someone's over it
+                # Whoever wrapped ours put the stock function back: wrap it again.
+                del self._installed[(module_name, name)]
             original = getattr(module, name)
             wrapper = _wrap(original, kind, self)
             setattr(module, name, wrapper)
@@ -323,8 +343,11 @@ def _wrap(original: Callable[..., Any], kind: str, table: _RouteTable) -> Callab
                 kwargs.get("checkpoint_id")
             )
             if chosen is not None:
-                kwargs["storage_reader"] = chosen.reader(kwargs["checkpoint_id"])
-                logger.debug("dcp.load of %s routed to VolumeReader", kwargs["checkpoint_id"])
+                reader = chosen.reader(kwargs["checkpoint_id"])
+                # The reader points at the id; DCP (and its logger) then take the
+                # reader's checkpoint_id, which shows no credentials.
+                kwargs["storage_reader"], kwargs["checkpoint_id"] = reader, None
+                logger.debug("dcp.load of %s routed to VolumeReader", reader.checkpoint_id)
             return original(*args, **kwargs)
 
         return load
@@ -337,8 +360,9 @@ def _wrap(original: Callable[..., Any], kind: str, table: _RouteTable) -> Callab
         if chosen is None:
             return original(*args, **kwargs)
         writer = chosen.writer(kwargs["checkpoint_id"])
-        kwargs["storage_writer"] = writer
-        logger.debug("dcp.%s of %s routed to VolumeWriter", kind, kwargs["checkpoint_id"])
+        # As for load: DCP and its logger take the writer's id (no credentials).
+        kwargs["storage_writer"], kwargs["checkpoint_id"] = writer, None
+        logger.debug("dcp.%s of %s routed to VolumeWriter", kind, writer.checkpoint_id)
         try:
             result = original(*args, **kwargs)
         except BaseException:

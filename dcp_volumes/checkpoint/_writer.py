@@ -191,7 +191,8 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             a local or mounted directory, or any fsspec URL.
         staging_dir: local (NVMe) directory to serialise into; default: the
             ``DCP_VOLUMES_STAGING`` environment variable, else a temp dir.
-        storage_options: passed to fsspec (endpoint, credentials...).
+        storage_options: client options (endpoint, credentials...); ``None``:
+            ``DCP_VOLUMES_STORAGE_OPTIONS``, if set.
         overwrite: replace a committed checkpoint at ``path``; without it a
             save to a committed checkpoint raises ``CheckpointExistsError``.
         keep_staging: keep the staged files after the upload (debugging).
@@ -309,7 +310,8 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
                 "it uploads upload_concurrency=%d streams at once",
                 upload_concurrency,
             )
-        self._storage_options = dict(storage_options or {})
+        # None stays None: each Volume then takes DCP_VOLUMES_STORAGE_OPTIONS.
+        self._storage_options = None if storage_options is None else dict(storage_options)
         self._retry = retry
         self._volume = Volume(path, storage_options=self._storage_options, retry=retry)
         if self.options.local_copy_dir is not None:

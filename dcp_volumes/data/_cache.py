@@ -209,7 +209,8 @@ class FileCache:
         protocol, path = split_protocol(url)
         protocol = (protocol or "file").lower()
         refuse_url_credentials(protocol, url)  # the file's key would carry them
-        opts = dict(storage_options or {})
+        # None stays None: the Volume then takes DCP_VOLUMES_STORAGE_OPTIONS.
+        opts = None if storage_options is None else dict(storage_options)
         if protocol in LOCAL_PROTOCOLS:
             root, rel = os.sep, os.path.abspath(os.path.expanduser(path)).lstrip(os.sep)
         else:

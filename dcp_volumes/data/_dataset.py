@@ -119,7 +119,8 @@ class VolumeDataset(IterableDataset[Any]):
         seed: the order and augmentation seed.
         transform: ``transform(local_path)`` (or ``(local_path, rng)``) runs in
             the worker and makes the sample; default: the local path itself.
-        storage_options: passed to fsspec.
+        storage_options: client options (endpoint, credentials...); ``None``:
+            ``DCP_VOLUMES_STORAGE_OPTIONS``, if set.
         suffixes: only files ending with one of these (e.g. ``(".jpg",)``).
         last_batch: ``"pad"`` or ``"drop"`` the last partial *global* batch, so
             every rank yields the same number of batches (DDP never hangs).
