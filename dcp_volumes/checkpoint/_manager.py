@@ -64,8 +64,8 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
     step_dir,
 )
+from dcp_volumes.checkpoint._layout import METADATA_NAME, is_commit_marker
 from dcp_volumes.checkpoint._manager_options import ManagerOptions
-from dcp_volumes.checkpoint._manifest import METADATA_NAME, is_commit_marker
 from dcp_volumes.checkpoint._reader import VolumeReader
 from dcp_volumes.checkpoint._retention import (
     DEFAULT_PARTIAL_GRACE_S,
