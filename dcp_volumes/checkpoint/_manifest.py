@@ -54,7 +54,7 @@ _HASH_CHUNK = 2**20
 
 
 class Checksum:
-    """Streaming checksum (xxh3-64: faster than a disk or a link, so hashing never limits a save)."""
+    """Streaming checksum (xxh3-64: faster than any disk or link, so it never limits a save)."""
 
     def __init__(self, algorithm: str = ALGORITHM) -> None:
         if algorithm != ALGORITHM:
