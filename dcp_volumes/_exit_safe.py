@@ -24,6 +24,7 @@ from dcp_volumes._exceptions import CheckpointError
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+S = TypeVar("S")
 _lock = threading.Lock()
 _refused_at: float | None = None  # monotonic time of the first refusal
 
@@ -53,7 +54,7 @@ def start(name: str, fn: Callable[..., T], *args: object) -> Future[T]:
         pool.shutdown(wait=False)
 
 
-def map_all(pool: Executor, fn: Callable[[object], T], items: Iterable[object]) -> list[T]:
+def map_all(pool: Executor, fn: Callable[[S], T], items: Iterable[S]) -> list[T]:
     """``list(pool.map(fn, items))`` that also completes while the interpreter exits."""
     return [f.result() for f in [submit(pool, fn, item) for item in items]]
 

@@ -7,6 +7,7 @@ upload done) when the stager returns a future: torch's ``DefaultStager`` with
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_volumes import VolumeReader, VolumeWriter
+from dcp_volumes.checkpoint import _writer
 from tests.checkpoint_helpers import assert_same, blank_like, sample_state
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -184,3 +186,20 @@ def test_file_system_writer_call_runs_unchanged(tmp_path: Path) -> None:
     dcp.load(out, storage_reader=FileSystemReader(ck))
     assert_same(out, state)
     dcp.save(state, storage_writer=writer)  # overwrite=True, as the stock default
+
+
+def test_stock_keywords_without_effect_are_named_once_with_what_to_use(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """thread_count/per_thread_copy_ahead are accepted and ignored: a WARNING says so,
+    naming upload_concurrency, once per process (writers are often made per save)."""
+    monkeypatch.setattr(_writer, "_IGNORED_KEYWORDS_WARNED", set())  # as in a fresh process
+    with caplog.at_level(logging.WARNING, logger="dcp_volumes"):
+        VolumeWriter(tmp_path / "a", thread_count=4, per_thread_copy_ahead=10_000_000)
+        VolumeWriter(tmp_path / "b", thread_count=4, per_thread_copy_ahead=10_000_000)
+        VolumeWriter(tmp_path / "c")
+    warned = [r for r in caplog.records if "ignores" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+    message = warned[0].getMessage()
+    assert "thread_count=4" in message and "per_thread_copy_ahead" in message
+    assert "upload_concurrency" in message

@@ -583,3 +583,23 @@ def test_a_rank_failing_fails_the_save_on_every_rank(
         assert r1["errors"][0][0] == "StagingError"
         assert "StagingError" in r0["errors"][0][1]
     assert r0["complete"] == ([3] if how == "stateful" else [])
+
+
+def test_a_manager_leaves_the_process_warning_filters_alone(tmp_path: Path) -> None:
+    """A single-process manager hides DCP's "no process group" warning around its own
+    dcp calls only; constructing one once added a process-wide filter, which hid the
+    warning from the user's own dcp calls too."""
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        shown = list(warnings.filters)
+        with CheckpointManager(str(tmp_path / "ck"), async_save=False) as mgr:
+            assert warnings.filters == shown
+            mgr.save(1, {"w": torch.ones(4)})
+            mgr.wait()
+            assert warnings.filters == shown
+            assert mgr.restore({"w": torch.zeros(4)}) == 1
+        assert not [w for w in seen if "torch.distributed is disabled" in str(w.message)]
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path / "own"), no_dist=True)
+        assert [w for w in seen if "torch.distributed is disabled" in str(w.message)]
+    assert warnings.filters == before

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_volumes import VolumeReader, VolumeWriter
 from dcp_volumes._volume import Volume
-from dcp_volumes.checkpoint._rank_upload import InFlightBytes
+from dcp_volumes.checkpoint._rank_save import InFlightBytes
 from dcp_volumes.checkpoint._stager import CpuStager, free_pooled_buffers
 from tests.checkpoint_helpers import assert_same, blank_like, join
 

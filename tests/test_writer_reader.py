@@ -32,6 +32,7 @@ from dcp_volumes import (
 )
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._file_job import coalesce, find_span, split_range
 from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME, Manifest
 from tests import faulty_backend
 from tests.checkpoint_helpers import assert_same, blank_like, failure_of, join, sample_state
@@ -625,7 +626,7 @@ def test_coalesced_ranges_cover_and_read_back(
 ) -> None:
     volume, blob = blob_volume
     ranges = [(o, min(_FILE_SIZE, o + n)) for o, n in items]
-    spans = _layout.coalesce(ranges, gap=gap)
+    spans = coalesce(ranges, gap=gap)
     # Sorted, disjoint, and separated by more than the gap (else they would have merged).
     for (s1, e1), (s2, e2) in itertools.pairwise(spans):
         assert s1 <= e1 < s2 <= e2 and s2 - e1 > gap
@@ -633,12 +634,12 @@ def test_coalesced_ranges_cover_and_read_back(
     # Fetch through the spans the way the reader does: split into parts, in parallel.
     buffers = []
     for s, e in spans:
-        parts = [p for p in _layout.split_range(s, e, part) if p[1] > p[0]]
+        parts = [p for p in split_range(s, e, part) if p[1] > p[0]]
         data = b"".join(volume.read_bytes("f.distcp", a, b) for a, b in parts)
         assert len(data) == e - s
         buffers.append(data)
     for s, e in ranges:
-        i = _layout.find_span(starts, spans, s, e)
+        i = find_span(starts, spans, s, e)
         lo = s - spans[i][0]
         assert buffers[i][lo : lo + (e - s)] == blob[s:e]
     assert sum(e - s for s, e in spans) <= _FILE_SIZE
@@ -646,9 +647,9 @@ def test_coalesced_ranges_cover_and_read_back(
 
 def test_coalesce_rejects_bad_ranges() -> None:
     with pytest.raises(ValueError):
-        _layout.coalesce([(5, 3)])
+        coalesce([(5, 3)])
     with pytest.raises(KeyError):
-        _layout.find_span([0], [(0, 10)], 5, 11)
+        find_span([0], [(0, 10)], 5, 11)
 
 
 # -- async staging cost (benchmark target) -----------------------------------------------------

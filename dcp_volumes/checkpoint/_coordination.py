@@ -91,7 +91,18 @@ class Coordinator:
         else:
             self.group = None
             self.rank, self.world_size, self.local_rank = 0, 1, 0
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """Around the manager's ``dcp`` calls: without a process group, DCP's warning
+        that it assumes one process (what the manager chose) is not shown. Only
+        there: the process's other warnings filters stay as they are."""
+        if self.distributed:
+            yield
+            return
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
+            yield
 
     @property
     def is_coordinator(self) -> bool:

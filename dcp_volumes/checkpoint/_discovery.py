@@ -44,17 +44,15 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._exit_safe import map_all
 from dcp_volumes._volume import FileInfo, Volume, redact_url
 from dcp_volumes.checkpoint import _layout
-from dcp_volumes.checkpoint._manifest import (
+from dcp_volumes.checkpoint._layout import (
     MANIFEST_NAME,
     METADATA_NAME,
-    Manifest,
-    check_listing,
     manifest_rank,
     marker_rank,
     rank_manifest_name,
     rank_metadata_name,
-    verify_checksums,
 )
+from dcp_volumes.checkpoint._manifest import Manifest, check_listing, verify_checksums
 from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,10 @@
-"""FileJob: the reads of one checkpoint data file, from fetched bytes to the load planner.
+"""FileJob: the reads of one checkpoint data file, from its byte ranges to the load planner.
 
 ``VolumeReader`` plans one job per data file a rank needs and schedules their
-fetches; a job fetches its byte ranges into buffers (or opens a local file in
-place), then deserialises its items and hands them to DCP's planner.
+fetches; a job merges its items' byte ranges into spans (neighbours within
+``coalesce_gap`` become one), fetches them as ranged GETs into buffers (or
+opens a local file in place), then deserialises its items and hands them to
+DCP's planner.
 
 Where the manifest says where a saved tensor's data lies in the file and the
 planner's target is a plain CPU tensor of the same dtype and shape, the data
@@ -14,10 +16,11 @@ scratch buffer.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import io
-import logging
+import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,18 +36,14 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._streams import FileSlice, MemoryReader
+from dcp_volumes._torch import load_tensor_in_place
 from dcp_volumes._volume import LAG_TOTAL_S, Volume, despite_lag, redact_url
-from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
-from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
-from dcp_volumes.checkpoint._shards import (
-    load_tensor,
-    missing_file_error,
-    narrow,
-    truncated_file_error,
-)
+from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, checksum_file
 
-logger = logging.getLogger("dcp_volumes.checkpoint._reader")
+# Ranges closer than this are fetched as one request: one round trip costs
+# more than reading a few hundred KiB that are then thrown away.
+DEFAULT_COALESCE_GAP = 2**20
 
 
 @dataclass
@@ -74,9 +73,95 @@ class FileJob:
     targets: dict[int, torch.Tensor] = field(default_factory=dict)  # req index -> target
     direct: dict[int, tuple[int, memoryview]] = field(default_factory=dict)  # -> data at, bytes
 
+    @classmethod
+    def planned(
+        cls,
+        rel: str,
+        reqs: list[tuple[ReadItem, Any]],
+        record: FileRecord | None,
+        source: Volume,
+        *,
+        gap: int,
+        verify: bool,
+        transforms: ReaderTransforms,
+    ) -> FileJob:
+        """The job for ``reqs`` of the file ``rel``: their ranges merged within ``gap``
+        bytes; the whole file when that covers it anyway or ``verify`` (with a record)."""
+        spans = coalesce(((info.offset, info.offset + info.length) for _, info in reqs), gap=gap)
+        whole = record is not None and spans == [(0, record.size)]
+        if record is not None and verify:
+            spans, whole = [(0, record.size)], True
+        return cls(rel, reqs, spans, record, whole, source, transforms=transforms)
+
     @property
     def nbytes(self) -> int:
         return sum(e - s for s, e in self.spans)
+
+    def read_local_copy(self, local: Volume, size: int) -> None:
+        """Read the file from ``local`` (the local tier) instead, whole, so that its
+        checksum is checked before use."""
+        self.source, self.from_local = local, True
+        self.spans, self.whole = [(0, size)], True
+
+    def fall_back_to(self, source: Volume) -> None:
+        """Read the file from ``source`` after its local copy failed (still whole)."""
+        self.close()
+        self.source, self.from_local = source, False
+
+    def start(
+        self,
+        pool: ThreadPoolExecutor,
+        planner: LoadPlanner,
+        saved_dtype: Callable[[str], Any],
+        split: tuple[int, bool],
+    ) -> None:
+        """Start the reads: a local file is asked ahead from the kernel; otherwise the
+        spans are cut into GETs of ``split`` (bytes per GET, whether that is a cap:
+        ``split_range``) fetched by ``pool``."""
+        self.plan_direct(planner, saved_dtype)
+        if self.source.capabilities.local_files:
+            advise_willneed(self.source.full_path(self.rel), self.spans)
+            return
+        self.allocate()
+        self.futures, self.digest = [], None
+        part_size, at_most = split
+        parts = [
+            (s, e)
+            for start, end in self.spans
+            for s, e in split_range(start, end, part_size, at_most=at_most)
+            if e > s
+        ]
+        # A whole file in one GET is hashed by its fetch thread, off the thread
+        # that deserialises.
+        hash_here = self.whole and len(parts) == 1
+        for s, e in parts:
+            self.futures.append(pool.submit(self.fetch, s, e, hash_here))
+
+    def wait(self) -> None:
+        """Wait for the fetched bytes (a local file: open it and check its size)."""
+        if self.source.capabilities.local_files:
+            self.open_local()
+        for f in self.futures:
+            f.result()
+
+    def actual_checksum(self) -> str:
+        """The checksum of the bytes read (of the whole file when ``whole``)."""
+        if self.file is not None:
+            return checksum_file(self.file)
+        return self.digest or self.checksum()
+
+    def release(self) -> None:
+        """Drop the buffers and targets once delivered, and close a local file."""
+        self.pieces.clear()
+        self.starts.clear()
+        self.targets.clear()
+        self.close()
+
+    def cancel(self) -> None:
+        """Cancel the fetches not yet started and close a local file (a failed load)."""
+        for f in self.futures:
+            f.cancel()
+        self.close()
 
     def plan_direct(self, planner: LoadPlanner, saved_dtype: Callable[[str], Any]) -> None:
         """Pick the tensor items whose data can be read straight into their target.
@@ -286,7 +371,7 @@ class FileJob:
                 stream = io.BytesIO(stream.read())
             try:
                 if view is not None:  # fetched bytes: deserialise in place
-                    tensor = load_tensor(view)
+                    tensor = load_tensor_in_place(view)
                 else:
                     tensor = torch.load(stream, map_location="cpu", weights_only=True)
             except Exception as exc:
@@ -331,5 +416,102 @@ def _slice(
     """``[offset, offset + length)`` of the file, from the one piece that holds it."""
     if not length:
         return memoryview(b"")
-    at, buf = pieces[_layout.find_span(starts, bounds, offset, offset + length)]
+    at, buf = pieces[find_span(starts, bounds, offset, offset + length)]
     return buf[offset - at : offset - at + length]
+
+
+def coalesce(
+    ranges: Iterable[tuple[int, int]], *, gap: int = DEFAULT_COALESCE_GAP
+) -> list[tuple[int, int]]:
+    """Merge ``[start, end)`` ranges that overlap or lie within ``gap`` bytes of each other.
+
+    Returns sorted, disjoint ranges that together cover every input range.
+    Empty ranges (``start == end``) are kept covered but never widen a merge
+    on their own beyond their position.
+    """
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if start < 0 or end < start:
+            raise ValueError(f"invalid byte range [{start}, {end})")
+        if out and start <= out[-1][1] + gap:
+            if end > out[-1][1]:
+                out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def split_range(
+    start: int, end: int, part_size: int, *, at_most: bool = False
+) -> list[tuple[int, int]]:
+    """``[start, end)`` cut into equal parts of about ``part_size`` bytes (at most 1.5x).
+
+    Equal parts, rounded, not full parts and a remainder: a file a few KiB over
+    the part size (its headers) would otherwise cost a second request for its tail.
+    ``at_most``: no part above ``part_size`` (the count rounded up).
+    """
+    if end <= start:
+        return [(start, start)]
+    length = end - start
+    count = max(1, -(-length // part_size) if at_most else round(length / part_size))
+    cuts = [start + i * length // count for i in range(count + 1)]
+    return list(itertools.pairwise(cuts))
+
+
+def find_span(
+    starts: Sequence[int], spans: Sequence[tuple[int, int]], start: int, end: int
+) -> int:
+    """Index of the span in sorted, disjoint ``spans`` that holds ``[start, end)``.
+
+    ``starts`` are the spans' start offsets (for bisection).
+    """
+    i = bisect.bisect_right(starts, start) - 1
+    if i < 0 or end > spans[i][1]:
+        raise KeyError(f"no span contains [{start}, {end})")
+    return i
+
+
+def narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """The part of a saved tensor a read item asks for (resharding)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if offset != 0 or length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
+
+
+def advise_willneed(path: str, spans: Sequence[tuple[int, int]]) -> None:
+    """Ask the kernel to read a local file's spans ahead (best effort; a no-op off Linux)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # reported when the file is opened for reading
+    try:
+        with contextlib.suppress(OSError):
+            for start, end in spans:
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+
+
+def missing_file_error(
+    source: Volume, rel: str, *, looked_s: float = 0.0
+) -> CheckpointCorruptError:
+    """The error for a data file that is not there (``looked_s``: asked again that long)."""
+    again = f" (not found, also when asked again for {looked_s:.0f} s)" if looked_s else ""
+    return CheckpointCorruptError(
+        f"The checkpoint file {redact_url(source.url_of(rel))} is missing{again}. The "
+        "checkpoint is damaged; load an older one."
+    )
+
+
+def truncated_file_error(
+    source: Volume, rel: str, start: int, end: int, got: int
+) -> CheckpointCorruptError:
+    """The error for a data file that ends before ``end`` (``got`` bytes from ``start``)."""
+    return CheckpointCorruptError(
+        f"The checkpoint file {redact_url(source.url_of(rel))} ends before byte {end} "
+        f"that .metadata points to (got {got} of {end - start} bytes from "
+        f"{start}). The file was truncated; load an older checkpoint."
+    )

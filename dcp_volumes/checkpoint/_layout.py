@@ -1,6 +1,12 @@
-"""Where checkpoint files go and how byte ranges are fetched: names, prefixes, coalescing.
+"""Where a checkpoint's files go: every name in a checkpoint, and its location.
 
-Shared by the writer and the reader so that both agree on the layout:
+Shared by the writer, the reader, discovery and the CLI so that all agree on the layout:
+
+* ``.metadata`` is the commit marker (stock DCP's), written last; beside it
+  ``.dcp_volumes.manifest.json`` holds every data file's size and checksum;
+  a rank-local save (``use_collectives=False``) commits each rank on its own
+  with ``__<rank>.dcp_volumes.manifest.json`` and then ``__<rank>.metadata``
+  (stock DCP's name for a rank's marker);
 
 * data files are named like stock DCP's, with a tag of the save between rank
   and index (``__{rank}_{tag}_{i}.distcp``), so two saves of one checkpoint
@@ -10,16 +16,15 @@ Shared by the writer and the reader so that both agree on the layout:
   in ``.metadata``, so stock readers find the files;
 * the local copy of a checkpoint (the "local tier") lives in
   ``local_copy_dir/<checkpoint name>``;
-* neighbouring byte ranges of one file are merged before fetching;
-* ``CheckpointLocation``: the location-related API of the writer and the reader.
+* ``Location``: the checkpoint's volume and local copy, held by the writer
+  and the reader.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import os
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import xxhash
@@ -28,10 +33,37 @@ from dcp_volumes._exceptions import CheckpointCorruptError
 from dcp_volumes._volume import RetryPolicy, Volume
 
 DATA_SUFFIX = ".distcp"
+METADATA_NAME = ".metadata"
+MANIFEST_NAME = ".dcp_volumes.manifest.json"
+_RANK_MARKER = re.compile(r"^__(\d+)" + re.escape(METADATA_NAME) + "$")
+_RANK_MANIFEST = re.compile(r"^__(\d+)" + re.escape(MANIFEST_NAME) + "$")
 
-# Ranges closer than this are fetched as one request: one round trip costs
-# more than reading a few hundred KiB that are then thrown away.
-DEFAULT_COALESCE_GAP = 2**20
+
+def rank_metadata_name(rank: int) -> str:
+    """The commit marker of ``rank`` in a rank-local checkpoint (``__3.metadata``)."""
+    return f"__{rank}{METADATA_NAME}"
+
+
+def rank_manifest_name(rank: int) -> str:
+    """The manifest of ``rank`` in a rank-local checkpoint."""
+    return f"__{rank}{MANIFEST_NAME}"
+
+
+def marker_rank(name: str) -> int | None:
+    """The rank whose commit marker ``name`` is (``__3.metadata`` -> 3), else ``None``."""
+    match = _RANK_MARKER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def manifest_rank(name: str) -> int | None:
+    """The rank whose manifest ``name`` is, else ``None``."""
+    match = _RANK_MANIFEST.match(name)
+    return int(match.group(1)) if match else None
+
+
+def is_commit_marker(name: str) -> bool:
+    """``.metadata`` or a rank's ``__r.metadata``: the files a delete removes first."""
+    return name == METADATA_NAME or marker_rank(name) is not None
 
 
 def rank_prefix(rank: int, tag: str) -> str:
@@ -87,104 +119,50 @@ def local_copy_path(local_copy_dir: str | os.PathLike[str], root: str) -> str:
     return os.path.join(os.path.abspath(os.fspath(local_copy_dir)), checkpoint_name(root))
 
 
-def coalesce(
-    ranges: Iterable[tuple[int, int]], *, gap: int = DEFAULT_COALESCE_GAP
-) -> list[tuple[int, int]]:
-    """Merge ``[start, end)`` ranges that overlap or lie within ``gap`` bytes of each other.
+class Location:
+    """Where a ``VolumeWriter`` or ``VolumeReader`` points: the checkpoint's volume, and
+    the directory of its local copy when a ``local_copy_dir`` is given.
 
-    Returns sorted, disjoint ranges that together cover every input range.
-    Empty ranges (``start == end``) are kept covered but never widen a merge
-    on their own beyond their position.
-    """
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(ranges):
-        if start < 0 or end < start:
-            raise ValueError(f"invalid byte range [{start}, {end})")
-        if out and start <= out[-1][1] + gap:
-            if end > out[-1][1]:
-                out[-1] = (out[-1][0], end)
-        else:
-            out.append((start, end))
-    return out
-
-
-def split_range(
-    start: int, end: int, part_size: int, *, at_most: bool = False
-) -> list[tuple[int, int]]:
-    """``[start, end)`` cut into equal parts of about ``part_size`` bytes (at most 1.5x).
-
-    Equal parts, rounded, not full parts and a remainder: a file a few KiB over
-    the part size (its headers) would otherwise cost a second request for its tail.
-    ``at_most``: no part above ``part_size`` (the count rounded up).
-    """
-    if end <= start:
-        return [(start, start)]
-    length = end - start
-    count = max(1, -(-length // part_size) if at_most else round(length / part_size))
-    cuts = [start + i * length // count for i in range(count + 1)]
-    return list(itertools.pairwise(cuts))
-
-
-def find_span(
-    starts: Sequence[int], spans: Sequence[tuple[int, int]], start: int, end: int
-) -> int:
-    """Index of the span in sorted, disjoint ``spans`` that holds ``[start, end)``.
-
-    ``starts`` are the spans' start offsets (for bisection).
-    """
-    i = bisect.bisect_right(starts, start) - 1
-    if i < 0 or end > spans[i][1]:
-        raise KeyError(f"no span contains [{start}, {end})")
-    return i
-
-
-class CheckpointLocation:
-    """Where a ``VolumeWriter`` or ``VolumeReader`` points: its checkpoint and local copy.
-
-    The class using it sets ``_volume``, ``_storage_options``, ``_retry`` and
-    ``options`` (with ``local_copy_dir``) in its ``__init__``.
+    DCP's ``reset(checkpoint_id)`` moves it (``move_to``); the volume is then
+    made with the same ``storage_options`` and retry policy.
     """
 
-    _volume: Volume
-    _storage_options: dict[str, Any] | None  # None: DCP_VOLUMES_STORAGE_OPTIONS
-    _retry: RetryPolicy | None
-    options: Any
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint's URL (credentials removed); DCP logs it."""
-        return self._volume.display_url
-
-    @property
-    def volume(self) -> Volume:
-        """The volume of the current checkpoint."""
-        return self._volume
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None,
+        retry: RetryPolicy | None,
+        local_copy_dir: str | None,
+    ) -> None:
+        # None stays None: the Volume then takes DCP_VOLUMES_STORAGE_OPTIONS.
+        self._storage_options = None if storage_options is None else dict(storage_options)
+        self._retry = retry
+        self.local_copy_dir = local_copy_dir
+        self.volume = Volume(path, storage_options=self._storage_options, retry=retry)
 
     @property
     def local_copy_path(self) -> str | None:
         """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
-        if self.options.local_copy_dir is None:
+        if self.local_copy_dir is None:
             return None
-        return local_copy_path(self.options.local_copy_dir, self._volume.root)
+        return local_copy_path(self.local_copy_dir, self.volume.root)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._volume.display_url!r})"
+    def move_to(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        """Point at ``checkpoint_id`` (a URL or path), same options; no-op when empty."""
+        if checkpoint_id:
+            self.volume = Volume(
+                checkpoint_id, storage_options=self._storage_options, retry=self._retry
+            )
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a URL or path this class can address."""
+    @staticmethod
+    def addressable(checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a URL or path a volume can be made for."""
         try:
             Volume(checkpoint_id)
         except Exception:
             return False
         return True
-
-    def _relocate(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
-        """Point at ``checkpoint_id`` (a URL or path), same options; no-op when empty."""
-        if checkpoint_id:
-            self._volume = Volume(
-                checkpoint_id, storage_options=self._storage_options, retry=self._retry
-            )
 
 
 def inside(rel: str, where: str) -> str:

@@ -67,8 +67,8 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
     step_dir,
 )
+from dcp_volumes.checkpoint._layout import METADATA_NAME, is_commit_marker
 from dcp_volumes.checkpoint._manager_options import ManagerOptions
-from dcp_volumes.checkpoint._manifest import METADATA_NAME, is_commit_marker
 from dcp_volumes.checkpoint._preemption import PreemptionWatch, signals_of
 from dcp_volumes.checkpoint._reader import VolumeReader
 from dcp_volumes.checkpoint._retention import (
@@ -364,20 +364,21 @@ class CheckpointManager:
         no_dist = not self._coord.distributed
         pg = self._coord.group
         if self.options.async_save:
-            response = dcp.async_save(
-                staged,
-                checkpoint_id=url,
-                storage_writer=writer,
-                process_group=pg,
-                async_stager=Prestaged(staged),  # type: ignore[arg-type]
-                no_dist=no_dist,
-            )
+            with self._coord.quiet():
+                response = dcp.async_save(
+                    staged,
+                    checkpoint_id=url,
+                    storage_writer=writer,
+                    process_group=pg,
+                    async_stager=Prestaged(staged),  # type: ignore[arg-type]
+                    no_dist=no_dist,
+                )
             # torch >= 2.9 returns an AsyncSaveResponse (staging + upload futures).
             upload = cast("Future[Any]", getattr(response, "upload_completion", response))
             logger.info("checkpoint step %d staged; uploading to %s", step, url)
         else:
             try:
-                with typed_errors(f"save step {step} to {url}"):
+                with typed_errors(f"save step {step} to {url}"), self._coord.quiet():
                     dcp.save(plain, checkpoint_id=url, storage_writer=writer,
                              process_group=pg, no_dist=no_dist)
             except Exception:
@@ -519,8 +520,9 @@ class CheckpointManager:
             # message (its AssertionError joins the texts), not our typed error.
             # A rank-local checkpoint: each rank loads its own __<rank>.metadata.
             reader._read_for_load(self.rank if rank_local else None)
-            dcp.load(state, checkpoint_id=url, storage_reader=reader, planner=planner,
-                     process_group=self._coord.group, no_dist=not self._coord.distributed)
+            with self._coord.quiet():
+                dcp.load(state, checkpoint_id=url, storage_reader=reader, planner=planner,
+                         process_group=self._coord.group, no_dist=not self._coord.distributed)
         return chosen_step
 
     def _check_loadable(self, info: CheckpointInfo) -> None:

@@ -1,9 +1,7 @@
 """Per-checkpoint manifest: every data file with its size and checksum.
 
-A rank-local save (``dcp.save(..., use_collectives=False)``) commits each rank
-on its own: rank ``r`` publishes ``__r.dcp_volumes.manifest.json`` and then
-``__r.metadata`` (stock DCP's name for the rank's commit marker), and the
-checkpoint is complete when every rank's marker is there.
+A rank-local save (``dcp.save(..., use_collectives=False)``) has a manifest per
+rank (``_layout`` names them), and is complete when every rank's marker is there.
 
 The manifest sits beside the standard DCP files (stock readers ignore it) and
 is written just before ``.metadata``. A checkpoint is *complete* when
@@ -18,7 +16,6 @@ import io
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -37,50 +34,27 @@ from dcp_volumes._exit_safe import map_all
 from dcp_volumes._volume import FileInfo, Volume, until_shown
 from dcp_volumes.checkpoint import _layout
 
+# Every name in a checkpoint is _layout's; these are re-exported for cli.py, which
+# imports them from here.
+from dcp_volumes.checkpoint._layout import MANIFEST_NAME as MANIFEST_NAME
+from dcp_volumes.checkpoint._layout import METADATA_NAME as METADATA_NAME
+from dcp_volumes.checkpoint._layout import manifest_rank as manifest_rank
+from dcp_volumes.checkpoint._layout import rank_manifest_name as rank_manifest_name
+from dcp_volumes.checkpoint._layout import rank_metadata_name as rank_metadata_name
+
 logger = logging.getLogger(__name__)
 
-METADATA_NAME = ".metadata"
-MANIFEST_NAME = ".dcp_volumes.manifest.json"
 ALGORITHM = "xxh3_64"
 FORMAT_NAME = "dcp_volumes.manifest"
 FORMAT_VERSION = 1
 FORMAT = f"{FORMAT_NAME}/{FORMAT_VERSION}"
 _CHUNK = 8 * 2**20
-_RANK_MARKER = re.compile(r"^__(\d+)" + re.escape(METADATA_NAME) + "$")
-_RANK_MANIFEST = re.compile(r"^__(\d+)" + re.escape(MANIFEST_NAME) + "$")
-
-
-def rank_metadata_name(rank: int) -> str:
-    """The commit marker of ``rank`` in a rank-local checkpoint (``__3.metadata``)."""
-    return f"__{rank}{METADATA_NAME}"
-
-
-def rank_manifest_name(rank: int) -> str:
-    """The manifest of ``rank`` in a rank-local checkpoint."""
-    return f"__{rank}{MANIFEST_NAME}"
-
-
-def marker_rank(name: str) -> int | None:
-    """The rank whose commit marker ``name`` is (``__3.metadata`` -> 3), else ``None``."""
-    match = _RANK_MARKER.match(name)
-    return int(match.group(1)) if match else None
-
-
-def manifest_rank(name: str) -> int | None:
-    """The rank whose manifest ``name`` is, else ``None``."""
-    match = _RANK_MANIFEST.match(name)
-    return int(match.group(1)) if match else None
-
-
-def is_commit_marker(name: str) -> bool:
-    """``.metadata`` or a rank's ``__r.metadata``: the files a delete removes first."""
-    return name == METADATA_NAME or marker_rank(name) is not None
 # Hashing a local file: small enough to stay in the CPU cache between read and hash.
 _HASH_CHUNK = 2**20
 
 
 class Checksum:
-    """Streaming checksum (xxh3-64: ~10 GB/s, so hashing never limits a save)."""
+    """Streaming checksum (xxh3-64: faster than any disk or link, so it never limits a save)."""
 
     def __init__(self, algorithm: str = ALGORITHM) -> None:
         if algorithm != ALGORITHM:

@@ -50,22 +50,23 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
 )
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
-from dcp_volumes.checkpoint._file_job import Decoders, FileJob
-from dcp_volumes.checkpoint._manifest import (
+from dcp_volumes.checkpoint._file_job import DEFAULT_COALESCE_GAP, Decoders, FileJob
+from dcp_volumes.checkpoint._layout import (
     MANIFEST_NAME,
     METADATA_NAME,
+    Location,
+    marker_rank,
+    rank_manifest_name,
+    rank_metadata_name,
+)
+from dcp_volumes.checkpoint._manifest import (
     FileRecord,
     Manifest,
     check_listing,
     check_listing_settled,
-    checksum_file,
-    marker_rank,
-    rank_manifest_name,
-    rank_metadata_name,
     read_manifest,
 )
 from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
-from dcp_volumes.checkpoint._shards import advise_willneed
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class ReaderOptions:
     local_copy_dir: str | None = None
     read_concurrency: int = 16
     part_size: int = 16 * 2**20
-    coalesce_gap: int = _layout.DEFAULT_COALESCE_GAP
+    coalesce_gap: int = DEFAULT_COALESCE_GAP
     prefetch_bytes: int = 1 * 2**30
 
     def __post_init__(self) -> None:
@@ -104,7 +105,7 @@ class ReaderOptions:
             raise ConfigurationError("coalesce_gap and prefetch_bytes must be >= 0 bytes.")
 
 
-class VolumeReader(_layout.CheckpointLocation, StorageReader):
+class VolumeReader(StorageReader):
     """DCP storage reader for any volume: object store, fsspec URL or mount path.
 
     Pass it to ``dcp.load``. Loads checkpoints written by ``VolumeWriter`` and
@@ -159,7 +160,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         read_concurrency: int = 16,
         retry: RetryPolicy | None = None,
         part_size: int | str = "16MiB",
-        coalesce_gap: int | str = _layout.DEFAULT_COALESCE_GAP,
+        coalesce_gap: int | str = DEFAULT_COALESCE_GAP,
         prefetch_bytes: int | str = "1GiB",
         _extension_registry: Any | None = None,
     ) -> None:
@@ -173,10 +174,12 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
             coalesce_gap=int(parse_size(coalesce_gap, what="coalesce_gap") or 0),
             prefetch_bytes=int(parse_size(prefetch_bytes, what="prefetch_bytes") or 0),
         )
-        # None stays None: each Volume then takes DCP_VOLUMES_STORAGE_OPTIONS.
-        self._storage_options = None if storage_options is None else dict(storage_options)
-        self._retry = retry
-        self._volume = Volume(path, storage_options=self._storage_options, retry=retry)
+        self._location = Location(
+            path,
+            storage_options=storage_options,
+            retry=retry,
+            local_copy_dir=self.options.local_copy_dir,
+        )
         self._storage_data: dict[Any, Any] = {}
         self._metadata: Metadata | None = None
         self._metadata_error: CheckpointCorruptError | None = None
@@ -193,6 +196,32 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
     # -- identity ---------------------------------------------------------------------------
 
     @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint's URL (credentials removed); DCP logs it."""
+        return self.volume.display_url
+
+    @property
+    def volume(self) -> Volume:
+        """The volume of the current checkpoint."""
+        return self._location.volume
+
+    # The name the reader's code uses for it.
+    _volume = volume
+
+    @property
+    def local_copy_path(self) -> str | None:
+        """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
+        return self._location.local_copy_path
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.volume.display_url!r})"
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a URL or path this class can address."""
+        return Location.addressable(checkpoint_id)
+
+    @property
     def manifest(self) -> Manifest | None:
         """The checkpoint's manifest once loaded (``None`` for stock checkpoints)."""
         return self._manifest
@@ -201,7 +230,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load; ``checkpoint_id`` (a URL or path) replaces the location."""
-        self._relocate(checkpoint_id)
+        self._location.move_to(checkpoint_id)
         self._storage_data = {}
         self._manifest = None
         self._manifest_loaded = False
@@ -318,15 +347,10 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                     in_flight -= job.nbytes
                     job.deliver(planner, decoders)
                     direct += len(job.direct)
-                    job.pieces.clear()
-                    job.starts.clear()
-                    job.targets.clear()
-                    job.close()
+                    job.release()
             except BaseException:
                 for job in jobs:
-                    for f in job.futures:
-                        f.cancel()
-                    job.close()
+                    job.cancel()
                 raise
             finally:
                 if decoders is not None:
@@ -445,13 +469,9 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                         "listed in the manifest; the checkpoint is damaged or was modified "
                         "after it was committed."
                     )
-            ranges = [(info.offset, info.offset + info.length) for _, info in reqs]
-            spans = _layout.coalesce(ranges, gap=self.options.coalesce_gap)
-            whole = record is not None and spans == [(0, record.size)]
-            if record is not None and self.options.verify:
-                spans, whole = [(0, record.size)], True
-            job = FileJob(rel, reqs, spans, record, whole, self._volume,
-                          transforms=self._transforms)
+            job = FileJob.planned(rel, reqs, record, self._volume,
+                                  gap=self.options.coalesce_gap, verify=self.options.verify,
+                                  transforms=self._transforms)
             if record is not None:
                 self._use_local_copy(job)
             jobs.append(job)
@@ -515,10 +535,7 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
                 job.record.size,
             )
             return
-        # Read the local file whole so its checksum can be checked before use.
-        job.source = Volume(local_dir)
-        job.from_local = True
-        job.spans, job.whole = [(0, size)], True
+        job.read_local_copy(Volume(local_dir), size)
 
     def _split_size(self, total: int) -> tuple[int, bool]:
         """Bytes per GET, and whether that is a cap (``split_range``'s ``at_most``).
@@ -541,43 +558,21 @@ class VolumeReader(_layout.CheckpointLocation, StorageReader):
         return getattr(properties, "dtype", None)
 
     def _submit(self, pool: ThreadPoolExecutor, job: FileJob, planner: LoadPlanner) -> None:
-        job.plan_direct(planner, self._saved_dtype)
-        if job.source.capabilities.local_files:
-            advise_willneed(job.source.full_path(job.rel), job.spans)
-            return
-        job.allocate()
-        job.futures, job.digest = [], None
-        part_size, at_most = self._split
-        parts = [
-            (s, e)
-            for start, end in job.spans
-            for s, e in _layout.split_range(start, end, part_size, at_most=at_most)
-            if e > s
-        ]
-        # A whole file in one GET is hashed by its fetch thread, off the thread
-        # that deserialises.
-        hash_here = job.whole and len(parts) == 1
-        for s, e in parts:
-            job.futures.append(pool.submit(job.fetch, s, e, hash_here))
+        job.start(pool, planner, self._saved_dtype, self._split)
 
     def _finish_job(self, pool: ThreadPoolExecutor, job: FileJob, planner: LoadPlanner) -> None:
         """Wait for a file's bytes and verify them; a bad local copy falls back to the volume."""
-        if job.source.capabilities.local_files:
-            job.open_local()
-        for f in job.futures:
-            f.result()
+        job.wait()
         if not job.whole or job.record is None:
             return
-        file = job.file
-        actual = checksum_file(file) if file is not None else job.digest or job.checksum()
+        actual = job.actual_checksum()
         if actual == job.record.checksum:
             return
         if job.from_local:
             logger.warning(
                 "local copy of %s fails its checksum: reading it from the volume", job.rel
             )
-            job.close()
-            job.source, job.from_local = self._volume, False
+            job.fall_back_to(self._volume)
             self._submit(pool, job, planner)
             self._finish_job(pool, job, planner)
             return

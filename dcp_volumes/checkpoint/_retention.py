@@ -38,7 +38,7 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
     sort_key,
 )
-from dcp_volumes.checkpoint._manifest import METADATA_NAME, is_commit_marker
+from dcp_volumes.checkpoint._layout import METADATA_NAME, is_commit_marker
 
 logger = logging.getLogger(__name__)
 

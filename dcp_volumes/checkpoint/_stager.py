@@ -16,14 +16,16 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.tensor import DTensor
 
 from dcp_volumes._torch import copy_state_dict, create_cpu_state_dict
+
+# A state dict as DCP's stagers take and return it (DCP's STATE_DICT_TYPE, parametrised).
+StateDict = dict[str, Any]
 
 
 def signature(obj: Any) -> Any:
@@ -52,14 +54,14 @@ class _BufferPool:
 
     def __init__(self, keep: int) -> None:
         self._keep = keep
-        self._free: OrderedDict[Any, STATE_DICT_TYPE] = OrderedDict()
+        self._free: OrderedDict[Any, StateDict] = OrderedDict()
         self._lock = threading.Lock()
 
-    def take(self, sig: Any) -> STATE_DICT_TYPE | None:
+    def take(self, sig: Any) -> StateDict | None:
         with self._lock:
             return self._free.pop(sig, None)
 
-    def give(self, sig: Any, buffers: STATE_DICT_TYPE) -> None:
+    def give(self, sig: Any, buffers: StateDict) -> None:
         with self._lock:
             self._free.pop(sig, None)
             self._free[sig] = buffers
@@ -94,13 +96,13 @@ class CpuStager:
     def __init__(self, *, cache: bool, background: bool = False) -> None:
         self.cache = cache
         self.background = background
-        self._buffers: STATE_DICT_TYPE | None = None
+        self._buffers: StateDict | None = None
         self._signature: Any = None
         self._fallback: BlockingAsyncStager | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._cuda_stream: Any = None
 
-    def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE | Future[STATE_DICT_TYPE]:
+    def stage(self, state_dict: StateDict) -> StateDict | Future[StateDict]:
         """A copy of ``state_dict`` on CPU, or (``background``) a future of it."""
         if not self.background:
             return self._copy(state_dict)
@@ -111,12 +113,12 @@ class CpuStager:
             # The copy must see the state as of this call: its stream waits for
             # what the caller's stream has queued so far, and nothing later.
             if self._cuda_stream is None:
-                self._cuda_stream = torch.cuda.Stream()
-            ready = torch.cuda.Event()
+                self._cuda_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record()
         return self._executor.submit(self._copy_on_stream, state_dict, ready)
 
-    def _copy_on_stream(self, state_dict: STATE_DICT_TYPE, ready: Any) -> STATE_DICT_TYPE:
+    def _copy_on_stream(self, state_dict: StateDict, ready: Any) -> StateDict:
         if ready is None:
             return self._copy(state_dict)
         stream = self._cuda_stream
@@ -126,8 +128,8 @@ class CpuStager:
         return staged
 
     def _copy(
-        self, state_dict: STATE_DICT_TYPE, sync: Callable[[], None] | None = None
-    ) -> STATE_DICT_TYPE:
+        self, state_dict: StateDict, sync: Callable[[], None] | None = None
+    ) -> StateDict:
         """A copy of ``state_dict`` on CPU; returns once the copy is complete."""
         if copy_state_dict is None or create_cpu_state_dict is None:  # pragma: no cover
             if self._fallback is None:
@@ -151,7 +153,8 @@ class CpuStager:
             # One-off buffers: registering shared memory as pinned costs more than it saves.
             target = create_cpu_state_dict(state_dict, pin_memory=pin)
         # type_check=False: objects other than tensors are deep-copied, whatever their type.
-        staged = copy_state_dict(state_dict, target, non_blocking=pin, type_check=False)
+        staged = cast(StateDict, copy_state_dict(state_dict, target, non_blocking=pin,
+                                                 type_check=False))
         if pin:
             # Non-blocking device-to-host copies must land first.
             (sync or torch.cuda.synchronize)()

@@ -10,27 +10,30 @@ never wrong.
 
 The files are standard DCP: stock ``FileSystemReader``/``FsspecReader`` load
 them, because ``.metadata`` holds only stock types.
+
+This module is the DCP adapter: DCP's calls, in DCP's order (see the class).
+A rank's serialisation and upload are a ``RankSave`` (``_rank_save.py``), the
+commit and the replacement of a committed checkpoint a ``Commit``
+(``_commit.py``); every name in a checkpoint, and its ``Location``, are
+``_layout``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import pickle
-import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future as ThreadFuture
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -38,100 +41,25 @@ from torch.futures import Future
 from dcp_volumes import _exit_safe
 from dcp_volumes._exceptions import (
     CheckpointCorruptError,
-    CheckpointError,
-    CheckpointExistsError,
     ConfigurationError,
-    VolumeExistsError,
 )
 from dcp_volumes._sizes import parse_size
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea
 from dcp_volumes._torch import DCP_VERSION, STAGING_FUTURES, StorageInfo
-from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, Volume, until_shown
+from dcp_volumes._volume import FileInfo, RetryPolicy, Volume
 from dcp_volumes._world import World, distributed
 from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._commit import Commit
 from dcp_volumes.checkpoint._compression import ZstdCompression
 from dcp_volumes.checkpoint._extensions import check_serialization_format, writer_transforms
-from dcp_volumes.checkpoint._manifest import (
-    MANIFEST_NAME,
-    METADATA_NAME,
-    FileRecord,
-    Manifest,
-    check_listing_settled,
-    is_commit_marker,
-    manifest_rank,
-    rank_manifest_name,
-    rank_metadata_name,
-    read_manifest,
-)
-from dcp_volumes.checkpoint._rank_upload import (
-    MIN_PART_SIZE,
-    upload_file,
-    upload_shape,
-)
-from dcp_volumes.checkpoint._shards import WrittenItem, estimate_bytes, write_and_upload
+from dcp_volumes.checkpoint._layout import Location
+from dcp_volumes.checkpoint._manifest import FileRecord
+from dcp_volumes.checkpoint._rank_save import RankSave, WrittenItem
+from dcp_volumes.checkpoint._shards import estimate_bytes
 from dcp_volumes.checkpoint._stager import CpuStager
+from dcp_volumes.checkpoint._writer_options import WriterOptions
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WriterOptions:
-    """Validated options of a ``VolumeWriter`` (sizes in bytes).
-
-    Attributes:
-        staging_dir: local directory for staged files; ``None``: ``DCP_VOLUMES_STAGING``
-            or a private temp dir.
-        overwrite: replace a committed checkpoint at the same location.
-        keep_staging: keep the staged files after the upload.
-        local_copy_dir: root of the local tier; the files of a checkpoint are
-            staged into and kept in ``local_copy_dir/<checkpoint name>``.
-        upload_concurrency: streams in flight for this rank: a file each (one
-            PUT), or the parts of a file larger than ``part_size``.
-        part_size: multipart part size.
-        file_size: target size of one data file; a rank's items are split
-            into files of about this size so upload overlaps serialisation.
-        prefix_spread: ``0`` off; ``N > 1`` spreads files over ``N`` hashed
-            sub-prefixes of the checkpoint directory.
-        cache_staged_state_dict: reuse the CPU staging buffers of
-            ``dcp.async_save`` across saves.
-        staging_headroom: free space to leave on the staging disk.
-        async_staging: ``stage`` copies in a background thread and returns a future
-            (``dcp.async_save`` then returns an ``AsyncSaveResponse``).
-        sync_files: fsync staged files that become the checkpoint's own (mount
-            volumes, the local tier); stock's ``sync_files``.
-    """
-
-    staging_dir: str | None = None
-    overwrite: bool = False
-    keep_staging: bool = False
-    local_copy_dir: str | None = None
-    upload_concurrency: int = 8
-    part_size: int = 32 * 2**20
-    file_size: int = 256 * 2**20
-    prefix_spread: int = 0
-    cache_staged_state_dict: bool = True
-    staging_headroom: int = DEFAULT_HEADROOM_BYTES
-    async_staging: bool = False
-    sync_files: bool = True
-
-    def __post_init__(self) -> None:
-        if self.upload_concurrency < 1:
-            raise ConfigurationError(
-                f"upload_concurrency={self.upload_concurrency} must be >= 1."
-            )
-        if self.part_size < MIN_PART_SIZE:
-            raise ConfigurationError(
-                f"part_size={self.part_size} bytes is below 5 MiB, the smallest multipart "
-                "part object stores accept. Use e.g. part_size='32MiB'."
-            )
-        if self.file_size < 1:
-            raise ConfigurationError(f"file_size={self.file_size} must be >= 1 byte.")
-        if self.prefix_spread < 0 or self.prefix_spread == 1:
-            raise ConfigurationError(
-                f"prefix_spread={self.prefix_spread}: use 0 (off) or a number of prefixes >= 2."
-            )
-        if self.staging_headroom < 0:
-            raise ConfigurationError("staging_headroom must be >= 0 bytes.")
 
 
 @dataclass(frozen=True)
@@ -141,7 +69,7 @@ class _RankFiles:
     prefix: str
 
 
-class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
+class VolumeWriter(StorageWriter, AsyncStager):
     """DCP storage writer for any volume: object store, fsspec URL or mount path.
 
     Pass it to ``dcp.save`` or ``dcp.async_save``. With ``async_save`` it also
@@ -238,9 +166,12 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         sync_files: stock's keyword: ``False`` skips the fsync of files on a
             mount volume or in the local tier (faster, not crash-safe there).
         thread_count: stock's keyword, accepted so that code written for
-            ``FileSystemWriter`` runs unchanged; it has no effect: this writer
-            serialises in one thread and uploads ``upload_concurrency``
-            streams at once.
+            ``FileSystemWriter`` runs unchanged; it has no effect (a warning,
+            once per process, says so): this writer serialises in one thread
+            and uploads ``upload_concurrency`` streams at once. It is not
+            taken as ``upload_concurrency``: stock counts threads writing
+            whole files (1 by default), which as upload streams would make a
+            copied call's saves serial.
         per_thread_copy_ahead: stock's keyword for its GPU copy-ahead,
             accepted likewise without effect (``stage`` makes the host copy).
 
@@ -304,16 +235,13 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             async_staging=bool(async_staging),
             sync_files=bool(sync_files),
         )
-        if thread_count is not None or per_thread_copy_ahead is not None:
-            logger.debug(
-                "VolumeWriter ignores thread_count/per_thread_copy_ahead (FileSystemWriter's); "
-                "it uploads upload_concurrency=%d streams at once",
-                upload_concurrency,
-            )
-        # None stays None: each Volume then takes DCP_VOLUMES_STORAGE_OPTIONS.
-        self._storage_options = None if storage_options is None else dict(storage_options)
-        self._retry = retry
-        self._volume = Volume(path, storage_options=self._storage_options, retry=retry)
+        _warn_ignored(thread_count=thread_count, per_thread_copy_ahead=per_thread_copy_ahead)
+        self._location = Location(
+            path,
+            storage_options=storage_options,
+            retry=retry,
+            local_copy_dir=self.options.local_copy_dir,
+        )
         if self.options.local_copy_dir is not None:
             os.makedirs(self.options.local_copy_dir, exist_ok=True)
             staging_root: str | None = self.options.local_copy_dir
@@ -321,7 +249,9 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             staging_root = self.options.staging_dir
         self._staging = StagingArea(staging_root, headroom_bytes=self.options.staging_headroom)
         # Remove a temp staging dir we created when this writer goes away.
-        self._finalizer: weakref.finalize | None = weakref.finalize(self, self._staging.close)
+        self._finalizer: weakref.finalize[[], VolumeWriter] | None = weakref.finalize(
+            self, self._staging.close
+        )
         self._save_id = uuid.uuid4().hex
         self._abandoned = False  # abandon(): the save in flight must not commit
         self._is_coordinator = False
@@ -335,6 +265,29 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         )
 
     # -- identity ---------------------------------------------------------------------------
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint's URL (credentials removed); DCP logs it."""
+        return self.volume.display_url
+
+    @property
+    def volume(self) -> Volume:
+        """The volume of the current checkpoint."""
+        return self._location.volume
+
+    @property
+    def local_copy_path(self) -> str | None:
+        """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
+        return self._location.local_copy_path
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.volume.display_url!r})"
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a URL or path this class can address."""
+        return Location.addressable(checkpoint_id)
 
     @property
     def staging_dir(self) -> str:
@@ -351,13 +304,13 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
 
     def storage_meta(self) -> StorageMeta:
         """``StorageMeta`` stored in ``.metadata``: the checkpoint URL and this save's id."""
-        return StorageMeta(checkpoint_id=self._volume.display_url, save_id=self._save_id)
+        return StorageMeta(checkpoint_id=self.volume.display_url, save_id=self._save_id)
 
     # -- AsyncStager ------------------------------------------------------------------------
 
     def stage(
-        self, state_dict: STATE_DICT_TYPE
-    ) -> STATE_DICT_TYPE | ThreadFuture[STATE_DICT_TYPE]:
+        self, state_dict: dict[str, Any]
+    ) -> dict[str, Any] | ThreadFuture[dict[str, Any]]:
         """Copy ``state_dict`` to CPU buffers that later training steps cannot change.
 
         With ``cache_staged_state_dict`` the buffers are allocated on the first
@@ -393,7 +346,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save; ``checkpoint_id`` (a URL or path) replaces the location."""
-        self._relocate(checkpoint_id)
+        self._location.move_to(checkpoint_id)
         self._abandoned = False
         self._root_listing = None  # of the old location, if a save stopped before planning
         self._save_id = uuid.uuid4().hex
@@ -408,7 +361,7 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         # Recorded in a rank-local manifest so that a rank that died before writing
         # anything still makes the checkpoint incomplete (see _discovery).
         self._world_size = world.size if world else None
-        if (is_coordinator or self._rank_local) and not self._volume.capabilities.local_files:
+        if (is_coordinator or self._rank_local) and not self.volume.capabilities.local_files:
             self._start_root_listing()
 
     def _start_root_listing(self) -> None:
@@ -416,13 +369,13 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         needs it, and asked there it was a round trip on the save's path. (A local
         directory is only made there, once staging is known to hold the save.)"""
         self._root_listing = _exit_safe.start(
-            "dcpv-root", functools.partial(self._volume.check_root, create=True)
+            "dcpv-root", functools.partial(self.volume.check_root, create=True)
         )
 
     def _root_files(self) -> set[str]:
         """What is directly in the checkpoint (the listing started at set-up, if any)."""
         started, self._root_listing = self._root_listing, None
-        listing = started.result() if started is not None else self._volume.check_root(create=True)
+        listing = started.result() if started is not None else self.volume.check_root(create=True)
         return {f.path for f in listing}
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -434,32 +387,21 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Check the volume, refuse or clear an existing checkpoint, name files (coordinator).
 
-        In a rank-local save every rank calls it with its own plan alone.
+        In a rank-local save every rank calls it with its own plan alone, and
+        checks and clears only its own files.
         """
-        if self._rank_local:
-            return self._prepare_rank_local(plans)
         # One listing of the checkpoint's top level answers all that a save asks before
         # it starts (a missing bucket and refused credentials are errors of their own):
-        # one round trip where a HEAD per question cost three. A rank-local checkpoint
-        # here (rank 0's marker is enough, as stock DCP checks) counts as committed
-        # too: its markers would otherwise outlive its files.
-        top = self._root_files()
-        committed = METADATA_NAME in top or rank_metadata_name(0) in top
-        if committed:
-            if not self.options.overwrite:
-                raise CheckpointExistsError(
-                    f"A committed checkpoint already exists at {self._volume.display_url}. "
-                    "Fix: save to a new location, delete it, or pass overwrite=True to "
-                    "VolumeWriter to replace it."
-                )
-            self._remove_committed()
+        # one round trip where a HEAD per question cost three.
+        self._commit().prepare(self._root_files())
         # A new id per save, also for a writer reused without reset(): its tag
-        # makes this save's file names its own.
+        # makes this save's file names its own (in a rank-local save each rank's).
         self._save_id = uuid.uuid4().hex
         tag = _layout.save_tag(self._save_id)
+        ranks = [self._rank] * len(plans) if self._rank_local else range(len(plans))
         return [
-            dataclasses.replace(plan, storage_data=_RankFiles(_layout.rank_prefix(i, tag)))
-            for i, plan in enumerate(plans)
+            dataclasses.replace(plan, storage_data=_RankFiles(_layout.rank_prefix(rank, tag)))
+            for rank, plan in zip(ranks, plans, strict=True)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -469,75 +411,20 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             prefix = storage.prefix
         else:
             prefix = _layout.rank_prefix(self._rank, _layout.save_tag(self._save_id))
-        keep = self.options.keep_staging or self.options.local_copy_dir is not None
-        local_copy = self.local_copy_path
-        if local_copy is not None:
-            # The ranks of a node share this directory. An earlier save of this
-            # checkpoint name left this rank's files here (under other names now):
-            # this save's copy replaces them; other ranks' files are theirs.
-            _remove_local_files(local_copy, _layout.rank_name_start(self._rank))
-            save_dir = local_copy
-            os.makedirs(save_dir, exist_ok=True)
-        else:
-            name = _layout.checkpoint_name(self._volume.root)
-            save_dir = self._staging.new_dir(f"{name}-r{self._rank}")
-        shape = upload_shape(
-            self._volume,
-            rank_bytes=estimate_bytes(plan.items),
-            concurrency=self.options.upload_concurrency,
-            file_size=self.options.file_size,
-            part_size=self.options.part_size,
+        save = RankSave(
+            self.volume,
+            self.options,
+            rank=self._rank,
+            prefix=prefix,
+            items=plan.items,
+            staging=self._staging,
+            local_copy=self.local_copy_path,
+            transforms=self._transforms,
         )
-        items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
-        items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
-        started = time.monotonic()
         try:
-            results, nbytes, nfiles = write_and_upload(
-                items,
-                planner,
-                prefix=prefix,
-                save_dir=save_dir,
-                prefix_spread=self.options.prefix_spread,
-                file_size=shape.size_of,
-                # Mount-path volumes get the file by rename: it must be on disk first.
-                fsync=self.options.sync_files
-                and (self._volume.capabilities.local_files or local_copy is not None),
-                files_in_flight=shape.files_in_flight,
-                transforms=self._transforms,
-                upload=lambda local, rel, size: upload_file(
-                    self._volume,
-                    local,
-                    rel,
-                    size,
-                    keep=keep,
-                    shape=shape,
-                    part_size=self.options.part_size,
-                ),
-            )
-        except BaseException:
-            # A failed save's files are never trusted (the local tier's included, as
-            # it has no manifest); removing them gives the disk space back.
-            if self.options.keep_staging:
-                pass
-            elif local_copy is not None:
-                _remove_local_files(save_dir, prefix)
-            else:
-                StagingArea.remove(save_dir)
-            raise
+            results = save.run(planner)
         finally:
             self._stager.release()  # serialised: the buffers may serve the next save
-        if not keep:
-            StagingArea.remove(save_dir)
-        elapsed = max(time.monotonic() - started, 1e-9)
-        logger.debug(
-            "rank %d wrote %d files (%.1f MiB) to %s in %.2fs (%.0f MiB/s)",
-            self._rank,
-            nfiles,
-            nbytes / 2**20,
-            self._volume.display_url,
-            elapsed,
-            nbytes / 2**20 / elapsed,
-        )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -565,66 +452,10 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
             metadata.storage_meta = self.storage_meta()
         if DCP_VERSION is not None and hasattr(metadata, "version"):
             metadata.version = DCP_VERSION
-        extra: dict[str, Any] = {"writer": "dcp_volumes", "save_id": self._save_id}
-        if self._rank_local:
-            extra.update(rank_local=True, rank=self._rank, world_size=self._world_size)
-            manifest_name = rank_manifest_name(self._rank)
-            marker_name = rank_metadata_name(self._rank)
-        else:
-            extra["ranks"] = len(results)
-            manifest_name, marker_name = MANIFEST_NAME, METADATA_NAME
-        manifest = Manifest(files=files, extra=extra)
-        # The one check that every rank's upload landed whole is a listing of the
-        # checkpoint (one per rank as well would cost every save a round trip). It
-        # runs while the manifest goes up, a round trip less per save: a manifest
-        # means nothing until .metadata is beside it, and a failed check takes it back.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpv-commit") as pool:
-            checked = _exit_safe.submit(pool, check_listing_settled, self._volume, manifest)
-            published_manifest = committing = False
-            try:
-                self._publish_manifest(manifest, manifest_name, marker_name)
-                published_manifest = True
-                problems, _ = checked.result()
-                if problems:
-                    raise CheckpointCorruptError(
-                        f"Not committing {self._volume.display_url}: the ranks' uploads did "
-                        f"not land whole ({'; '.join(problems[:5])}), still so after listing "
-                        f"again for {LAG_TOTAL_S:.0f} s. An upload was cut short, another "
-                        "writer uses this location, or the store's listing lags its writes "
-                        "longer than that; save again (on a store known to lag, to a fresh "
-                        "location)."
-                    )
-                if self._abandoned:
-                    raise CheckpointError(
-                        f"The save to {self._volume.display_url} was abandoned (its caller "
-                        "stopped waiting for it) and is not committed."
-                    )
-                committing = True
-                self._volume.publish(
-                    marker_name, pickle.dumps(metadata), exclusive=not self.options.overwrite
-                )
-            except VolumeExistsError as exc:
-                checked.exception()  # its outcome no longer matters; let it end first
-                self._withdraw(manifest, manifest_name, published_manifest)
-                raise CheckpointExistsError(
-                    f"Another save is committing or committed {self._volume.display_url} "
-                    "while this one ran; this save was not committed and its files were "
-                    "removed. Fix: give each save its own location or pass overwrite=True."
-                ) from exc
-            except BaseException:
-                checked.exception()
-                # Not committed, so nothing may point at its files; once .metadata was
-                # sent the commit may have landed, and its manifest stays.
-                if published_manifest and not committing:
-                    with contextlib.suppress(Exception):
-                        self._volume.delete(manifest_name)
-                raise
-        local_copy = self.local_copy_path
-        if local_copy is not None:
-            Volume(local_copy).publish(manifest_name, manifest.to_json())
+        manifest = self._commit().publish(files, pickle.dumps(metadata), ranks=len(results))
         logger.info(
             "committed checkpoint %s%s: %d files, %.1f MiB",
-            self._volume.display_url,
+            self.volume.display_url,
             f" (rank {self._rank}, rank-local)" if self._rank_local else "",
             len(files),
             manifest.total_bytes / 2**20,
@@ -632,131 +463,35 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
 
     # -- internals --------------------------------------------------------------------------
 
-    def _publish_manifest(self, manifest: Manifest, manifest_name: str, marker_name: str) -> None:
-        """Publish the manifest, create-only unless overwrite: of two saves committing one
-        location at once exactly one lands, and the manifest beside ``.metadata`` is
-        always the committed save's own. Raises ``VolumeExistsError`` if another save's
-        is there (one of a save that crashed before its commit is cleared first)."""
-        exclusive = not self.options.overwrite
-        try:
-            self._volume.publish(manifest_name, manifest.to_json(), exclusive=exclusive)
-        except VolumeExistsError:
-            if not self._clear_stale_manifest(manifest_name, marker_name):
-                raise
-            self._volume.publish(manifest_name, manifest.to_json(), exclusive=exclusive)
-
-    def _clear_stale_manifest(self, manifest_name: str, marker_name: str) -> bool:
-        """Remove a manifest left by a save that crashed before its commit; ``False``
-        when another save committed here instead.
-
-        A save in its commit window publishes its marker (``.metadata``, or a rank's
-        ``__<rank>.metadata``) milliseconds after its manifest: one still without
-        it after ``LAG_TOTAL_S`` belongs to a save that died (nothing loads it:
-        without the marker it is not a checkpoint). Deleting it only now, not when
-        this save starts, never takes the manifest of a save that is committing.
-        """
-        if until_shown(lambda: self._volume.exists(marker_name), bool,
-                       what=f"{marker_name} beside {manifest_name}"):
-            return False
-        logger.info(
-            "removing %s of a save that crashed before committing %s",
-            manifest_name,
-            self._volume.display_url,
+    def _commit(self) -> Commit:
+        """The commit of this save: the coordinator's, or in a rank-local save this rank's."""
+        return Commit(
+            self.volume,
+            self._save_id,
+            overwrite=self.options.overwrite,
+            rank=self._rank if self._rank_local else None,
+            world_size=self._world_size,
+            local_copy=self.local_copy_path,
+            abandoned=lambda: self._abandoned,
         )
-        self._volume.delete(manifest_name)
-        return True
-
-    def _withdraw(self, manifest: Manifest, manifest_name: str, published_manifest: bool) -> None:
-        """Remove what this save uploaded after another save won the commit.
-
-        Its data files have names of their own (the save tag), so the winner's
-        files stay untouched; its manifest is removed only if it is still this
-        save's own (the winner's commit may have landed beside it).
-        """
-        if published_manifest:
-            try:
-                current = read_manifest(self._volume, manifest_name)
-            except CheckpointCorruptError:
-                current = None  # not a manifest of this save's
-            if current is not None and current.extra.get("save_id") == self._save_id:
-                self._volume.delete(manifest_name)
-        self._volume.delete_many(list(manifest.files))
-
-    def _remove_committed(self) -> None:
-        """Delete the committed checkpoint here: ``.metadata`` first, so it turns incomplete."""
-        old_files: list[str] = []
-        try:
-            old = read_manifest(self._volume)
-        except CheckpointCorruptError:
-            old = None
-        self._volume.delete(METADATA_NAME)
-        listing = [f.path for f in self._volume.list()]
-        # A rank-local checkpoint's markers go first too, then its manifests.
-        self._volume.delete_many([p for p in listing if is_commit_marker(p)])
-        logger.info("overwrite: removed the commit markers of %s", self._volume.display_url)
-        if old is not None:
-            old_files = list(old.files)
-        else:
-            old_files = [
-                p for p in listing if p.endswith(_layout.DATA_SUFFIX) or is_commit_marker(p)
-            ]
-        self._volume.delete(MANIFEST_NAME)
-        self._volume.delete_many([p for p in listing if manifest_rank(p) is not None])
-        self._volume.delete_many(old_files)
-
-    def _prepare_rank_local(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Rank-local save: check and clear this rank's own files only; name them."""
-        where = self._volume.display_url
-        marker = rank_metadata_name(self._rank)
-        top = self._root_files()  # one round trip
-        committed = marker in top
-        if METADATA_NAME in top:
-            raise CheckpointExistsError(
-                f"{where} holds a checkpoint saved with collectives (.metadata); a rank-local "
-                "save (use_collectives=False) cannot replace it: without collectives the ranks "
-                "cannot agree on who deletes it. Fix: save to a new location, or delete it "
-                "first (dcp-volumes gc, or remove the directory)."
-            )
-        if committed:
-            if not self.options.overwrite:
-                raise CheckpointExistsError(
-                    f"Rank {self._rank} already committed a rank-local checkpoint at {where} "
-                    f"({marker}). Fix: save to a new location, delete it, or pass "
-                    "overwrite=True to VolumeWriter to replace it."
-                )
-            self._remove_rank_files()
-        # Each rank's save has its own id and tag: its file names are its own.
-        self._save_id = uuid.uuid4().hex
-        prefix = _layout.rank_prefix(self._rank, _layout.save_tag(self._save_id))
-        return [dataclasses.replace(plan, storage_data=_RankFiles(prefix)) for plan in plans]
-
-    def _remove_rank_files(self) -> None:
-        """Overwrite in a rank-local save: this rank's marker first, then its manifest, files."""
-        try:
-            old = read_manifest(self._volume, rank_manifest_name(self._rank))
-        except CheckpointCorruptError:
-            old = None
-        self._volume.delete(rank_metadata_name(self._rank))
-        if old is not None:
-            files = list(old.files)
-        else:  # a stock rank-local save: its files carry the rank's prefix
-            prefix = f"__{self._rank}_"
-            files = [
-                f.path
-                for f in self._volume.list()
-                if f.path.rsplit("/", 1)[-1].startswith(prefix)
-                and f.path.endswith(_layout.DATA_SUFFIX)
-            ]
-        self._volume.delete(rank_manifest_name(self._rank))
-        self._volume.delete_many(files)
-        logger.info("overwrite: removed rank %d's checkpoint files at %s", self._rank,
-                    self._volume.display_url)
 
 
-def _remove_local_files(local_copy: str, name_prefix: str) -> None:
-    """Remove the data files starting with ``name_prefix`` from a local copy directory."""
-    for dirpath, _, names in os.walk(local_copy):
-        for name in names:
-            if name.startswith(name_prefix) and name.endswith(_layout.DATA_SUFFIX):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(dirpath, name))
+# FileSystemWriter's keywords that this writer accepts without effect; each is named
+# in a warning once per process (a writer is often made per save).
+_IGNORED_KEYWORDS_WARNED: set[str] = set()
+
+
+def _warn_ignored(**given: int | None) -> None:
+    """Warn, once per process and keyword, that stock keywords given here have no effect."""
+    named = sorted(k for k, v in given.items() if v is not None)
+    fresh = [k for k in named if k not in _IGNORED_KEYWORDS_WARNED]
+    if not fresh:
+        return
+    _IGNORED_KEYWORDS_WARNED.update(fresh)
+    logger.warning(
+        "VolumeWriter ignores %s (FileSystemWriter's keywords, accepted so that its calls run "
+        "unchanged): it serialises in one thread and uploads upload_concurrency streams at "
+        "once. Fix: drop them, and set upload_concurrency= (default 8) to change how many "
+        "streams go up at once.",
+        " and ".join(f"{k}={given[k]}" for k in fresh),
+    )

@@ -43,7 +43,7 @@ def main(rank: int, world: int, port: int, root: str, options: dict[str, Any], p
 
     from dcp_volumes import VolumeWriter
     from dcp_volumes._volume import Volume
-    from dcp_volumes.checkpoint import _writer
+    from dcp_volumes.checkpoint import _rank_save
     from dcp_volumes.checkpoint._manifest import rank_metadata_name
 
     dist.init_process_group("gloo")
@@ -55,7 +55,7 @@ def main(rank: int, world: int, port: int, root: str, options: dict[str, Any], p
             def stop_upload(*args: Any, **kwargs: Any) -> Any:
                 _hold(signal_dir, rank)
 
-            _writer.upload_file = stop_upload  # type: ignore[assignment]
+            _rank_save.upload_file = stop_upload  # type: ignore[assignment]
         else:
             publish = Volume.publish
 
