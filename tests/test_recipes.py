@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +68,7 @@ def _as_torch(ckpt: Path, tmp_path: Path) -> dict[str, Any]:
 
 def test_every_recipe_block_is_tested() -> None:
     assert set(recipes()) == {"ddp_train.py", "fsdp_train.py", "titan_style.py", "titan_loop.py",
-                              "lightning_train.py"}
+                              "lightning_train.py", "preemptible_train.py"}
 
 
 def test_ddp_recipe_resumes_where_an_uninterrupted_run_ends(tmp_path: Path) -> None:
@@ -141,3 +146,51 @@ def test_lightning_recipe_saves_and_resumes_through_volume_classes(tmp_path: Pat
     assert_same(a["state_dict"], b["state_dict"])
     meta = torch.load(root / "again" / "meta.pt", weights_only=False)
     assert meta["global_step"] == 4
+
+
+def _preempt(tmp_path: Path, deliver: Callable[[subprocess.Popen[str], Path], None]) -> None:
+    """Run the preemptible recipe, stop it with ``deliver`` once it saved, requeue it."""
+    script = _write(tmp_path, "preemptible_train.py")["preemptible_train.py"]
+    root = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.Popen(_torchrun(str(script), str(root), "10000000"), cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (root / "step-00000050" / METADATA_NAME).exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        deliver(proc, tmp_path)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    stops = sorted(set(re.findall(r"rank \d: preempted at step (\d+)", out)))
+    assert len(stops) == 1 and out.count("preempted at step") == 2, out[-4000:]
+    stopped = int(stops[0])
+    assert (root / f"step-{stopped:08d}" / METADATA_NAME).exists()  # 0 steps lost
+    assert not any(int(p.name[5:]) > stopped for p in root.iterdir())
+    out = _run(_torchrun(str(script), str(root), str(stopped + 7)), cwd=tmp_path, env=env)
+    for rank in (0, 1):
+        assert f"rank {rank}: resumed at step {stopped}" in out
+
+
+def test_preemptible_recipe_on_kubernetes_sigterm_saves_the_step_and_resumes(
+    tmp_path: Path,
+) -> None:
+    # The kubelet signals the container's main process, torchrun, which forwards it.
+    _preempt(tmp_path, lambda proc, _: proc.send_signal(signal.SIGTERM))
+
+
+def test_preemptible_recipe_on_slurm_usr1_saves_the_step_and_resumes(tmp_path: Path) -> None:
+    # --signal=USR1@120 reaches every task of the step: here the two workers.
+    def usr1_to_workers(proc: subprocess.Popen[str], _: Path) -> None:
+        import psutil
+
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            if "preemptible_train.py" in " ".join(child.cmdline()):
+                child.send_signal(signal.SIGUSR1)
+
+    _preempt(tmp_path, usr1_to_workers)
