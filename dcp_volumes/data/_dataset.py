@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from dcp_volumes import _env
 from dcp_volumes._exceptions import CacheError, ConfigurationError
 from dcp_volumes._volume import Volume
+from dcp_volumes._world import World, distributed
 from dcp_volumes.data._cache import FileCache
 from dcp_volumes.data._hot import SharedHot
 from dcp_volumes.data._listing import DataManifest, build_manifest
@@ -76,15 +76,6 @@ class DatasetOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"{name}={value!r} must be an int >= 1.")
-
-
-def detect_world() -> tuple[int, int, int]:
-    """(rank, world_size, local_world_size): the process group if up, else torchrun's env."""
-    rank, world, _, local_world = _env.world_info()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        local_world = min(local_world, world)
-    return rank, world, max(1, local_world)
 
 
 def _inside(path: str, root: str) -> bool:
@@ -173,7 +164,8 @@ class VolumeDataset(IterableDataset[Any]):
         )
         if isinstance(url_or_file_list, str) and not url_or_file_list.strip():
             raise ConfigurationError("The dataset URL is empty; pass e.g. 's3://bucket/train/'.")
-        self.rank, self.world_size, self.local_world_size = detect_world()
+        world = World.current()
+        self.rank, self.world_size, self.local_world_size = world.rank, world.size, world.local_size
         probe = None
         if isinstance(url_or_file_list, (str, os.PathLike)):
             probe = Volume(os.fspath(url_or_file_list), storage_options=storage_options)
@@ -203,13 +195,10 @@ class VolumeDataset(IterableDataset[Any]):
         self.transform = transform
         self._transform = SampleTransform(transform, seed_rngs=seed_rngs)
         self._id = uuid.uuid4().hex
-        self._epoch = 0
-        self._start = 0
-        self._seed = seed
-        self._shuffle = bool(shuffle)
+        self._cursor = Cursor(epoch=0, start=0, seed=seed, shuffle=bool(shuffle))
         # The plan the workers read at each epoch start (see _shared_plan.py).
         self._plan = SharedPlan()
-        self._set_cursor(epoch=0, start=0)
+        self.set_cursor(epoch=0, start=0)
         self._key_index: dict[str, int] | None = None
         # Copies verified by any worker of this dataset are hits in all of them.
         self._shared_hot = SharedHot(len(self.manifest)) if self.cache is not None else None
@@ -230,7 +219,7 @@ class VolumeDataset(IterableDataset[Any]):
         share: bool,
     ) -> tuple[Volume, DataManifest]:
         dist = torch.distributed
-        shared = share and self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        shared = share and self.world_size > 1 and distributed()
         if not shared:
             return build_manifest(
                 source,
@@ -263,37 +252,48 @@ class VolumeDataset(IterableDataset[Any]):
     # -- cursor (main process) ------------------------------------------------------------
 
     @property
+    def dataset_id(self) -> str:
+        """This dataset object's id (its copies in the workers share it): keys its counters."""
+        return self._id
+
+    @property
     def num_files(self) -> int:
         return len(self.manifest)
 
     @property
     def epoch(self) -> int:
         """The epoch the next iteration reads."""
-        return self._epoch
+        return self._cursor.epoch
+
+    @property
+    def position(self) -> int:
+        """The global stream position in ``epoch`` where the next iteration starts."""
+        return self._cursor.start
 
     @property
     def seed(self) -> int:
-        return self._seed
+        return self._cursor.seed
 
     @property
     def shuffle(self) -> bool:
-        return self._shuffle
+        return self._cursor.shuffle
 
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` next; a different epoch than the current starts at its beginning."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigurationError(f"epoch={epoch!r} must be an int >= 0.")
-        if epoch != self._epoch:
-            self._set_cursor(epoch=epoch, start=0)
+        if epoch != self._cursor.epoch:
+            self.set_cursor(epoch=epoch, start=0)
 
     def plan(self, *, batch_size: int, world_size: int, rank: int, drop: bool) -> Plan:
         """The plan of the next iteration from the current cursor."""
+        cursor = self._cursor
         return Plan(
             num_files=self.num_files,
-            epoch=self._epoch,
-            seed=self._seed,
-            shuffle=self._shuffle,
-            start=self._start,
+            epoch=cursor.epoch,
+            seed=cursor.seed,
+            shuffle=cursor.shuffle,
+            start=cursor.start,
             batch_size=batch_size,
             world_size=world_size,
             rank=rank,
@@ -309,16 +309,21 @@ class VolumeDataset(IterableDataset[Any]):
             local_world_size=self.local_world_size,
         )
 
-    def _set_cursor(
+    def set_cursor(
         self, *, epoch: int, start: int, seed: int | None = None, shuffle: bool | None = None
     ) -> None:
-        self._epoch, self._start = epoch, start
-        if seed is not None:
-            self._seed = seed
-        if shuffle is not None:
-            self._shuffle = shuffle
+        """Start the next iteration at stream position ``start`` of ``epoch`` (the loader
+        moves it as batches are delivered and restores it from a state); ``seed`` and
+        ``shuffle``, when given, replace the order's."""
+        old = self._cursor
+        self._cursor = Cursor(
+            epoch=epoch,
+            start=start,
+            seed=old.seed if seed is None else seed,
+            shuffle=old.shuffle if shuffle is None else shuffle,
+        )
         # Workers of a stock DataLoader (no published plan) read the cursor from there.
-        self._plan.set_cursor(Cursor(self._epoch, self._start, self._seed, self._shuffle))
+        self._plan.set_cursor(self._cursor)
 
     def _read_plan(self) -> tuple[Plan, int, int]:
         """(plan, prefetch_factor, local_world_size) as published, or from defaults."""

@@ -19,7 +19,6 @@ resume. The transform gets it two ways:
 
 from __future__ import annotations
 
-import _random
 import inspect
 import random
 from collections.abc import Callable
@@ -30,16 +29,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 _MASK63 = (1 << 63) - 1
-_random_seed = _random.Random.seed
 # The CPU generator only: torch.manual_seed would also reseed CUDA generators.
 _seed_torch_cpu = torch.random.default_generator.manual_seed
-
-
-def _seed_random(seed: int) -> None:
-    """``random.seed(seed)`` for an int, without the Python-level argument checks."""
-    inst = random._inst  # type: ignore[attr-defined]
-    _random_seed(inst, seed)
-    inst.gauss_next = None
 
 
 def _rng_mode(fn: Callable[..., Any]) -> str:
@@ -85,7 +76,7 @@ class SampleTransform:
             # A worker process: no caller's streams to protect (see the module doc).
             _seed_torch_cpu(seed63)
             np.random.seed(seed & 0xFFFFFFFF)
-            _seed_random(seed)
+            random.seed(seed)
             if self.mode == "kw":
                 return fn(path, rng=gen)
             if self.mode == "pos":
