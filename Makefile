@@ -54,6 +54,7 @@ test: setup
 
 lint: $(INSTALL_STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 demo: setup
 	$(VENV)/bin/dcp-volumes demo

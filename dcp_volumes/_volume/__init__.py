@@ -6,6 +6,7 @@ URL, and how each one talks to its store, stays inside this package.
 
 from dcp_volumes._volume._backend import Capabilities, FileInfo
 from dcp_volumes._volume._client_watchdog import STUCK_EXIT_CODE
+from dcp_volumes._volume._lag import despite_lag, until_shown
 from dcp_volumes._volume._local import WRITE_PIECE, pieces, write_all
 from dcp_volumes._volume._obstore import used_here as obstore_used_here
 from dcp_volumes._volume._retry import LAG_DELAYS_S, LAG_TOTAL_S, RetryPolicy, redact_url
@@ -22,9 +23,11 @@ __all__ = [
     "FileInfo",
     "RetryPolicy",
     "Volume",
+    "despite_lag",
     "obstore_used_here",
     "pieces",
     "redact_url",
     "refuse_url_credentials",
+    "until_shown",
     "write_all",
 ]

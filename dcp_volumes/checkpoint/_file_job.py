@@ -17,7 +17,6 @@ import bisect
 import io
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +33,7 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._streams import FileSlice, MemoryReader
-from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, Volume, redact_url
+from dcp_volumes._volume import LAG_TOTAL_S, Volume, despite_lag, redact_url
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
@@ -161,21 +160,18 @@ class FileJob:
         # A file the manifest lists was committed: "not found" may be a store that
         # lags (a replica behind, a gateway's cache), so ask again for a moment
         # before calling it missing. Without a manifest nothing says it should exist.
-        delays = list(LAG_DELAYS_S) if self.record is not None else []
-        while True:
-            try:
-                got = source.read_into(rel, start, self.views(start, end), whole=hash_it)
-                break
-            except BucketNotFoundError:
-                raise
-            except VolumeNotFoundError:
-                if not delays:
-                    looked = LAG_TOTAL_S if self.record is not None else 0.0
-                    raise missing_file_error(source, rel, looked_s=looked) from None
-                delay = delays.pop(0)
-                logger.info("%s not found; asking again in %.2fs",
-                            redact_url(source.url_of(rel)), delay)
-                time.sleep(delay)
+        listed = self.record is not None
+        try:
+            got = despite_lag(
+                lambda: source.read_into(rel, start, self.views(start, end), whole=hash_it),
+                what=redact_url(source.url_of(rel)),
+                expected=listed,
+            )
+        except BucketNotFoundError:
+            raise
+        except VolumeNotFoundError:
+            looked = LAG_TOTAL_S if listed else 0.0
+            raise missing_file_error(source, rel, looked_s=looked) from None
         if got != end - start:
             raise truncated_file_error(source, rel, start, end, got)
         if hash_it:

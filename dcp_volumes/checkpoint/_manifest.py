@@ -34,7 +34,7 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._exit_safe import map_all
-from dcp_volumes._volume import LAG_DELAYS_S, FileInfo, Volume
+from dcp_volumes._volume import FileInfo, Volume, until_shown
 from dcp_volumes.checkpoint import _layout
 
 logger = logging.getLogger(__name__)
@@ -257,21 +257,15 @@ def check_listing_settled(
     a good checkpoint into "damaged"); one that stays wrong past ``LAG_TOTAL_S``
     is reported. Returns the problems and the last listing.
     """
-    files = list(listing) if listing is not None else volume.list()
-    problems = check_listing(expected, files)
-    for delay in LAG_DELAYS_S:
-        if not problems:
-            break
-        logger.info(
-            "%s: listing lacks what was expected (%s); listing again in %.2fs",
-            volume.display_url,
-            "; ".join(problems[:3]),
-            delay,
-        )
-        time.sleep(delay)
-        files = volume.list()
-        problems = check_listing(expected, files)
-    return problems, files
+    first = list(listing) if listing is not None else None
+
+    def attempt() -> tuple[list[str], list[FileInfo]]:
+        nonlocal first
+        files, first = (first if first is not None else volume.list()), None
+        return check_listing(expected, files), files
+
+    return until_shown(attempt, lambda got: not got[0],
+                       what=f"every expected file in the listing of {volume.display_url}")
 
 
 def verify_checksums(

@@ -45,7 +45,7 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._sizes import parse_size
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea
 from dcp_volumes._torch import DCP_VERSION, STAGING_FUTURES, StorageInfo
-from dcp_volumes._volume import LAG_DELAYS_S, LAG_TOTAL_S, FileInfo, RetryPolicy, Volume
+from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, Volume, until_shown
 from dcp_volumes._world import World, distributed
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._compression import ZstdCompression
@@ -637,10 +637,9 @@ class VolumeWriter(_layout.CheckpointLocation, StorageWriter, AsyncStager):
         without the marker it is not a checkpoint). Deleting it only now, not when
         this save starts, never takes the manifest of a save that is committing.
         """
-        for delay in (0.0, *LAG_DELAYS_S):
-            time.sleep(delay)
-            if self._volume.exists(marker_name):
-                return False
+        if until_shown(lambda: self._volume.exists(marker_name), bool,
+                       what=f"{marker_name} beside {manifest_name}"):
+            return False
         logger.info(
             "removing %s of a save that crashed before committing %s",
             manifest_name,

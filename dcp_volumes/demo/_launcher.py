@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dcp_volumes._exceptions import ConfigurationError, DcpVolumesError, VolumeError
+from dcp_volumes._extras import DEMO_MODULES, require
 from dcp_volumes._volume import Volume
 from dcp_volumes.demo._config import Crash, DemoConfig, plan_crashes
 
@@ -87,14 +88,10 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def embedded_s3() -> Iterator[tuple[str, dict[str, Any]]]:
     """An S3 bucket served by moto on 127.0.0.1 for the duration of the block."""
-    try:
-        import boto3
-        from moto.server import ThreadedMotoServer
-    except ImportError as exc:
-        raise ConfigurationError(
-            "The embedded S3 server needs moto and boto3 (pip install 'dcp_volumes[dev]'). "
-            "Fix: install them, or pass --volume with a directory or a bucket URL."
-        ) from exc
+    require("demo", ("moto", "boto3"), needed_for="The demo's embedded S3 server (no --volume)")
+    import boto3
+    from moto.server import ThreadedMotoServer
+
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -374,6 +371,9 @@ def run_demo(cfg: DemoConfig, say: Say, *, progress: bool = True) -> Report:
         DcpVolumesError: a job failed or took too long (its logs are named).
     """
     started = time.time()
+    # Checked before minutes of training, not when the report is drawn.
+    require("demo", DEMO_MODULES if cfg.volume is None else ("matplotlib",),
+            needed_for="dcp-volumes demo")
     with _terminate_as_interrupt():
         return _run_demo(cfg, say, progress=progress, started=started)
 

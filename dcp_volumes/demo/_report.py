@@ -546,14 +546,10 @@ def build_report(cfg: DemoConfig, jobs: Mapping[str, JobRecord], workdir: str, v
     checks = run_checks(cfg, runs["dcp_volumes"], runs["reference"],
                         jobs["dcp_volumes"].crashes)
     table = render_table(runs, proj, cfg)
-    plot_path: str | None = os.path.join(workdir, "timeline.png")
-    try:
-        from dcp_volumes.demo._plot import plot_timeline
+    plot_path = os.path.join(workdir, "timeline.png")
+    from dcp_volumes.demo._plot import plot_timeline  # matplotlib: checked as the demo starts
 
-        plot_timeline(jobs, runs, os.path.join(workdir, "timeline.png"),
-                      title=command_line(cfg, volume))
-    except ImportError:
-        plot_path = None  # matplotlib is not installed
+    plot_timeline(jobs, runs, plot_path, title=command_line(cfg, volume))
     json_path = os.path.join(workdir, "report.json")
     report = Report(ok=all(c.ok for c in checks), checks=checks, runs=runs, projections=proj,
                     table=table, command=command_line(cfg, volume), volume=volume,
