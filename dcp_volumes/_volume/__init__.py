@@ -11,6 +11,7 @@ from dcp_volumes._volume._local import WRITE_PIECE, pieces, write_all
 from dcp_volumes._volume._obstore import used_here as obstore_used_here
 from dcp_volumes._volume._retry import LAG_DELAYS_S, LAG_TOTAL_S, RetryPolicy, redact_url
 from dcp_volumes._volume._select import LOCAL_PROTOCOLS
+from dcp_volumes._volume._urls import common_root, file_location, split_url
 from dcp_volumes._volume._volume import Volume, refuse_url_credentials
 
 __all__ = [
@@ -23,11 +24,14 @@ __all__ = [
     "FileInfo",
     "RetryPolicy",
     "Volume",
+    "common_root",
     "despite_lag",
+    "file_location",
     "obstore_used_here",
     "pieces",
     "redact_url",
     "refuse_url_credentials",
+    "split_url",
     "until_shown",
     "write_all",
 ]

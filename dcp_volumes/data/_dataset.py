@@ -1,7 +1,7 @@
 """VolumeDataset: the files of a volume as a resumable, deterministic ``IterableDataset``.
 
 The files are listed once (on rank 0, then broadcast when a process group is
-up, so every rank holds the identical manifest). Each epoch reads them in the
+up, so every rank holds the identical file table). Each epoch reads them in the
 global order of ``_order.py``, split over ranks and over DataLoader workers
 the way the DataLoader asks for batches; each worker fetches its next files
 through the node's ``FileCache`` on a small thread pool while the transform
@@ -31,7 +31,7 @@ from dcp_volumes._volume import Volume
 from dcp_volumes._world import World, distributed
 from dcp_volumes.data._cache import FileCache
 from dcp_volumes.data._hot import SharedHot
-from dcp_volumes.data._listing import DataManifest, build_manifest
+from dcp_volumes.data._listing import FileTable, build_file_table
 from dcp_volumes.data._metrics import worker_stats
 from dcp_volumes.data._order import NextUse, Plan, epoch_permutation, sample_seeds
 from dcp_volumes.data._prefetch import Prefetcher
@@ -180,6 +180,7 @@ class VolumeDataset(IterableDataset[Any]):
                     f"directory {probe.root}, so the dataset would read its own cache. Fix: "
                     "pass a cache_dir= outside it."
                 )
+        # The files, listed once (a FileTable; its digest is the state's "manifest").
         self.volume, self.manifest = self._list(
             url_or_file_list, storage_options, suffixes, share=share_listing
         )
@@ -217,24 +218,24 @@ class VolumeDataset(IterableDataset[Any]):
         suffixes: Sequence[str] | None,
         *,
         share: bool,
-    ) -> tuple[Volume, DataManifest]:
+    ) -> tuple[Volume, FileTable]:
         dist = torch.distributed
         shared = share and self.world_size > 1 and distributed()
         if not shared:
-            return build_manifest(
+            return build_file_table(
                 source,
                 storage_options=storage_options,
                 suffixes=suffixes,
                 concurrency=self.options.list_concurrency,
             )
-        # One listing for the whole job: every rank gets the identical manifest (ranks
+        # One listing for the whole job: every rank gets the identical file table (ranks
         # listing separately could see different files while an upload is running).
         box: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
                 box[0] = (
                     "ok",
-                    build_manifest(
+                    build_file_table(
                         source,
                         storage_options=storage_options,
                         suffixes=suffixes,
