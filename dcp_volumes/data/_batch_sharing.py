@@ -50,7 +50,7 @@ _manager_pid: int | None = None
 
 def resolve(strategy: str | None) -> str | None:
     """The strategy for the workers: ``strategy`` checked, or the fast one where there is one."""
-    available = sorted(torch.multiprocessing.get_all_sharing_strategies())
+    available = sorted(torch.multiprocessing.get_all_sharing_strategies())  # type: ignore[no-untyped-call]
     if strategy is None:
         return FAST if FAST in available else None
     if strategy not in available:
@@ -76,15 +76,15 @@ class WorkerInit:
 
 def use(strategy: str) -> None:
     """Switch this process to ``strategy``; for "file_system", make sure it works here."""
-    torch.multiprocessing.set_sharing_strategy(strategy)
+    torch.multiprocessing.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
     if strategy != FAST:
         return
     try:
         # Reaches (or starts) torch_shm_manager now rather than at the first batch: the
         # strategy is "file_system" now, so sharing goes by name.
-        torch.UntypedStorage(1).share_memory_()
+        torch.UntypedStorage(1).share_memory_()  # type: ignore[no-untyped-call]
     except RuntimeError as exc:
-        torch.multiprocessing.set_sharing_strategy(_TORCH_DEFAULT)
+        torch.multiprocessing.set_sharing_strategy(_TORCH_DEFAULT)  # type: ignore[no-untyped-call]
         logger.warning(
             "DataLoader worker: shared memory by name is unavailable here (%s); batches go by "
             "file descriptor, which costs the training process more CPU per batch.",

@@ -255,7 +255,13 @@ class Entry:
 
     def reserved(self) -> int:
         """Bytes a fill reserved, as written into the lock file (0: none)."""
-        return read_reservation(self.lock)
+        try:
+            if not os.stat(self.lock).st_size:
+                return 0  # the usual case: one system call
+            with open(self.lock, "rb") as f:
+                return int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return 0
 
     def reserve(self, size: int) -> None:
         """Record a fill's reservation in the lock file the filler holds (no new inode:
@@ -525,14 +531,3 @@ def _stat(path: str) -> os.stat_result | None:
         return os.stat(path)
     except OSError:
         return None
-
-
-def read_reservation(lock_path: str) -> int:
-    """Bytes a fill reserved, as written into its entry's lock file (0: none)."""
-    try:
-        if not os.stat(lock_path).st_size:
-            return 0  # the usual case: one system call
-        with open(lock_path, "rb") as f:
-            return int(f.read().strip() or 0)
-    except (OSError, ValueError):
-        return 0

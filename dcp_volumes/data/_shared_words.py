@@ -18,7 +18,7 @@ class SharedWords:
     """``n`` int64 words in shared memory, zero at first."""
 
     def __init__(self, n: int) -> None:
-        self.tensor = torch.zeros(max(1, n), dtype=torch.int64).share_memory_()
+        self.tensor = torch.zeros(max(1, n), dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call]
         self._view: memoryview | None = None
 
     def __getstate__(self) -> dict[str, torch.Tensor]:
