@@ -156,6 +156,8 @@ class HotIndex:
             copy.ino, copy.dev, copy.ctime_ns = st.st_ino, st.st_dev, st.st_ctime_ns
         if time.time() - st.st_mtime > TOUCH_INTERVAL_S:
             self._touch(copy, shared, slot)
+        if lock is None and copy.file is not None:
+            return copy.file  # the common case, without a call
         return copy.hit(lock)
 
     @staticmethod
