@@ -142,7 +142,8 @@ def test_a_worker_without_the_shm_manager_falls_back_and_says_so(
     def no_manager(*args: object, **kwargs: object) -> None:
         raise RuntimeError("could not start torch_shm_manager")
 
-    monkeypatch.setattr(torch.UntypedStorage, "_new_shared", no_manager)
+    # Sharing by name is where torch reaches (or starts) the manager.
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", no_manager)
     try:
         with caplog.at_level("WARNING", logger="dcp_volumes.data"):
             _batch_sharing.WorkerInit("file_system", None)(0)

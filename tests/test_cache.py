@@ -240,6 +240,29 @@ def test_shared_hot_table_makes_copies_verified_elsewhere_hits(tmp_path: Path) -
     assert hit is not None and Path(hit.path).read_bytes() == b"two"
 
 
+def test_a_pin_with_an_etag_the_store_no_longer_has_serves_the_store_file(
+    tmp_path: Path,
+) -> None:
+    # An etag alone (no size) that the store does not have: pin, like fetch, serves the
+    # file the store holds now, downloaded once; it used to refetch it for ever.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"now")
+    cache = FileCache(tmp_path / "cache")
+    got: list[bytes] = []
+
+    def pin_twice() -> None:
+        for _ in range(2):
+            with cache.pin(str(src / "a.bin"), etag="gone") as cached:
+                got.append(Path(cached.path).read_bytes())
+
+    worker = threading.Thread(target=pin_twice, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert got == [b"now", b"now"], "pin() never returned"
+    assert (cache.counters.misses, cache.counters.hits) == (1, 1)
+
+
 def _slow_fetch(cache_dir: str, url: str, opts: dict[str, Any]) -> None:
     FileCache(cache_dir).fetch(url, storage_options=opts, size=256 * 1024)
 
@@ -259,7 +282,7 @@ def _slow_filler(moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: 
         filler = _FORK.Process(target=_slow_fetch, args=(cache_dir, f"{url}/big.bin", opts))
         filler.start()
         cache = FileCache(cache_dir, reconcile=False)
-        ref = cache._ref(Volume(url, storage_options=opts), "big.bin")
+        ref = cache._entry(Volume(url, storage_options=opts), "big.bin")
         deadline = time.monotonic() + 20
         while not _reserved(ref) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -308,7 +331,7 @@ def test_restart_reconciles_the_directory(tmp_path: Path) -> None:
     files = write_samples(str(src), None, 4, size=500)
     urls = [str(src / rel) for rel in files]
     cache = FileCache(tmp_path / "cache")
-    refs = [cache._ref(Volume(os.path.dirname(u)), os.path.basename(u)) for u in urls]
+    refs = [cache._entry(Volume(os.path.dirname(u)), os.path.basename(u)) for u in urls]
     for u in urls:
         cache.fetch(u)
     Path(refs[0].fill).write_bytes(b"half")            # a killed fill
@@ -364,7 +387,7 @@ def test_large_file_ranged_fill_killed_midway(moto_server: MotoServer,
         filler = _FORK.Process(target=_fetch_large, args=(cache_dir, f"{url}/large.bin", opts))
         filler.start()
         cache = FileCache(cache_dir, reconcile=False)
-        ref = cache._ref(Volume(url, storage_options=opts), "large.bin")
+        ref = cache._entry(Volume(url, storage_options=opts), "large.bin")
         folder = os.path.dirname(ref.fill)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not (

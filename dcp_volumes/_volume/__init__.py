@@ -17,6 +17,7 @@ from dcp_volumes._volume._retry import (
     redact_url,
 )
 from dcp_volumes._volume._select import LOCAL_PROTOCOLS
+from dcp_volumes._volume._urls import common_root, file_location, split_url
 from dcp_volumes._volume._volume import Volume, refuse_url_credentials
 
 __all__ = [
@@ -29,12 +30,15 @@ __all__ = [
     "FileInfo",
     "RetryPolicy",
     "Volume",
+    "common_root",
     "despite_lag",
+    "file_location",
     "obstore_used_here",
     "pieces",
     "redact_options",
     "redact_url",
     "refuse_url_credentials",
+    "split_url",
     "until_shown",
     "write_all",
 ]

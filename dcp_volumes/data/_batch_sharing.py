@@ -4,12 +4,12 @@ A batch leaves a worker as tensors in shared memory. torch's default
 strategy on Linux, "file_descriptor", sends each one as a file descriptor:
 for every batch the training process opens a new connection to the worker's
 resource-sharer thread, both sides run an HMAC handshake, and the descriptor
-crosses over. With small samples that is most of the training process's
-time in the loop (py-spy: ~70% of ``next()``), and the worker's thread
-answers each connection. "file_system" passes the segment's name instead;
-torch's ``torch_shm_manager`` tracks the segments and removes them when the
-last process using them exits, killed or not. A stock DataLoader over
-2,000 x 100 KiB local files ran 1.08-1.14x faster with it on this machine.
+crosses over. With small samples that handshake is most of what the training
+process does in ``next()``, and the worker's thread answers each connection.
+"file_system" passes the segment's name instead; torch's
+``torch_shm_manager`` tracks the segments and removes them when the last
+process using them exits, killed or not. (The data benchmark's warm epochs
+show the difference: benchmarks/README.md, ``warm_side_by_side``.)
 
 So ``DataLoader`` switches its *workers* to "file_system" (the strategy is
 per process: what the training process itself shares keeps the user's
@@ -17,9 +17,8 @@ setting; it only maps what arrives). A worker where the manager cannot start
 falls back to torch's default and logs why.
 
 Each process that shares by name talks to a ``torch_shm_manager``, and one
-that has none starts its own: a new process that loads libtorch, ~0.25 CPU-s
-and ~0.3 s before a worker's first download here (perf: 8% of all CPU in a
-cold 64 x 8 MiB epoch). Forked workers inherit the training process's
+that has none starts its own: a new process that loads libtorch, before the
+worker's first download. Forked workers inherit the training process's
 manager, so the training process starts one before they fork: once per
 job, not once per worker and epoch. They then share its connection (a
 request is one small write answered by an identical "OK"); the manager
@@ -39,6 +38,7 @@ import torch
 import torch.multiprocessing
 
 from dcp_volumes._exceptions import ConfigurationError
+from dcp_volumes._torch import start_shm_manager
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ _manager_pid: int | None = None
 
 def resolve(strategy: str | None) -> str | None:
     """The strategy for the workers: ``strategy`` checked, or the fast one where there is one."""
-    available = sorted(torch.multiprocessing.get_all_sharing_strategies())
+    available = sorted(torch.multiprocessing.get_all_sharing_strategies())  # type: ignore[no-untyped-call]
     if strategy is None:
         return FAST if FAST in available else None
     if strategy not in available:
@@ -76,14 +76,15 @@ class WorkerInit:
 
 def use(strategy: str) -> None:
     """Switch this process to ``strategy``; for "file_system", make sure it works here."""
-    torch.multiprocessing.set_sharing_strategy(strategy)
+    torch.multiprocessing.set_sharing_strategy(strategy)  # type: ignore[no-untyped-call]
     if strategy != FAST:
         return
     try:
-        # Reaches (or starts) torch_shm_manager now rather than at the first batch.
-        torch.UntypedStorage._new_shared(1)
+        # Reaches (or starts) torch_shm_manager now rather than at the first batch: the
+        # strategy is "file_system" now, so sharing goes by name.
+        torch.UntypedStorage(1).share_memory_()  # type: ignore[no-untyped-call]
     except RuntimeError as exc:
-        torch.multiprocessing.set_sharing_strategy(_TORCH_DEFAULT)
+        torch.multiprocessing.set_sharing_strategy(_TORCH_DEFAULT)  # type: ignore[no-untyped-call]
         logger.warning(
             "DataLoader worker: shared memory by name is unavailable here (%s); batches go by "
             "file descriptor, which costs the training process more CPU per batch.",
@@ -112,9 +113,8 @@ def start_manager_here() -> None:
     if _manager_pid == os.getpid():
         return
     try:
-        # A one-byte storage shared by name reaches (or starts) this process's manager;
-        # what the process itself shares keeps its own strategy.
-        torch.UntypedStorage(1)._share_filename_cpu_()
+        # What the process itself shares keeps its own strategy (see start_shm_manager).
+        start_shm_manager()
     except (AttributeError, RuntimeError) as exc:
         logger.info("DataLoader: no shared-memory manager here (%s); workers try their own", exc)
         return

@@ -1,7 +1,7 @@
 """VolumeDataset: the files of a volume as a resumable, deterministic ``IterableDataset``.
 
 The files are listed once (on rank 0, then broadcast when a process group is
-up, so every rank holds the identical manifest). Each epoch reads them in the
+up, so every rank holds the identical file table). Each epoch reads them in the
 global order of ``_order.py``, split over ranks and over DataLoader workers
 the way the DataLoader asks for batches; each worker fetches its next files
 through the node's ``FileCache`` on a small thread pool while the transform
@@ -26,12 +26,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from dcp_volumes import _env
 from dcp_volumes._exceptions import CacheError, ConfigurationError
 from dcp_volumes._volume import Volume
+from dcp_volumes._world import World, distributed
 from dcp_volumes.data._cache import FileCache
 from dcp_volumes.data._hot import SharedHot
-from dcp_volumes.data._listing import DataManifest, build_manifest
+from dcp_volumes.data._listing import FileTable, build_file_table
 from dcp_volumes.data._metrics import worker_stats
 from dcp_volumes.data._order import NextUse, Plan, epoch_permutation, sample_seeds
 from dcp_volumes.data._prefetch import Prefetcher
@@ -76,15 +76,6 @@ class DatasetOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"{name}={value!r} must be an int >= 1.")
-
-
-def detect_world() -> tuple[int, int, int]:
-    """(rank, world_size, local_world_size): the process group if up, else torchrun's env."""
-    rank, world, _, local_world = _env.world_info()
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        local_world = min(local_world, world)
-    return rank, world, max(1, local_world)
 
 
 def _inside(path: str, root: str) -> bool:
@@ -174,7 +165,8 @@ class VolumeDataset(IterableDataset[Any]):
         )
         if isinstance(url_or_file_list, str) and not url_or_file_list.strip():
             raise ConfigurationError("The dataset URL is empty; pass e.g. 's3://bucket/train/'.")
-        self.rank, self.world_size, self.local_world_size = detect_world()
+        world = World.current()
+        self.rank, self.world_size, self.local_world_size = world.rank, world.size, world.local_size
         probe = None
         if isinstance(url_or_file_list, (str, os.PathLike)):
             probe = Volume(os.fspath(url_or_file_list), storage_options=storage_options)
@@ -189,6 +181,7 @@ class VolumeDataset(IterableDataset[Any]):
                     f"directory {probe.root}, so the dataset would read its own cache. Fix: "
                     "pass a cache_dir= outside it."
                 )
+        # The files, listed once (a FileTable; its digest is the state's "manifest").
         self.volume, self.manifest = self._list(
             url_or_file_list, storage_options, suffixes, share=share_listing
         )
@@ -204,13 +197,10 @@ class VolumeDataset(IterableDataset[Any]):
         self.transform = transform
         self._transform = SampleTransform(transform, seed_rngs=seed_rngs)
         self._id = uuid.uuid4().hex
-        self._epoch = 0
-        self._start = 0
-        self._seed = seed
-        self._shuffle = bool(shuffle)
+        self._cursor = Cursor(epoch=0, start=0, seed=seed, shuffle=bool(shuffle))
         # The plan the workers read at each epoch start (see _shared_plan.py).
         self._plan = SharedPlan()
-        self._set_cursor(epoch=0, start=0)
+        self.set_cursor(epoch=0, start=0)
         self._key_index: dict[str, int] | None = None
         # Copies verified by any worker of this dataset are hits in all of them.
         self._shared_hot = SharedHot(len(self.manifest)) if self.cache is not None else None
@@ -229,24 +219,24 @@ class VolumeDataset(IterableDataset[Any]):
         suffixes: Sequence[str] | None,
         *,
         share: bool,
-    ) -> tuple[Volume, DataManifest]:
+    ) -> tuple[Volume, FileTable]:
         dist = torch.distributed
-        shared = share and self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        shared = share and self.world_size > 1 and distributed()
         if not shared:
-            return build_manifest(
+            return build_file_table(
                 source,
                 storage_options=storage_options,
                 suffixes=suffixes,
                 concurrency=self.options.list_concurrency,
             )
-        # One listing for the whole job: every rank gets the identical manifest (ranks
+        # One listing for the whole job: every rank gets the identical file table (ranks
         # listing separately could see different files while an upload is running).
         box: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
                 box[0] = (
                     "ok",
-                    build_manifest(
+                    build_file_table(
                         source,
                         storage_options=storage_options,
                         suffixes=suffixes,
@@ -264,37 +254,48 @@ class VolumeDataset(IterableDataset[Any]):
     # -- cursor (main process) ------------------------------------------------------------
 
     @property
+    def dataset_id(self) -> str:
+        """This dataset object's id (its copies in the workers share it): keys its counters."""
+        return self._id
+
+    @property
     def num_files(self) -> int:
         return len(self.manifest)
 
     @property
     def epoch(self) -> int:
         """The epoch the next iteration reads."""
-        return self._epoch
+        return self._cursor.epoch
+
+    @property
+    def position(self) -> int:
+        """The global stream position in ``epoch`` where the next iteration starts."""
+        return self._cursor.start
 
     @property
     def seed(self) -> int:
-        return self._seed
+        return self._cursor.seed
 
     @property
     def shuffle(self) -> bool:
-        return self._shuffle
+        return self._cursor.shuffle
 
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch`` next; a different epoch than the current starts at its beginning."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigurationError(f"epoch={epoch!r} must be an int >= 0.")
-        if epoch != self._epoch:
-            self._set_cursor(epoch=epoch, start=0)
+        if epoch != self._cursor.epoch:
+            self.set_cursor(epoch=epoch, start=0)
 
     def plan(self, *, batch_size: int, world_size: int, rank: int, drop: bool) -> Plan:
         """The plan of the next iteration from the current cursor."""
+        cursor = self._cursor
         return Plan(
             num_files=self.num_files,
-            epoch=self._epoch,
-            seed=self._seed,
-            shuffle=self._shuffle,
-            start=self._start,
+            epoch=cursor.epoch,
+            seed=cursor.seed,
+            shuffle=cursor.shuffle,
+            start=cursor.start,
             batch_size=batch_size,
             world_size=world_size,
             rank=rank,
@@ -310,16 +311,21 @@ class VolumeDataset(IterableDataset[Any]):
             local_world_size=self.local_world_size,
         )
 
-    def _set_cursor(
+    def set_cursor(
         self, *, epoch: int, start: int, seed: int | None = None, shuffle: bool | None = None
     ) -> None:
-        self._epoch, self._start = epoch, start
-        if seed is not None:
-            self._seed = seed
-        if shuffle is not None:
-            self._shuffle = shuffle
+        """Start the next iteration at stream position ``start`` of ``epoch`` (the loader
+        moves it as batches are delivered and restores it from a state); ``seed`` and
+        ``shuffle``, when given, replace the order's."""
+        old = self._cursor
+        self._cursor = Cursor(
+            epoch=epoch,
+            start=start,
+            seed=old.seed if seed is None else seed,
+            shuffle=old.shuffle if shuffle is None else shuffle,
+        )
         # Workers of a stock DataLoader (no published plan) read the cursor from there.
-        self._plan.set_cursor(Cursor(self._epoch, self._start, self._seed, self._shuffle))
+        self._plan.set_cursor(self._cursor)
 
     def _read_plan(self) -> tuple[Plan, int, int]:
         """(plan, prefetch_factor, local_world_size) as published, or from defaults."""

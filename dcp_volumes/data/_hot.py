@@ -1,4 +1,4 @@
-"""Verified cache copies: the per-process index of the hit path, and its shared twin.
+"""The hit path: a memo of the cache copies this process verified, and its shared twin.
 
 A copy verified under its entry lock (sidecar present, sizes and listing
 agree) stays that copy while its data file keeps the same identity (inode,
@@ -6,12 +6,14 @@ device, size, ctime): every fill publishes a new inode by rename, eviction
 and repair unlink it, and a touch (``utime``) moves the ctime. So a hit
 needs one ``stat`` instead of the lock and a sidecar read.
 
-Each process keeps its own index (``_Hot`` per file). The DataLoader workers
-of one dataset also share what they verified through ``SharedHot``: one
-64-bit digest of the identity per listed file, in shared memory. Without it a
-worker knew only the copies it had filled or checked itself, so with two
+Each process keeps its own memo (``HotCopy`` per file). The DataLoader
+workers of one dataset also share what they verified through ``SharedHot``:
+one 64-bit digest of the identity per listed file, in shared memory. Without
+it a worker knew only the copies it had filled or checked itself, so with two
 workers half of the second epoch went the slow way (pool thread, lock,
-sidecar), the other worker having filled those files.
+sidecar), the other worker having filled those files. The memo never decides
+alone: what it does not know, or no longer matches, goes the full way
+(``Entry.serve``).
 """
 
 from __future__ import annotations
@@ -21,30 +23,17 @@ import hashlib
 import os
 import struct
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
 
-from dcp_volumes._volume import FileInfo, Volume, redact_url
-from dcp_volumes.data._files import CachedFile
+from dcp_volumes._volume import FileInfo, Volume
+from dcp_volumes.data._entry import TOUCH_INTERVAL_S, CachedFile, Entry, Sidecar
 from dcp_volumes.data._locks import EntryLock
 from dcp_volumes.data._shared_words import SharedWords
-from dcp_volumes.data._store import Ref
 
 _U64 = (1 << 64) - 1
 _PACK = struct.Struct("<4Q")
-
-
-def matches(meta: Mapping[str, Any], expected: Any) -> bool:
-    """Whether a sidecar agrees with what a listing says (``Expected``/``FileInfo``/None)."""
-    if expected is None:
-        return True
-    if expected.size is not None and expected.size != meta["size"]:
-        return False
-    if expected.etag:
-        return bool(expected.etag == meta.get("etag"))
-    if expected.mtime is not None and meta.get("mtime") is not None:
-        return abs(float(meta["mtime"]) - expected.mtime) < 1e-6
-    return True
+# Copies in one process's memo; past this it starts over (it only saves work, it
+# is never the source of truth).
+_HOT_MAX = 1 << 20
 
 
 def identity(st: os.stat_result) -> int:
@@ -52,59 +41,6 @@ def identity(st: os.stat_result) -> int:
     raw = _PACK.pack(st.st_ino & _U64, st.st_dev & _U64, st.st_ctime_ns & _U64, st.st_size & _U64)
     value = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
     return value or 1  # 0 means "nothing verified"
-
-
-class Hot:
-    """A copy this process verified (sidecar and listing), and its data file's identity then."""
-
-    __slots__ = (
-        "ctime_ns",
-        "data",
-        "dev",
-        "expected",
-        "file",
-        "ino",
-        "key",
-        "lock",
-        "meta",
-        "size",
-        "url",
-    )
-
-    def __init__(self, ref: Ref, meta: Mapping[str, Any], st: os.stat_result) -> None:
-        self.key = ref.key
-        self.url = redact_url(ref.url)
-        self.data = ref.data
-        self.lock = ref.lock
-        self.size = st.st_size
-        self.meta = {"size": meta["size"], "etag": meta.get("etag"), "mtime": meta.get("mtime")}
-        self.ino, self.dev, self.ctime_ns = st.st_ino, st.st_dev, st.st_ctime_ns
-        # The listing entry last matched (``matches`` is skipped for the same object)
-        # and the unpinned CachedFile handed out for hits (immutable, so reused).
-        self.expected: Any = None
-        self.file: Any = None
-
-    def same_file(self, st: os.stat_result) -> bool:
-        return (
-            st.st_ino == self.ino
-            and st.st_ctime_ns == self.ctime_ns
-            and st.st_size == self.size
-            and st.st_dev == self.dev
-        )
-
-    def listed_as(self, expected: Any) -> bool:
-        """Whether the copy is the one ``expected`` (a listing entry) describes."""
-        if expected is self.expected:
-            return True
-        if not matches(self.meta, expected):
-            return False
-        self.expected = expected
-        return True
-
-
-def listed_meta(expected: FileInfo | Any) -> dict[str, Any]:
-    """The sidecar fields a copy verified against ``expected`` must have had."""
-    return {"size": expected.size, "etag": expected.etag, "mtime": expected.mtime}
 
 
 class SharedHot(SharedWords):
@@ -123,154 +59,165 @@ class SharedHot(SharedWords):
         self.words[slot] = identity(st)
 
 
-# Hits refresh the file's mtime (the LRU clock) at most this often.
-TOUCH_INTERVAL_S = 60.0
-# Entries of one process's index; past this it starts over (it only saves
-# work, it is never the source of truth).
-_HOT_MAX = 1 << 20
+class HotCopy:
+    """A copy this process verified: its entry, its sidecar, its data file's identity then."""
+
+    __slots__ = ("ctime_ns", "dev", "entry", "file", "ino", "listed", "sidecar", "size")
+
+    def __init__(self, entry: Entry, sidecar: Sidecar, st: os.stat_result) -> None:
+        self.entry = entry
+        self.sidecar = sidecar
+        self.size = st.st_size
+        self.ino, self.dev, self.ctime_ns = st.st_ino, st.st_dev, st.st_ctime_ns
+        # The listing entry last matched (``describes`` is skipped for the same object)
+        # and the unpinned CachedFile handed out for hits (immutable, so reused).
+        self.listed: FileInfo | None = None
+        self.file: CachedFile | None = None
+
+    def same_file(self, st: os.stat_result) -> bool:
+        return (
+            st.st_ino == self.ino
+            and st.st_ctime_ns == self.ctime_ns
+            and st.st_size == self.size
+            and st.st_dev == self.dev
+        )
+
+    def listed_as(self, listed: FileInfo | None) -> bool:
+        """Whether the copy is the one ``listed`` (a listing entry, or None) describes."""
+        if listed is self.listed:
+            return True
+        if not self.sidecar.describes(listed):
+            return False
+        self.listed = listed
+        return True
+
+    def hit(self, pin: EntryLock | None) -> CachedFile:
+        if pin is None and self.file is not None:
+            return self.file  # unpinned hits hand out one immutable object per copy
+        found = CachedFile(
+            path=self.entry.data,
+            url=self.entry.url,
+            key=self.entry.key,
+            size=self.size,
+            hit=True,
+            download_seconds=0.0,
+            pin=pin,
+        )
+        if pin is None:
+            self.file = found
+        return found
 
 
 class HotIndex:
-    """One process's index of verified copies, per volume object: the cache's hit path."""
+    """One process's memo of verified copies, per volume object and path."""
 
     def __init__(self) -> None:
-        self._by_volume: dict[int, tuple[Volume, dict[str, Hot]]] = {}
+        # id(volume) -> (volume, relpath -> HotCopy); holding the volume keeps its id unique.
+        self._by_volume: dict[int, tuple[Volume, dict[str, HotCopy]]] = {}
 
-    def lookup(
+    def get(self, volume: Volume, relpath: str) -> HotCopy | None:
+        entry = self._by_volume.get(id(volume))
+        return entry[1].get(relpath) if entry is not None else None
+
+    def serve(
         self,
         volume: Volume,
         relpath: str,
+        copy: HotCopy,
+        listed: FileInfo | None,
         *,
-        expected: Any,
         pin: bool,
         shared: SharedHot | None,
         slot: int,
-        ref_of: Callable[[Volume, str], Ref],
-        note_hit: Callable[[str], None],
     ) -> CachedFile | None:
-        """A verified copy of ``relpath``, or None: ``FileCache.fetch_hot`` does this."""
-        entry = self._by_volume.get(id(volume))
-        hot = entry[1].get(relpath) if entry is not None else None
-        st: os.stat_result | None = None
-        if hot is None:
-            adopted = self._adopt(volume, relpath, expected, shared, slot, ref_of)
-            if adopted is None:
-                return None
-            hot, st = adopted
-        elif not hot.listed_as(expected):
+        """``copy`` if it is still the one verified and ``listed`` describes it, else None
+        (and the memo forgets it)."""
+        if not copy.listed_as(listed):
             return None
-        lock = None
-        if pin:
-            lock = EntryLock(hot.lock)
-            lock.acquire(exclusive=False)
-            st = None  # stat again under the pin
-        if st is None:
-            try:
-                st = os.stat(hot.data)
-            except OSError:
-                st = None
-        if st is None or not hot.same_file(st):
+        lock = copy.entry.pin() if pin else None
+        try:
+            st: os.stat_result | None = os.stat(copy.entry.data)
+        except OSError:
+            st = None
+        if st is None or not copy.same_file(st):
             # Replaced, evicted, repaired or touched: still good if a process sharing
             # the table verified exactly this copy (another worker's touch or refill).
             if (
                 st is None
                 or shared is None
-                or expected is None
-                or st.st_size != hot.size
+                or listed is None
+                or st.st_size != copy.size
                 or shared.get(slot) != identity(st)
             ):
                 if lock is not None:
                     lock.release()
                 self._index(volume).pop(relpath, None)
                 return None
-            hot.ino, hot.dev, hot.ctime_ns = st.st_ino, st.st_dev, st.st_ctime_ns
+            copy.ino, copy.dev, copy.ctime_ns = st.st_ino, st.st_dev, st.st_ctime_ns
         if time.time() - st.st_mtime > TOUCH_INTERVAL_S:
-            self._touch_hot(hot, shared, slot)
-        note_hit(hot.key)
-        if lock is not None:
-            return _hit(hot, lock)
-        found = hot.file  # unpinned hits hand out one immutable object per copy
-        if found is None:
-            found = hot.file = _hit(hot, None)
-        return found  # type: ignore[no-any-return]
+            self._touch(copy, shared, slot)
+        if lock is None and copy.file is not None:
+            return copy.file  # the common case, without a call
+        return copy.hit(lock)
 
-    def _touch_hot(self, hot: Hot, shared: SharedHot | None, slot: int) -> None:
+    @staticmethod
+    def _touch(copy: HotCopy, shared: SharedHot | None, slot: int) -> None:
+        data = copy.entry.data
         with contextlib.suppress(OSError):
-            os.utime(hot.data)  # the LRU clock of other processes
-            st = os.stat(hot.data)
+            os.utime(data)  # the LRU clock of other processes
+            st = os.stat(data)
             # utime moved the ctime; adopt it only if it is still the same file.
-            if st.st_ino == hot.ino and st.st_dev == hot.dev and st.st_size == hot.size:
-                hot.ctime_ns = st.st_ctime_ns
+            if st.st_ino == copy.ino and st.st_dev == copy.dev and st.st_size == copy.size:
+                copy.ctime_ns = st.st_ctime_ns
                 if shared is not None:
                     shared.put(slot, st)
 
-    def _index(self, volume: Volume) -> dict[str, Hot]:
+    def _index(self, volume: Volume) -> dict[str, HotCopy]:
         entry = self._by_volume.get(id(volume))
         if entry is None or entry[0] is not volume:
             entry = self._by_volume[id(volume)] = (volume, {})
-        return entry[1]
+        index = entry[1]
+        if len(index) >= _HOT_MAX:
+            index.clear()
+        return index
 
-    def _adopt(
+    def adopt(
         self,
         volume: Volume,
         relpath: str,
-        expected: Any,
-        shared: SharedHot | None,
+        entry: Entry,
+        listed: FileInfo,
+        shared: SharedHot,
         slot: int,
-        ref_of: Callable[[Volume, str], Ref],
-    ) -> tuple[Hot, os.stat_result] | None:
-        """A copy another process verified against ``expected`` (see ``SharedHot``),
-        with the ``stat`` that matched."""
-        if shared is None or expected is None:
-            return None
+    ) -> HotCopy | None:
+        """The copy of ``entry`` that another process verified against ``listed`` (its
+        identity is in ``shared``), if the data file is still that copy."""
         digest = shared.get(slot)
         if not digest:
             return None
-        ref = ref_of(volume, relpath)
         try:
-            st = os.stat(ref.data)
+            st = os.stat(entry.data)
         except OSError:
             return None
         if identity(st) != digest:
             return None
-        hot = Hot(ref, listed_meta(expected), st)
-        hot.expected = expected
-        index = self._index(volume)
-        if len(index) >= _HOT_MAX:
-            index.clear()
-        index[relpath] = hot
-        return hot, st
+        copy = HotCopy(entry, Sidecar(entry.url, listed.size, listed.etag, listed.mtime), st)
+        copy.listed = listed
+        self._index(volume)[relpath] = copy
+        return copy
 
     def remember(
         self,
         volume: Volume,
         relpath: str,
-        ref: Ref,
-        meta: Mapping[str, Any],
-        expected: Any,
+        entry: Entry,
+        sidecar: Sidecar,
+        st: os.stat_result,
+        listed: FileInfo | None,
         shared: SharedHot | None,
         slot: int,
     ) -> None:
-        """Index a copy just verified under its lock (see ``fetch_hot``)."""
-        try:
-            st = os.stat(ref.data)
-        except OSError:
-            return
-        index = self._index(volume)
-        if len(index) >= _HOT_MAX:
-            index.clear()
-        index[relpath] = Hot(ref, meta, st)
-        if shared is not None and expected is not None:
+        """Memo a copy just verified under its lock (``st``: its data file then)."""
+        self._index(volume)[relpath] = HotCopy(entry, sidecar, st)
+        if shared is not None and listed is not None:
             shared.put(slot, st)
-
-
-def _hit(hot: Hot, pin: EntryLock | None) -> CachedFile:
-    return CachedFile(
-        path=hot.data,
-        url=hot.url,
-        key=hot.key,
-        size=hot.size,
-        hit=True,
-        download_seconds=0.0,
-        pin=pin,
-    )

@@ -1,4 +1,4 @@
-"""The dataset's manifest: the files it reads (path, size, etag), listed once, and its digest.
+"""The dataset's file table: the files it reads (path, size, etag), listed once, and its digest.
 
 The digest goes into the loader's saved state; a resume whose listing differs
 (files added, removed, resized or rewritten) is refused or warned about,
@@ -14,15 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from fsspec.core import split_protocol
-
 from dcp_volumes._exceptions import ConfigurationError, VolumeNotFoundError
-from dcp_volumes._volume import LOCAL_PROTOCOLS, FileInfo, Volume
+from dcp_volumes._volume import FileInfo, Volume, common_root
 
 
 @dataclass(frozen=True)
-class DataManifest:
-    """The files of a dataset, in manifest order, with the digest of the listing."""
+class FileTable:
+    """The files of a dataset, in table order, with the digest of the listing.
+
+    (The loader's state calls the digest ``manifest``; a checkpoint's manifest
+    is another thing, ``checkpoint/_manifest.py``.)
+    """
 
     files: tuple[FileInfo, ...]
     digest: str
@@ -31,7 +33,7 @@ class DataManifest:
         return len(self.files)
 
 
-def manifest_digest(files: Sequence[FileInfo]) -> str:
+def listing_digest(files: Sequence[FileInfo]) -> str:
     """sha256 over (path, size, etag — or mtime where the store has no etag), in order."""
     h = hashlib.sha256()
     for f in files:
@@ -63,31 +65,6 @@ def _list_prefix(volume: Volume, concurrency: int) -> list[FileInfo]:
     return sorted(merged.values(), key=lambda f: f.path)
 
 
-def _common_root(urls: Sequence[str]) -> tuple[str, str, list[str]]:
-    """(protocol, root path, relative paths) of a list of file URLs on one store."""
-    protocols = set()
-    paths = []
-    for url in urls:
-        protocol, path = split_protocol(url)
-        protocol = (protocol or "file").lower()
-        protocols.add(protocol)
-        if protocol in LOCAL_PROTOCOLS:
-            paths.append(os.path.abspath(os.path.expanduser(path)))
-        else:
-            paths.append("/" + path.strip("/"))
-    if len(protocols) != 1:
-        raise ConfigurationError(
-            "All files of a dataset must be on one kind of store; got URLs with protocols "
-            f"{sorted(protocols)}. Fix: make one dataset per store."
-        )
-    protocol = protocols.pop()
-    root = os.path.dirname(paths[0]) if len(paths) == 1 else os.path.commonpath(paths)
-    if root in paths:  # one file given twice, or a file that is also a folder
-        root = os.path.dirname(root)
-    rels = [os.path.relpath(p, root).replace(os.sep, "/") for p in paths]
-    return protocol, root, rels
-
-
 def _stat_many(volume: Volume, rels: Sequence[str], concurrency: int) -> list[FileInfo]:
     """Size and etag of each file: one listing per folder where files share folders
     (a LIST returns up to 1000 entries), else one stat per file."""
@@ -103,14 +80,14 @@ def _stat_many(volume: Volume, rels: Sequence[str], concurrency: int) -> list[Fi
     return [found[rel] for rel in rels]
 
 
-def build_manifest(
+def build_file_table(
     source: str | os.PathLike[str] | Sequence[str],
     *,
     storage_options: Mapping[str, Any] | None,
     suffixes: Sequence[str] | None = None,
     concurrency: int = 16,
-) -> tuple[Volume, DataManifest]:
-    """List a prefix (or stat a list of file URLs) into a manifest.
+) -> tuple[Volume, FileTable]:
+    """List a prefix (or stat a list of file URLs) into a file table.
 
     A prefix lists every file below it (sorted by path; hidden files skipped;
     ``suffixes`` filters by ending, e.g. ``(".jpg", ".png")``). A list keeps
@@ -126,8 +103,7 @@ def build_manifest(
         urls = [os.fspath(u) for u in source]
         if not urls:
             raise ConfigurationError("The file list is empty; pass at least one file URL.")
-        protocol, root, rels = _common_root(urls)
-        root_url = root if protocol in LOCAL_PROTOCOLS else f"{protocol}://{root.strip('/')}"
+        root_url, rels = common_root(urls)
         volume = Volume(root_url, storage_options=storage_options)
         files = _stat_many(volume, rels, concurrency)
         where = f"the {len(urls)} listed files"
@@ -137,4 +113,4 @@ def build_manifest(
             + (f", or no file ends with {list(wanted)}" if wanted else "")
             + ". Fix: check the URL and storage_options, or upload the data first."
         )
-    return volume, DataManifest(files=tuple(files), digest=manifest_digest(files))
+    return volume, FileTable(files=tuple(files), digest=listing_digest(files))

@@ -31,13 +31,14 @@ from typing import Any
 
 import torch
 import torch.utils.data
-from torch.utils.data._utils.collate import default_collate
-from torch.utils.data._utils.pin_memory import pin_memory as _pin
+from torch.utils.data import default_collate
 
 from dcp_volumes._exceptions import ConfigurationError, DatasetChangedError
+from dcp_volumes._torch import pin_batch
 from dcp_volumes._volume import obstore_used_here
+from dcp_volumes._world import World
 from dcp_volumes.data import _batch_sharing
-from dcp_volumes.data._dataset import VolumeDataset, detect_world
+from dcp_volumes.data._dataset import VolumeDataset
 from dcp_volumes.data._metrics import LoaderMetrics, worker_stats
 from dcp_volumes.data._order import ORDER_ALGORITHM, Plan
 from dcp_volumes.data._worker_exit import ExitWithTrainingProcess
@@ -84,7 +85,7 @@ class _Delivery:
 
     def pin_memory(self) -> _Delivery:
         # torch's pin-memory thread calls this; pin the batch, keep the counters.
-        return _Delivery(_pin(self.batch), self.stats)
+        return _Delivery(pin_batch(self.batch), self.stats)
 
 
 class _CollateWithStats:
@@ -102,7 +103,7 @@ def _forkserver() -> multiprocessing.context.BaseContext:
     """The forkserver context, its server preloading torch and this package.
 
     Each worker is forked from the server: without the preload every worker
-    imports torch itself (~1.6 CPU-s here, seconds per loader start); with it
+    imports torch itself (seconds of CPU per loader start); with it
     only the server does, once per process, and starts the shared-memory
     manager the workers share. It takes effect where the server has not
     started yet (the first loader of a process).
@@ -174,7 +175,8 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         sharing_strategy: str | None = None,
         **kwargs: Any,
     ) -> None:
-        det_rank, det_world, local_world = detect_world()
+        world = World.current()
+        det_rank, det_world, local_world = world.rank, world.size, world.local_size
         if isinstance(dataset, VolumeDataset):
             det_rank, det_world = dataset.rank, dataset.world_size
         self._rank = det_rank if rank is None else rank
@@ -192,7 +194,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             ds: VolumeDataset = dataset  # type: ignore[assignment]
             self._drop = (ds.options.last_batch == "drop") if drop_last is None else drop_last
             collate: Callable[[list[Any]], Any] = _CollateWithStats(
-                collate_fn or default_collate, ds._id
+                collate_fn or default_collate, ds.dataset_id
             )
             torch_drop_last = False  # batches are always full: the plan pads or drops
         else:
@@ -217,6 +219,8 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self._context_chosen_by_user = kwargs.get("multiprocessing_context") is not None
         self._token = 0
         self._step = 0
+        # Persistent workers started by an earlier iteration (and still serving).
+        self._workers_running = False
         self.metrics = LoaderMetrics(rank=self._rank, window_s=metrics_window_s, mlflow=mlflow)
         super().__init__(
             dataset,
@@ -324,7 +328,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._token += 1
-        if self._iterator is None or not self.persistent_workers:  # workers start now
+        if not self._workers_running:  # workers start now
             self._choose_start_method()
             _batch_sharing.start_manager_for_workers(
                 self.sharing_strategy, self.multiprocessing_context
@@ -335,7 +339,10 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             self._dataset().publish_plan(
                 plan, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor or 2
             )
-        return self._deliver(super().__iter__(), plan, self._token)
+        inner = super().__iter__()
+        # torch keeps persistent workers (its iterator) from here on, for the loader's life.
+        self._workers_running = bool(self.persistent_workers and self.num_workers)
+        return self._deliver(inner, plan, self._token)
 
     def _choose_start_method(self) -> None:
         """Forkserver instead of fork where a forked worker could not use the volume's client."""
@@ -371,7 +378,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                     item = next(inner)
                 except StopIteration:
                     if plan is not None and delivered >= plan.num_batches:
-                        self._dataset()._set_cursor(epoch=plan.epoch + 1, start=0)
+                        self._dataset().set_cursor(epoch=plan.epoch + 1, start=0)
                     return
                 fetched = time.perf_counter()
                 stats = None
@@ -383,10 +390,10 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                     # The cursor moves when a batch is handed over: the state is what
                     # the training loop has received.
                     if delivered >= plan.num_batches:
-                        self._dataset()._set_cursor(epoch=plan.epoch + 1, start=0)
+                        self._dataset().set_cursor(epoch=plan.epoch + 1, start=0)
                     else:
                         position = plan.start + delivered * plan.global_batch_size
-                        self._dataset()._set_cursor(epoch=plan.epoch, start=position)
+                        self._dataset().set_cursor(epoch=plan.epoch, start=position)
                 self.metrics.record(
                     fetch_s=fetched - started, between_s=between, worker=stats, step=self._step
                 )
@@ -403,7 +410,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         return {
             "version": STATE_VERSION,
             "epoch": ds.epoch,
-            "position": ds._start,
+            "position": ds.position,
             "seed": ds.seed,
             "shuffle": int(ds.shuffle),
             "global_batch_size": self.global_batch_size,
@@ -468,7 +475,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             logger.info(
                 "resuming with the saved seed=%d shuffle=%s", state["seed"], bool(state["shuffle"])
             )
-        ds._set_cursor(
+        ds.set_cursor(
             epoch=int(state["epoch"]),
             start=int(state["position"]),
             seed=int(state["seed"]),

@@ -46,14 +46,22 @@ MLFLOW_KEYS = (
 
 
 @dataclass
-class WorkerStats:
-    """Counters one worker process accumulates between two of its batches."""
+class Counters:
+    """Counts of the input path: what a ``FileCache`` did (its ``counters``), and what a
+    worker delivered between two of its batches (``worker_stats``, sent with each batch).
 
-    samples: int = 0
+    A cache counts its fetches (hits, misses with their bytes and download time,
+    evictions); a worker counts per sample (a file used twice in its prefetch
+    window is one fetch, two samples) and adds how long it waited.
+    """
+
     hits: int = 0
     misses: int = 0
     bytes_fetched: int = 0
     download_seconds: float = 0.0
+    evictions: int = 0
+    bytes_evicted: int = 0
+    samples: int = 0
     wait_seconds: float = 0.0
     ready_ahead: int = 0
 
@@ -66,17 +74,17 @@ class WorkerStats:
         return out
 
 
-_STAT_ZERO = {f.name: f.default for f in fields(WorkerStats)}
-_registry: dict[str, WorkerStats] = {}
+_STAT_ZERO = {f.name: f.default for f in fields(Counters)}
+_registry: dict[str, Counters] = {}
 _registry_mu = threading.Lock()
 
 
-def worker_stats(dataset_id: str) -> WorkerStats:
+def worker_stats(dataset_id: str) -> Counters:
     """This process's counters for one dataset (workers and the main process alike)."""
     with _registry_mu:
         stats = _registry.get(dataset_id)
         if stats is None:
-            stats = _registry[dataset_id] = WorkerStats()
+            stats = _registry[dataset_id] = Counters()
         return stats
 
 

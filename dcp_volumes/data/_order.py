@@ -56,11 +56,12 @@ def _splitmix64_array(x: np.ndarray) -> np.ndarray:
         x = x + np.uint64(_GOLDEN)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+        mixed: np.ndarray = x ^ (x >> np.uint64(31))
+        return mixed
 
 
 def epoch_permutation(n: int, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The file order of one epoch (int64 indices into the manifest)."""
+    """The file order of one epoch (int64 indices into the file table)."""
     if not shuffle:
         return np.arange(n, dtype=np.int64)
     base = np.uint64(derive_seed(_TAG_ORDER, seed, epoch))
@@ -87,7 +88,7 @@ class Plan:
     """What one rank reads in one (possibly resumed) epoch.
 
     Attributes:
-        num_files: files in the manifest (``N``).
+        num_files: files in the file table (``N``).
         epoch, seed, shuffle: select the permutation.
         start: first global stream position to deliver (resume point).
         batch_size: samples per batch on each rank.

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 K = TypeVar("K", bound=Hashable)
 A = TypeVar("A")
@@ -138,7 +138,8 @@ class Prefetcher(Generic[K, A, R]):
                 ready = self._ready_ahead(key)
                 future = slot.future
                 if future is None:
-                    value, waited = slot.value, 0.0
+                    # A fast-path result: never None (None sent the item to the pool).
+                    value, waited = cast(R, slot.value), 0.0
                 else:
                     started = time.perf_counter()
                     value = future.result()  # re-raises the fetch error here, in order
@@ -150,7 +151,7 @@ class Prefetcher(Generic[K, A, R]):
                 slot.uses -= 1
                 if slot.uses == 0:
                     del slots[key]
-                    self._release(value)  # type: ignore[arg-type]
+                    self._release(value)
         finally:
             self.close()
 

@@ -19,7 +19,6 @@ resume. The transform gets it two ways:
 
 from __future__ import annotations
 
-import _random
 import inspect
 import random
 from collections.abc import Callable
@@ -30,16 +29,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 _MASK63 = (1 << 63) - 1
-_random_seed = _random.Random.seed
 # The CPU generator only: torch.manual_seed would also reseed CUDA generators.
-_seed_torch_cpu = torch.random.default_generator.manual_seed
-
-
-def _seed_random(seed: int) -> None:
-    """``random.seed(seed)`` for an int, without the Python-level argument checks."""
-    inst = random._inst  # type: ignore[attr-defined]
-    _random_seed(inst, seed)
-    inst.gauss_next = None
+_seed_torch_cpu = torch.default_generator.manual_seed
 
 
 def _rng_mode(fn: Callable[..., Any]) -> str:
@@ -75,35 +66,37 @@ class SampleTransform:
             return path
         if not self.mode and not self.seed_rngs:
             return fn(path)
-        seed63 = seed & _MASK63
+        gen = None
         if self.mode:
             gen = torch.Generator()
-            gen.manual_seed(seed63)
+            gen.manual_seed(seed & _MASK63)
         if not self.seed_rngs:
-            return fn(path, rng=gen) if self.mode == "kw" else fn(path, gen)
+            return self._call(fn, path, gen)
         if get_worker_info() is not None:
             # A worker process: no caller's streams to protect (see the module doc).
-            _seed_torch_cpu(seed63)
-            np.random.seed(seed & 0xFFFFFFFF)
-            _seed_random(seed)
-            if self.mode == "kw":
-                return fn(path, rng=gen)
-            if self.mode == "pos":
-                return fn(path, gen)
-            return fn(path)
+            _seed_global(seed)
+            return self._call(fn, path, gen)
         torch_state = torch.get_rng_state()
         np_state = np.random.get_state()
         py_state = random.getstate()
         try:
-            _seed_torch_cpu(seed63)
-            np.random.seed(seed & 0xFFFFFFFF)
-            random.seed(seed)
-            if self.mode == "kw":
-                return fn(path, rng=gen)
-            if self.mode == "pos":
-                return fn(path, gen)
-            return fn(path)
+            _seed_global(seed)
+            return self._call(fn, path, gen)
         finally:
             torch.set_rng_state(torch_state)
             np.random.set_state(np_state)
             random.setstate(py_state)
+
+    def _call(self, fn: Callable[..., Any], path: str, gen: torch.Generator | None) -> Any:
+        if self.mode == "kw":
+            return fn(path, rng=gen)
+        if self.mode == "pos":
+            return fn(path, gen)
+        return fn(path)
+
+
+def _seed_global(seed: int) -> None:
+    """Seed the global torch (CPU), numpy and ``random`` generators for one sample."""
+    _seed_torch_cpu(seed & _MASK63)
+    np.random.seed(seed & 0xFFFFFFFF)
+    random.seed(seed)
