@@ -136,9 +136,9 @@ def test_nothing_private_is_imported_from_client_libraries() -> None:
 
 def test_the_check_catches_a_private_attribute(tmp_path: Path) -> None:
     # The same rule on a snippet that does what the old S3 path did.
-    tree = ast.parse("def f(client):\n    return client._endpoint.http_session\n")
-    assert [name for _, name in _private_reads(tree)] == ["_endpoint"]
-    assert "_endpoint" not in _defined_names(_trees())
+    tree = ast.parse("def f(client):\n    return client._client_config.http_session\n")
+    assert [name for _, name in _private_reads(tree)] == ["_client_config"]
+    assert "_client_config" not in _defined_names(_trees())
 
 
 def test_the_check_catches_a_private_attribute_read_through_getattr() -> None:
