@@ -15,6 +15,21 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from dcp_volumes._streams import MemoryReader
 
+__all__ = [
+    "DCP_VERSION",
+    "EXTENSIONS_AVAILABLE",
+    "STAGING_FUTURES",
+    "ExtensionRegistry",
+    "SerializationFormat",
+    "StorageInfo",
+    "StreamTransformExtension",
+    "StreamTransforms",
+    "ZStandard",
+    "copy_state_dict",
+    "create_cpu_state_dict",
+    "load_tensor_in_place",
+]
+
 # DCP's record of where an item lies in a file (relative path, offset, length):
 # ``.metadata`` holds these, and stock readers accept only this very type.
 StorageInfo = _StorageInfo
@@ -86,7 +101,7 @@ def load_tensor_in_place(view: memoryview) -> torch.Tensor:
             reader = torch._C.PyTorchFileReader(MemoryReader(view))  # type: ignore[call-overload]
             return cast(
                 torch.Tensor,
-                torch.serialization._load(
+                torch.serialization._load(  # type: ignore[no-untyped-call]
                     reader,
                     "cpu",
                     torch._weights_only_unpickler,

@@ -122,7 +122,7 @@ class _StdlibWriter(io.RawIOBase):
         super().close()
 
 
-class ZstdCompression(StreamTransformExtension):  # type: ignore[misc,valid-type]
+class ZstdCompression(StreamTransformExtension):
     """zstd compression of every checkpoint item, readable by stock DCP.
 
     Pass ``compression=ZstdCompression(level=..., threads=...)`` (or

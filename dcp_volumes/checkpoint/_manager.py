@@ -44,7 +44,7 @@ from types import TracebackType
 from typing import Any, cast
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -299,7 +299,7 @@ class CheckpointManager:
         if error is not None:
             raise error
         survivor = self._committed_step
-        if survivor == watch.agreed_step:
+        if survivor is not None and survivor == watch.agreed_step:
             logger.warning("preemption: step %d is committed at %s; stop now (%.1f s of "
                            "grace left)", survivor, self.url_of(survivor), watch.remaining_s())
         else:
@@ -365,12 +365,12 @@ class CheckpointManager:
         pg = self._coord.group
         if self.options.async_save:
             with self._coord.quiet():
-                response = dcp.async_save(
+                response = state_dict_saver.async_save(
                     staged,
                     checkpoint_id=url,
                     storage_writer=writer,
                     process_group=pg,
-                    async_stager=Prestaged(staged),  # type: ignore[arg-type]
+                    async_stager=Prestaged(staged),
                     no_dist=no_dist,
                 )
             # torch >= 2.9 returns an AsyncSaveResponse (staging + upload futures).
@@ -379,8 +379,8 @@ class CheckpointManager:
         else:
             try:
                 with typed_errors(f"save step {step} to {url}"), self._coord.quiet():
-                    dcp.save(plain, checkpoint_id=url, storage_writer=writer,
-                             process_group=pg, no_dist=no_dist)
+                    state_dict_saver.save(plain, checkpoint_id=url, storage_writer=writer,
+                                          process_group=pg, no_dist=no_dist)
             except Exception:
                 self._drop_local(name)
                 raise
@@ -521,8 +521,10 @@ class CheckpointManager:
             # A rank-local checkpoint: each rank loads its own __<rank>.metadata.
             reader._read_for_load(self.rank if rank_local else None)
             with self._coord.quiet():
-                dcp.load(state, checkpoint_id=url, storage_reader=reader, planner=planner,
-                         process_group=self._coord.group, no_dist=not self._coord.distributed)
+                state_dict_loader.load(
+                    state, checkpoint_id=url, storage_reader=reader, planner=planner,
+                    process_group=self._coord.group, no_dist=not self._coord.distributed,
+                )
         return chosen_step
 
     def _check_loadable(self, info: CheckpointInfo) -> None:

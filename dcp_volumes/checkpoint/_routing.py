@@ -67,6 +67,7 @@ import inspect
 import json
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -422,17 +423,18 @@ def _read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _toml() -> Any:
     """The TOML parser: ``tomllib`` (Python >= 3.11), else the ``tomli`` package."""
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ImportError:  # pragma: no cover - Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ImportError:
-            raise ConfigurationError(
-                "A TOML routing config needs Python >= 3.11 or the tomli package. Fix: "
-                "pip install tomli, or write the config as JSON (a file name ending in .json)."
-            ) from None
-    return tomllib
+
+        return tomllib
+    try:  # pragma: no cover - Python 3.10
+        import tomli
+    except ImportError:
+        raise ConfigurationError(
+            "A TOML routing config needs Python >= 3.11 or the tomli package. Fix: "
+            "pip install tomli, or write the config as JSON (a file name ending in .json)."
+        ) from None
+    return tomli
 
 
 def _check_level(level: Mapping[str, Any], allowed: frozenset[str], where: str) -> None:
