@@ -257,7 +257,7 @@ def test_a_local_volume_below_a_file_says_which_file_and_how_to_fix(tmp_path) ->
     blocker = tmp_path / "hostname"  # as /etc/hostname: a file where a directory must be
     blocker.write_text("x")
     vol = Volume(str(blocker / "vol"))
-    for attempt in (lambda: vol.check_root(create=True), lambda: vol.write_bytes("f", b"1"),
+    for attempt in (lambda: vol.check_root(create=True), lambda: vol.publish("f", b"1"),
                     vol.check_root):
         with pytest.raises(VolumeError) as err:
             attempt()
@@ -269,7 +269,7 @@ def test_a_local_volume_below_a_file_says_which_file_and_how_to_fix(tmp_path) ->
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
 def test_a_local_volume_on_a_virtual_filesystem_says_why_and_how_to_fix() -> None:
     vol = Volume("/proc/nope/vol")
-    for attempt in (lambda: vol.check_root(create=True), lambda: vol.write_bytes("f", b"1")):
+    for attempt in (lambda: vol.check_root(create=True), lambda: vol.publish("f", b"1")):
         with pytest.raises(VolumeError) as err:
             attempt()
         message = str(err.value)

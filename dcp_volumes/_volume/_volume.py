@@ -463,10 +463,6 @@ class Volume:
             return False
         return True
 
-    def write_bytes(self, relpath: str, data: Data) -> None:
-        """Write a whole small file (atomically, like ``publish``)."""
-        self.publish(relpath, data)
-
     def copy(self, src: str, dst: str) -> None:
         """Copy ``src`` to ``dst`` (both below the root) on the store itself."""
         self._call("copy", src, lambda b: b.copy(self.full_path(src), self.full_path(dst)))
