@@ -150,6 +150,25 @@ def test_volume_survives_fork(volume: Volume) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_a_fork_fallback_without_fsspec_clients_names_the_extra_that_has_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child forked after obstore I/O falls back to s3fs/adlfs; without them installed the
+    fix names the extra that holds them ([fsspec-clients]), not [s3]/[azure] (obstore)."""
+    from dcp_volumes._exceptions import BackendNotInstalledError
+    from dcp_volumes._volume import _obstore, _select
+
+    def not_installed(*args: Any, **kwargs: Any) -> None:
+        raise BackendNotInstalledError("no s3fs")
+
+    monkeypatch.setattr(_obstore, "usable_here", lambda: False)
+    monkeypatch.setattr(_select, "FsspecBackend", not_installed)
+    with pytest.raises(ConfigurationError) as err:
+        _select._client_backend("s3", {}, RetryPolicy())
+    assert "pip install 'dcp_volumes[fsspec-clients]'" in str(err.value)
+    assert "[s3]" not in str(err.value)
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 
