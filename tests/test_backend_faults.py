@@ -233,7 +233,7 @@ def test_a_cold_epoch_on_a_stale_listing_delivers_each_listed_sample_once(
     time.sleep(0.01)
     vol = Volume(f"{root}/data", storage_options=opts)
     for i in range(100, 110):  # written "just now": the first listings miss them
-        vol.write_bytes(f"z/late-{i}.bin", payload(i, 256))
+        vol.publish(f"z/late-{i}.bin", payload(i, 256))
     for w in wrappers.values():
         w.stale_since = cutoff
     faults.stale_lists = 10**6  # every listing of this epoch misses the last 10 samples

@@ -78,7 +78,7 @@ def test_the_s3_variable_wins_over_the_general_one(
     env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     _use_environment(monkeypatch, env)
     vol = Volume(f"{url}/run")
-    vol.write_bytes("x", b"hello")
+    vol.publish("x", b"hello")
     assert vol.read_bytes("x") == b"hello"
 
 

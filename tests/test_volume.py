@@ -150,6 +150,25 @@ def test_volume_survives_fork(volume: Volume) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_a_fork_fallback_without_fsspec_clients_names_the_extra_that_has_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child forked after obstore I/O falls back to s3fs/adlfs; without them installed the
+    fix names the extra that holds them ([fsspec-clients]), not [s3]/[azure] (obstore)."""
+    from dcp_volumes._exceptions import BackendNotInstalledError
+    from dcp_volumes._volume import _obstore, _select
+
+    def not_installed(*args: Any, **kwargs: Any) -> None:
+        raise BackendNotInstalledError("no s3fs")
+
+    monkeypatch.setattr(_obstore, "usable_here", lambda: False)
+    monkeypatch.setattr(_select, "FsspecBackend", not_installed)
+    with pytest.raises(ConfigurationError) as err:
+        _select._client_backend("s3", {}, RetryPolicy())
+    assert "pip install 'dcp_volumes[fsspec-clients]'" in str(err.value)
+    assert "[s3]" not in str(err.value)
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 
@@ -257,7 +276,7 @@ def test_a_local_volume_below_a_file_says_which_file_and_how_to_fix(tmp_path) ->
     blocker = tmp_path / "hostname"  # as /etc/hostname: a file where a directory must be
     blocker.write_text("x")
     vol = Volume(str(blocker / "vol"))
-    for attempt in (lambda: vol.check_root(create=True), lambda: vol.write_bytes("f", b"1"),
+    for attempt in (lambda: vol.check_root(create=True), lambda: vol.publish("f", b"1"),
                     vol.check_root):
         with pytest.raises(VolumeError) as err:
             attempt()
@@ -269,7 +288,7 @@ def test_a_local_volume_below_a_file_says_which_file_and_how_to_fix(tmp_path) ->
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
 def test_a_local_volume_on_a_virtual_filesystem_says_why_and_how_to_fix() -> None:
     vol = Volume("/proc/nope/vol")
-    for attempt in (lambda: vol.check_root(create=True), lambda: vol.write_bytes("f", b"1")):
+    for attempt in (lambda: vol.check_root(create=True), lambda: vol.publish("f", b"1")):
         with pytest.raises(VolumeError) as err:
             attempt()
         message = str(err.value)

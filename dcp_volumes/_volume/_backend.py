@@ -4,8 +4,9 @@
 behind it one ``Backend`` per kind of store (``_local.py``, ``_obstore.py``,
 ``_fsspec.py``). A backend works on *locations*: what ``Volume.full_path``
 gives (an absolute OS path on local volumes, ``bucket/key`` elsewhere). It
-raises its client's own exceptions; ``Volume`` retries and translates them
-(``_retry.py``), so no backend and no caller handles the other's errors.
+maps its client's exceptions to the neutral kinds of ``_errors.py`` at its
+boundary; ``Volume`` retries and translates those (``_retry.py``), so no
+backend and no caller handles another client's errors.
 
 What a caller may need to know about a store is a ``Capabilities`` flag,
 never a type check.

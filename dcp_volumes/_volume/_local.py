@@ -3,7 +3,8 @@
 A local disk or network mount has no atomic PUT, so every file lands under a
 temporary name and is renamed into place, with the fsyncs that make the rename
 durable; a download lands the same way. File operations raise plain
-``OSError``s, which ``Volume`` retries and translates. ``write_all`` is also
+``OSError``s; the backend's methods raise them as the neutral kinds
+(``_errors.from_builtin``), which ``Volume`` retries and translates. ``write_all`` is also
 how the cache and the checkpoint writer write their local files.
 """
 
@@ -11,14 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
 
 from dcp_volumes._exceptions import VolumeAccessError, VolumeError, VolumeNotFoundError
 from dcp_volumes._volume._backend import Capabilities, Data, FileInfo, Listing
+from dcp_volumes._volume._errors import from_builtin, map_exceptions
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # Largest single write(). Linux sizes a file's page-cache folios by the write
 # that creates them. On this project's VMs the guest hands free blocks of 2 MiB
@@ -243,23 +250,37 @@ def download_atomically(
             os.remove(tmp)
 
 
+def _os_errors(method: Callable[P, R]) -> Callable[P, R]:
+    """Run a backend method with the OS's exceptions raised as the neutral kinds."""
+
+    @functools.wraps(method)
+    def mapped(*args: P.args, **kwargs: P.kwargs) -> R:
+        with map_exceptions(from_builtin):
+            return method(*args, **kwargs)
+
+    return mapped
+
+
 class LocalBackend:
     """Files on this machine: a local disk or a mounted network filesystem."""
 
     capabilities = Capabilities(local_files=True, atomic_create=True, buffers_uploads=False)
 
+    @_os_errors
     def check_root(self, root: str, *, create: bool) -> Listing:
         if create:
             make_dirs(root)
         check_dir(root, writable=create)
         return self.list(root, recursive=False)
 
+    @_os_errors
     def head(self, path: str) -> FileInfo:
         st = os.stat(path)
         if not os.path.isfile(path):
             raise IsADirectoryError(errno.EISDIR, "a directory, not a file", path)
         return FileInfo(path=path, size=st.st_size, mtime=st.st_mtime)
 
+    @_os_errors
     def list(self, prefix: str, *, recursive: bool) -> Listing:
         files: list[FileInfo] = []
         dirs: list[str] = []
@@ -288,6 +309,7 @@ class LocalBackend:
                     continue
         return Listing(files=files, dirs=dirs)
 
+    @_os_errors
     def read(self, path: str, start: int, end: int | None) -> bytes:
         with open(path, "rb", buffering=0) as f:
             if end is None:
@@ -295,9 +317,11 @@ class LocalBackend:
                 return f.read()
             return os.pread(f.fileno(), max(0, end - start), start)
 
+    @_os_errors
     def read_whole(self, path: str, expect: int) -> bytes:
         return self.read(path, 0, None)
 
+    @_os_errors
     def read_into(self, path: str, start: int, outs: Sequence[memoryview]) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -306,6 +330,7 @@ class LocalBackend:
             os.close(fd)
         return got
 
+    @_os_errors
     def upload(
         self, local_path: str, path: str, *, size: int, part_size: int, concurrency: int,
         move: bool,
@@ -318,14 +343,17 @@ class LocalBackend:
                 "dropped data; retry the save."
             )
 
+    @_os_errors
     def put(self, path: str, data: Data, *, create_only: bool) -> None:
         publish_bytes(path, data, exclusive=create_only)
 
+    @_os_errors
     def delete(self, paths: Sequence[str]) -> None:
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
 
+    @_os_errors
     def copy(self, src: str, dst: str) -> None:
         make_dirs(os.path.dirname(dst))
         tmp = f"{dst}.tmp-{uuid.uuid4().hex[:8]}"
@@ -336,6 +364,7 @@ class LocalBackend:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
 
+    @_os_errors
     def delete_tree(self, path: str) -> None:
         """Remove a whole directory (one call where a store would list and delete)."""
         shutil.rmtree(path, ignore_errors=True)

@@ -20,7 +20,7 @@ import contextlib
 import os
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -29,14 +29,24 @@ from urllib.parse import urlsplit
 from dcp_volumes._exceptions import BackendNotInstalledError
 from dcp_volumes._volume._backend import Capabilities, Data, FileInfo, Listing, scatter
 from dcp_volumes._volume._client_watchdog import watch_client_start
+from dcp_volumes._volume._errors import (
+    AccessDenied,
+    BackendError,
+    BucketNotFound,
+    ConnectionFailed,
+    InvalidKey,
+    Misconfigured,
+    NotFound,
+    PreconditionFailed,
+    RequestFailed,
+    ServerError,
+    describe,
+    from_builtin,
+    map_exceptions,
+)
 from dcp_volumes._volume._mapped import mapped, mapped_parts
 from dcp_volumes._volume._obstore_options import StoreSettings
-from dcp_volumes._volume._retry import (
-    EndpointUnreachableError,
-    UnsendableRequestError,
-    answered_status,
-    redact_url,
-)
+from dcp_volumes._volume._retry import redact_url
 
 # The pid of this process once it did I/O through obstore; True in a child
 # forked after that (its inherited runtime cannot run there).
@@ -116,24 +126,38 @@ class ObstoreBackend:
 
     # -- errors ---------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _client_errors(self) -> Iterator[None]:
-        """Raise the client's final failures (see ``_final``) as the retry layer's types."""
-        try:
-            yield
-        except self._obs.exceptions.GenericError as exc:
-            final = self._final(exc)
-            if final is None:
-                raise
-            raise final from exc
+    def _client_errors(self) -> contextlib.AbstractContextManager[None]:
+        """Raise obstore's exceptions as the neutral kinds (``_errors.py``)."""
+        return map_exceptions(self._neutral)
 
-    def _final(self, exc: Exception) -> Exception | None:
-        """The error for a failure obstore's client has dealt with already, else ``None``.
+    def _neutral(self, exc: Exception) -> BackendError | None:
+        """The neutral kind of one of obstore's exceptions (by its type), or ``None``."""
+        errors = self._obs.exceptions
+        if isinstance(exc, errors.GenericError):
+            return self._generic(exc)
+        detail = describe(exc)
+        if isinstance(exc, (FileNotFoundError, errors.NotFoundError)):
+            return NotFound(detail)
+        if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)):
+            return AccessDenied(detail)
+        if isinstance(exc, (errors.AlreadyExistsError, errors.PreconditionError)):
+            # obstore reads every 409 as "already exists": the server's words say which.
+            return PreconditionFailed(detail, server_said=read_failure(exc).server_said)
+        if isinstance(exc, errors.UnknownConfigurationKeyError):
+            return Misconfigured(detail)
+        if isinstance(exc, errors.InvalidPathError):
+            return InvalidKey(detail)
+        return from_builtin(exc)
+
+    def _generic(self, exc: Exception) -> BackendError:
+        """The kind of obstore's untyped error, from what its message says (``read_failure``).
 
         A connection that could not be made was retried by the client itself
         (its ``retry_config``, set from the volume's policy): retrying it again
-        above would multiply the wait. A request the client cannot build is
-        never sent, so no retry can help.
+        above would multiply the wait, so it is final. A request the client
+        cannot build is never sent, so no retry can help. A 4xx answer is the
+        request's fault: final. The rest (a 5xx through the client's retries, a
+        body cut mid-listing, a connection lost) is transient.
         """
         failure = read_failure(exc)
         if failure.unsendable:
@@ -146,22 +170,33 @@ class ObstoreBackend:
             else:
                 why = f"the client's reason: {failure.cause}"
                 fix = self._endpoint_fix()
-            return UnsendableRequestError(
+            return Misconfigured(
                 f"the object-store client cannot build a request to {endpoint} from these "
-                f"settings ({why}); nothing was sent. Fix: {fix}"
+                f"settings ({why}); nothing was sent. Fix: {fix}",
+                explained=True,
+                endpoint=endpoint,
             )
         if failure.connect:
+            endpoint = self._endpoint(failure)
             what = (
                 "connection refused at"
                 if failure.cause == "ConnectionRefused"
                 else f"cannot connect ({failure.cause}) to"
             )
-            return EndpointUnreachableError(
-                f"{what} {self._endpoint(failure)} (tried {failure.retries + 1} times). Fix: "
+            return ConnectionFailed(
+                f"{what} {endpoint} (tried {failure.retries + 1} times). Fix: "
                 "check that the store is running and reachable at that address; "
-                f"{self._endpoint_fix()}"
+                f"{self._endpoint_fix()}",
+                explained=True,
+                transient=False,
+                endpoint=endpoint,
             )
-        return None
+        detail = describe(exc)
+        if failure.status is not None and 400 <= failure.status < 500:
+            return RequestFailed(detail, status=failure.status, server_said=failure.server_said)
+        if failure.status is not None and failure.status >= 500:
+            return ServerError(detail, status=failure.status, server_said=failure.server_said)
+        return ConnectionFailed(detail)
 
     def _endpoint(self, failure: _Failure) -> str:
         """The address the failed request went to (scheme, host and port only)."""
@@ -190,50 +225,51 @@ class ObstoreBackend:
     def check_root(self, root: str, *, create: bool) -> Listing:
         return self.list(root, recursive=False)
 
-    def _failed_listing(self, store: Any, key: str, bucket: str, exc: Exception) -> Exception:
-        """The error to raise for a listing that failed with obstore's generic error.
+    def _listing_error(self, store: Any, key: str, bucket: str, exc: Exception) -> BackendError:
+        """The kind of a listing that failed with obstore's untyped error.
 
         obstore reports a failed listing (a missing bucket, refused credentials,
-        a cut connection) only as a generic error whose text carries the
+        a cut connection) only as an untyped error whose text carries the
         server's status: a 404 of the listing itself is a missing bucket. For
         the rest a HEAD in the bucket has typed errors (refused credentials);
         its "not found" says nothing (the probe key never exists), so the
-        listing's own error stands and is retried as transient.
+        listing's own error stands.
         """
-        if answered_status(exc) == 404:
-            return MissingBucket(bucket)
+        kind = self._generic(exc)
+        if kind.status == 404:
+            return BucketNotFound(f"no bucket or container {bucket!r}", status=404)
+        if kind.explained:  # never sent, or never connected: a probe would fail the same way
+            return kind
         probe = f"{key}/.dcp-volumes-probe" if key else ".dcp-volumes-probe"
         try:
             self._obs.head(store, probe)
         except (FileNotFoundError, self._obs.exceptions.GenericError):
-            return exc
+            return kind
         except Exception as typed:  # permission, credentials: more precise than the listing's
-            return typed
-        return exc
+            return self._neutral(typed) or kind
+        return kind
 
     def head(self, path: str) -> FileInfo:
-        store, key = self._split(path)
         with self._client_errors():
+            store, key = self._split(path)
             return _info(path, self._obs.head(store, key))
 
     def list(self, prefix: str, *, recursive: bool) -> Listing:
-        store, key = self._split(prefix)
-        bucket = prefix.partition("/")[0]
-        try:
-            if recursive:
-                files = [
-                    _info(f"{bucket}/{meta['path']}", meta)
-                    for chunk in self._obs.list(store, prefix=key or None)
-                    for meta in chunk
-                    if not meta["path"].endswith("/")
-                ]
-                return Listing(files=files, dirs=[])
-            found = self._obs.list_with_delimiter(store, prefix=key or None)
-        except self._obs.exceptions.GenericError as exc:
-            error = self._final(exc) or self._failed_listing(store, key, bucket, exc)
-            if error is exc:
-                raise
-            raise error from exc
+        with self._client_errors():
+            store, key = self._split(prefix)
+            bucket = prefix.partition("/")[0]
+            try:
+                if recursive:
+                    files = [
+                        _info(f"{bucket}/{meta['path']}", meta)
+                        for chunk in self._obs.list(store, prefix=key or None)
+                        for meta in chunk
+                        if not meta["path"].endswith("/")
+                    ]
+                    return Listing(files=files, dirs=[])
+                found = self._obs.list_with_delimiter(store, prefix=key or None)
+            except self._obs.exceptions.GenericError as exc:
+                raise self._listing_error(store, key, bucket, exc) from exc
         files = [_info(f"{bucket}/{meta['path']}", meta) for meta in found["objects"]]
         dirs = [f"{bucket}/{p.rstrip('/')}" for p in found["common_prefixes"]]
         return Listing(files=files, dirs=dirs)
@@ -241,29 +277,27 @@ class ObstoreBackend:
     # -- reads ----------------------------------------------------------------------------
 
     def read(self, path: str, start: int, end: int | None) -> Data:
-        store, key = self._split(path)
         if end is not None and end <= start:
             return b""
-        try:
-            if end is None:
-                if start == 0:
-                    return self._obs.get(store, key).bytes()
-                return self._obs.get(store, key, options={"range": {"offset": start}}).bytes()
-            return self._obs.get_range(store, key, start=start, end=end)
-        except self._obs.exceptions.GenericError as exc:
-            final = self._final(exc)
-            if final is not None:
-                raise final from exc
-            # A range that starts at or past the end is refused (416) as a generic
-            # error; like a file read, it holds no bytes.
-            with self._client_errors():
-                if start > 0 and self._obs.head(store, key)["size"] <= start:
+        with self._client_errors():
+            store, key = self._split(path)
+            try:
+                if end is None:
+                    if start == 0:
+                        return self._obs.get(store, key).bytes()
+                    return self._obs.get(store, key, options={"range": {"offset": start}}).bytes()
+                return self._obs.get_range(store, key, start=start, end=end)
+            except self._obs.exceptions.GenericError as exc:
+                kind = self._generic(exc)
+                # A range that starts at or past the end is refused (416) as an untyped
+                # error; like a file read, it holds no bytes.
+                if not kind.explained and start > 0 and self._obs.head(store, key)["size"] <= start:
                     return b""
-            raise
+                raise kind from exc
 
     def read_whole(self, path: str, expect: int) -> Data:
-        store, key = self._split(path)
         with self._client_errors():
+            store, key = self._split(path)
             return self._obs.get(store, key).bytes()
 
     def read_into(self, path: str, start: int, outs: Sequence[memoryview]) -> int:
@@ -279,13 +313,13 @@ class ObstoreBackend:
         self, local_path: str, path: str, *, size: int, part_size: int, concurrency: int,
         move: bool,
     ) -> None:
-        store, key = self._split(path)
         # The file is mapped and handed over as buffers, which obstore sends
         # without a copy (see _mapped): read from a path, every part would be a
         # fresh allocation in one of its runtime's threads, and glibc keeps such
         # memory in per-thread arenas (an async save's peak RSS grew to 2.1x
         # the state that way instead of 1.1x).
-        with open(local_path, "rb") as f, self._client_errors():
+        with self._client_errors(), open(local_path, "rb") as f:
+            store, key = self._split(path)
             if size > part_size:
                 self._obs.put(
                     store,
@@ -302,8 +336,8 @@ class ObstoreBackend:
             os.remove(local_path)
 
     def put(self, path: str, data: Data, *, create_only: bool) -> None:
-        store, key = self._split(path)
         with self._client_errors():
+            store, key = self._split(path)
             self._obs.put(store, key, data, mode="create" if create_only else "overwrite")
 
     def delete(self, paths: Sequence[str]) -> None:
@@ -312,8 +346,8 @@ class ObstoreBackend:
             bucket, _, key = path.partition("/")
             by_bucket.setdefault(bucket, []).append(key)
         for bucket, keys in by_bucket.items():
-            store = self._store(bucket)
             with self._client_errors():
+                store = self._store(bucket)
                 try:
                     self._obs.delete(store, keys)
                 except FileNotFoundError:
@@ -323,20 +357,12 @@ class ObstoreBackend:
                             self._obs.delete(store, key)
 
     def copy(self, src: str, dst: str) -> None:
-        store, src_key = self._split(src)
         dst_bucket, _, dst_key = dst.partition("/")
         if dst_bucket != src.partition("/")[0]:
             raise ValueError(f"copy across buckets ({src} -> {dst}) is not supported")
         with self._client_errors():
+            store, src_key = self._split(src)
             self._obs.copy(store, src_key, dst_key, overwrite=True)
-
-
-class MissingBucket(FileNotFoundError):
-    """The bucket or container of a location does not exist (``Volume`` translates it)."""
-
-    def __init__(self, bucket: str) -> None:
-        super().__init__(f"no bucket or container {bucket!r}")
-        self.code = "NoSuchBucket"
 
 
 @dataclass(frozen=True)
@@ -348,6 +374,8 @@ class _Failure:
     cause: str  # the innermost reason the client names: "ConnectionRefused", "dns error", ...
     retries: int  # how often the client retried the request
     url: str | None  # where the request went
+    status: int | None  # the HTTP status the server answered, if it answered
+    server_said: str | None  # that status, and the error code and message of its body
 
 
 # The fields of obstore's "Debug source" (Rust's {:?} of object_store's error) read below.
@@ -358,17 +386,30 @@ _CONNECT_STEP = re.compile(r'ConnectError\(\s*"([^"]+)"')
 _INNER_SOURCE = re.compile(r"source: (\w+),?\s*\}")
 _RETRIES = re.compile(r"\bretries: (\d+),")
 _URI = re.compile(r"\buri: Some\(\s*([^\s,()]+)")
+# The status the server answered, and the code and message of an XML error body
+# (obstore's first line names its own reading of the status, not the server's).
+_STATUS = re.compile(r"status code: (\d{3})\b")
+_BODY_FIELDS = {tag: re.compile(rf"<{tag}>([^<\n]*)") for tag in ("Code", "Message")}
 
 
 def read_failure(exc: BaseException) -> _Failure:
-    """What obstore's ``GenericError`` says about its request, read from its message.
+    """What obstore's error says about its request, read from its message.
 
     obstore raises every failure of its HTTP client as one ``GenericError`` with
-    no attributes and no ``__cause__``; the structure (the kind of failure, how
-    often the client retried, the URL) is only in the "Debug source" its message
-    ends with. This is the one place that reads it.
+    no attributes and no ``__cause__`` (and its typed errors carry no status
+    either); the structure (the kind of failure, how often the client retried,
+    the URL, the status and body the server answered) is only in the text: the
+    "Debug source" its message ends with. This is the one place in the package
+    that reads an error's text, for the one client that offers nothing else.
     """
     text = str(exc)
+    status_found = _STATUS.search(text)
+    status = int(status_found.group(1)) if status_found else None
+    said = [f"status {status}"] if status else []
+    for pattern in _BODY_FIELDS.values():
+        field = pattern.search(text)
+        if field:
+            said.append(field.group(1).strip()[:300])
     http_kind = _HTTP_KIND.search(text)
     reqwest_kind = _REQWEST_KIND.search(text)
     os_kind = _OS_KIND.search(text)
@@ -391,6 +432,8 @@ def read_failure(exc: BaseException) -> _Failure:
         cause=cause,
         retries=int(retries.group(1)) if retries else 0,
         url=uri.group(1) if uri else None,
+        status=status,
+        server_said=": ".join(said) if said else None,
     )
 
 

@@ -2,17 +2,17 @@
 
 Transient failures (throttling, 5xx, resets, timeouts) are retried with
 exponential backoff and full jitter; everything else, and the last transient
-failure, becomes a ``dcp_volumes`` exception. Classification reads error codes
-and types, never message text, and messages never carry credentials.
+failure, becomes a ``dcp_volumes`` exception. Classification and translation read
+only the neutral kinds the backends raise (``_errors.py``: each backend maps
+its own client's exceptions there), never a client's types, codes or message
+text; messages never carry credentials.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import random
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,6 +27,19 @@ from dcp_volumes._exceptions import (
     VolumeError,
     VolumeExistsError,
     VolumeNotFoundError,
+)
+from dcp_volumes._volume._errors import (
+    AccessDenied,
+    AlreadyExists,
+    BackendError,
+    BucketNotFound,
+    InvalidKey,
+    Misconfigured,
+    NotAFile,
+    NotFound,
+    PreconditionFailed,
+    describe,
+    from_builtin,
 )
 
 logger = logging.getLogger("dcp_volumes._volume")
@@ -51,91 +64,6 @@ _SECRET_KEYS = (
     "sas_key",
     "bearer_token",
 )
-# Error codes (HTTP status or service code) that mean "try again later".
-_TRANSIENT_CODES = frozenset(
-    {
-        "408",
-        "429",
-        "500",
-        "502",
-        "503",
-        "504",
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "RequestTimeTooSkewed",
-        "InternalError",
-        "ServiceUnavailable",
-        "ServerBusy",
-        "OperationTimedOut",
-    }
-)
-_ACCESS_CODES = frozenset(
-    {
-        "401",
-        "403",
-        "AccessDenied",
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "AuthenticationFailed",
-        "AuthorizationFailure",
-        "ExpiredToken",
-        "InvalidToken",
-    }
-)
-_CREDENTIAL_ERRORS = frozenset(
-    {
-        "NoCredentialsError",
-        "PartialCredentialsError",
-        "ClientAuthenticationError",
-        "PermissionDeniedError",  # obstore
-        "UnauthenticatedError",  # obstore
-    }
-)
-# obstore's typed errors (it retried transient ones itself before raising them).
-_OBSTORE_EXISTS = frozenset({"AlreadyExistsError", "PreconditionError"})
-_OBSTORE_CONFIG = frozenset({"UnknownConfigurationKeyError", "InvalidPathError"})
-# Raised by obstore for a key it cannot address: one with ".", ".." or empty segments.
-_OBSTORE_BAD_KEY = "InvalidPathError"
-_MISSING_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound", "BucketNotFound"})
-_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound", "BlobNotFound"})
-_EXISTS_CODES = frozenset({"412", "PreconditionFailed", "BlobAlreadyExists", "ConditionNotMet"})
-# How object_store's error text gives a status the server answered with (its
-# untyped errors carry no status otherwise).
-_STATUS_IN_TEXT = re.compile(r"status code: (\d{3})\b")
-
-
-def answered_status(exc: BaseException) -> int | None:
-    """The HTTP status that obstore's untyped error says the server answered, if any."""
-    found = _STATUS_IN_TEXT.search(str(exc))
-    return int(found.group(1)) if found else None
-_TRANSIENT_ERRNOS = frozenset(
-    {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ETIMEDOUT}
-)
-
-
-class FinalBackendError(Exception):
-    """A backend's failure that its client has already dealt with as far as it should.
-
-    Raised by a backend (from its client's error) for a request the client
-    retried itself and gave up on, or one it can never send. The retry layer
-    never retries it again (two layers of retries would multiply the wait);
-    its message says what happened, and how to fix it.
-    """
-
-
-class EndpointUnreachableError(FinalBackendError, ConnectionError):
-    """The store's endpoint refused or never took the connection, through the client's
-    own retries. Becomes a ``VolumeError``."""
-
-
-class UnsendableRequestError(FinalBackendError, ValueError):
-    """The client cannot build the request from its settings (it is never sent: an
-    ``http://`` endpoint with plain http switched off, a malformed URL or header).
-    Becomes a ``ConfigurationError``."""
-
-
 # How long a store's answers may lag its writes: some S3-compatible servers,
 # caching gateways and NFS attribute caches list (or even find) an object only
 # a moment after it was written. A file missing from a listing, or not found
@@ -246,88 +174,27 @@ def url_secrets(url: str) -> list[str]:
     return found + [quote(v, safe="") for v in found if quote(v, safe="") != v]
 
 
-def _error_codes(exc: BaseException) -> set[str]:
-    """Service error codes and HTTP statuses found on ``exc`` and its causes (never its text)."""
-    codes: set[str] = set()
-    seen: set[int] = set()
-    cur: BaseException | None = exc
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        response = getattr(cur, "response", None)
-        if isinstance(response, Mapping):  # botocore ClientError
-            err = response.get("Error", {})
-            if err.get("Code"):
-                codes.add(str(err["Code"]))
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if status:
-                codes.add(str(status))
-        for attr in ("error_code", "status_code", "code", "status"):  # azure, gcsfs, aiohttp
-            value = getattr(cur, attr, None)
-            if isinstance(value, (int, str)) and not isinstance(value, bool) and value != "":
-                codes.add(str(value))
-        cur = cur.__cause__ or cur.__context__
-    return codes
+def _neutral(exc: BaseException) -> BackendError | None:
+    """The neutral kind of a failure: what the backend raised, or (for code run in a
+    volume call outside a backend) Python's own exception mapped the same way."""
+    return exc if isinstance(exc, BackendError) else from_builtin(exc)
 
 
 def _is_transient(exc: BaseException) -> bool:
-    if isinstance(
-        exc,
-        (FileNotFoundError, PermissionError, FileExistsError, DcpVolumesError, FinalBackendError),
-    ):
-        return False
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
-        return True
-    codes = _error_codes(exc)
-    if codes & _TRANSIENT_CODES:
-        return True
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    status = answered_status(exc) if "GenericError" in names else None
-    if "GenericError" in names and not (status is not None and 400 <= status < 500):
-        # obstore's untyped error: a body cut mid-listing, a connection lost after
-        # its own retries. A 4xx answer in its text is the request's fault: final.
-        return True
-    # Network-level failures of the HTTP stacks fsspec backends use.
-    return bool(
-        names
-        & {
-            "EndpointConnectionError",
-            "ConnectionClosedError",
-            "ReadTimeoutError",
-            "ConnectTimeoutError",
-            "ResponseStreamingError",
-            "IncompleteReadError",
-            "IncompleteRead",  # http.client's, from bodies read off the socket directly
-            "ClientConnectionError",
-            "ClientPayloadError",
-            "ServerDisconnectedError",
-            "ServiceRequestError",
-            "ServiceResponseError",
-            "ProtocolError",
-        }
-    )
+    kind = _neutral(exc)
+    return kind is not None and kind.transient
 
 
 def _detail(exc: BaseException, scrub: Callable[[str], str]) -> str:
-    """The error's type and first line, credentials removed (clients append pages of debug
-    output and response bodies after it)."""
-    text = str(exc).strip().split("\n", 1)[0]
-    if len(text) > 400:
-        text = text[:400] + "..."
-    return scrub(f"{type(exc).__name__}: {text}")
+    """What went wrong, as the client said it (credentials removed)."""
+    if isinstance(exc, BackendError):
+        text = str(exc) if exc.explained else str(exc).split("\n", 1)[0]
+        return scrub(text)
+    return scrub(describe(exc))
 
 
-def _server_said(exc: BaseException) -> str:
-    """The status and the error code and message in the response body an error quotes
-    (obstore's first line names its own reading of the status, not the server's)."""
-    text = str(exc)
-    parts = [f"status {status}"] if (status := answered_status(exc)) else []
-    for tag in ("Code", "Message"):
-        found = re.search(rf"<{tag}>([^<\n]*)", text)
-        if found:
-            parts.append(found.group(1).strip()[:300])
-    return ": ".join(parts) if parts else _detail(exc, lambda t: t)
+def _sentence(text: str) -> str:
+    return text if text.endswith(".") else f"{text}."
 
 
 def translate_error(
@@ -338,28 +205,35 @@ def translate_error(
     *,
     create_only: bool = False,
 ) -> DcpVolumesError:
-    """The ``dcp_volumes`` exception for a backend error on ``where``.
+    """The ``dcp_volumes`` exception for a backend error on ``where``, by its neutral kind.
 
     ``create_only``: the operation was a write that must not replace an object,
-    the only kind for which "already exists" (412, or obstore's reading of any
-    409) means the object is there; a plain write that gets them met another
+    the only kind for which a refused precondition (412, or obstore's reading of
+    any 409) means the object is there; a plain write that gets one met another
     conflict (e.g. Azure's 409 for a full in-memory store or a leased blob).
     """
     if isinstance(exc, DcpVolumesError):
         return exc
-    if isinstance(exc, UnsendableRequestError):
-        return ConfigurationError(f"Cannot {op} {where}: {scrub(str(exc))}")
-    if isinstance(exc, FinalBackendError):
-        return VolumeError(f"Cannot {op} {where}: {scrub(str(exc))}")
+    kind = _neutral(exc)
     detail = _detail(exc, scrub)
-    codes = _error_codes(exc)
-    if codes & _MISSING_BUCKET_CODES:
+    if isinstance(kind, Misconfigured):
+        if kind.explained:
+            return ConfigurationError(f"Cannot {op} {where}: {detail}")
+        return ConfigurationError(
+            f"Cannot {op} {where}: the object-store client refused its settings ({detail}). "
+            "Fix: correct storage_options (the message names the setting)."
+        )
+    if isinstance(kind, BucketNotFound):
         return BucketNotFoundError(
             f"Cannot {op} {where}: the bucket or container does not exist ({detail}). "
             "Fix: create it first, or correct the URL."
         )
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    if op == "list" and _OBSTORE_BAD_KEY in names:
+    if isinstance(kind, InvalidKey):
+        if op != "list":
+            return ConfigurationError(
+                f"Cannot {op} {where}: the object-store client refused its settings "
+                f"({detail}). Fix: correct storage_options (the message names the setting)."
+            )
         # The store holds a key (someone else's upload) that names a path segment
         # "." or "..": not a settings problem, and serving it could reach outside.
         return VolumeError(
@@ -368,30 +242,28 @@ def translate_error(
             "files outside this prefix. Fix: rename or delete that object, or use a prefix "
             "that does not contain it."
         )
-    if names & _OBSTORE_CONFIG:
-        return ConfigurationError(
-            f"Cannot {op} {where}: the object-store client refused its settings ({detail}). "
-            "Fix: correct storage_options (the message names the setting)."
-        )
-    if isinstance(exc, FileExistsError) or codes & _EXISTS_CODES or names & _OBSTORE_EXISTS:
-        if create_only or isinstance(exc, FileExistsError):
+    if isinstance(kind, PreconditionFailed):
+        if create_only or isinstance(kind, AlreadyExists):
             return VolumeExistsError(
                 f"Cannot {op} {where}: it already exists and this write must not replace it."
             )
+        said = scrub(kind.server_said) if kind.server_said else detail
         return VolumeError(
-            f"Cannot {op} {where}: the store refused it with a conflict "
-            f"({scrub(_server_said(exc))}). Nothing was replaced. Fix: as the store's "
-            "message says; e.g. a lease held by another client, or a server out of space."
+            f"Cannot {op} {where}: the store refused it with a conflict ({said}). Nothing "
+            "was replaced. Fix: as the store's message says; e.g. a lease held by another "
+            "client, or a server out of space."
         )
-    if isinstance(exc, FileNotFoundError) or codes & _NOT_FOUND_CODES:
+    if isinstance(kind, NotAFile) and op == "stat":
+        return VolumeNotFoundError(f"{where} is a directory/prefix, not a file.")
+    if isinstance(kind, NotFound):
         return VolumeNotFoundError(f"Cannot {op} {where}: not found ({detail}).")
-    if isinstance(exc, PermissionError) or codes & _ACCESS_CODES or names & _CREDENTIAL_ERRORS:
+    if isinstance(kind, AccessDenied):
         return VolumeAccessError(
             f"Cannot {op} {where}: access denied or credentials missing/invalid ({detail}). "
             "Fix: check the credentials in storage_options or the environment and that "
             "they grant this operation."
         )
-    return VolumeError(f"Cannot {op} {where}: {detail}.")
+    return VolumeError(f"Cannot {op} {where}: {_sentence(detail)}")
 
 
 def scrub_chain(exc: BaseException, scrub: Callable[[str], str]) -> None:

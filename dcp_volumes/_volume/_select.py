@@ -113,7 +113,8 @@ def _after_fork(protocol: str, options: Mapping[str, Any]) -> Backend:
             f"run in such a child (it would hang), and no fsspec client for '{protocol}://' "
             "is installed to fall back on. Fix: start worker processes with "
             "multiprocessing_context='forkserver' or 'spawn' (DataLoader does so by "
-            "default), or install the fsspec client (pip install 'dcp_volumes[s3]' / [azure])."
+            "default), or install the fsspec clients (pip install "
+            "'dcp_volumes[fsspec-clients]')."
         ) from exc
     if not _warned_fork:
         _warned_fork = True

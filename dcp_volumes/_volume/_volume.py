@@ -10,6 +10,7 @@ backend exceptions.
 
 from __future__ import annotations
 
+import builtins
 import io
 import os
 import shutil
@@ -270,14 +271,8 @@ class Volume:
 
     def info(self, relpath: str) -> FileInfo:
         """Size, etag and mtime of one file."""
-        try:
-            found = self._call("stat", relpath, lambda b: b.head(self.full_path(relpath)))
-        except VolumeError as exc:
-            if isinstance(exc.__cause__, IsADirectoryError):
-                raise VolumeNotFoundError(
-                    f"{redact_url(self.url_of(relpath))} is a directory/prefix, not a file."
-                ) from exc
-            raise
+        # A directory or prefix there is "not found" as a file (see translate_error).
+        found = self._call("stat", relpath, lambda b: b.head(self.full_path(relpath)))
         return FileInfo(relpath.strip("/"), found.size, found.etag, found.mtime)
 
     def exists(self, relpath: str = "") -> bool:
@@ -303,14 +298,14 @@ class Volume:
         listing = self._call("list", relpath, lambda b: b.list(base, recursive=recursive))
         return self._files(listing)
 
-    def _files(self, listing: Listing) -> list[FileInfo]:
+    def _files(self, listing: Listing) -> builtins.list[FileInfo]:
         """A backend listing's files, relative to the root and sorted by path."""
         files = [
             FileInfo(self._relative(f.path), f.size, f.etag, f.mtime) for f in listing.files
         ]
         return sorted(files, key=lambda f: f.path)
 
-    def list_dirs(self, relpath: str = "") -> list[str]:
+    def list_dirs(self, relpath: str = "") -> builtins.list[str]:
         """Names of the immediate sub-directories/prefixes of ``relpath``, sorted."""
         base = self.full_path(relpath)
         listing = self._call("list", relpath, lambda b: b.list(base, recursive=False))
@@ -467,10 +462,6 @@ class Volume:
         except VolumeNotFoundError:
             return False
         return True
-
-    def write_bytes(self, relpath: str, data: Data) -> None:
-        """Write a whole small file (atomically, like ``publish``)."""
-        self.publish(relpath, data)
 
     def copy(self, src: str, dst: str) -> None:
         """Copy ``src`` to ``dst`` (both below the root) on the store itself."""
