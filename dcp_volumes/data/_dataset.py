@@ -29,7 +29,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from dcp_volumes._exceptions import CacheError, ConfigurationError
 from dcp_volumes._volume import Volume
 from dcp_volumes._world import World, distributed
-from dcp_volumes.data._cache import FileCache
+from dcp_volumes.data._cache import DEFAULT_CACHE_LIMIT, FileCache
 from dcp_volumes.data._hot import SharedHot
 from dcp_volumes.data._listing import FileTable, build_file_table
 from dcp_volumes.data._metrics import worker_stats
@@ -134,7 +134,7 @@ class VolumeDataset(IterableDataset[Any]):
         url_or_file_list: str | os.PathLike[str] | Sequence[str],
         *,
         cache_dir: str | os.PathLike[str] | None = None,
-        cache_limit: int | str | None = "100GB",
+        cache_limit: int | str | None = DEFAULT_CACHE_LIMIT,
         shuffle: bool = True,
         seed: int = 0,
         transform: Callable[..., Any] | None = None,
