@@ -50,14 +50,14 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
     verify_checkpoint,
 )
-from dcp_volumes.checkpoint._manifest import (
+from dcp_volumes.checkpoint._layout import (
     MANIFEST_NAME,
     METADATA_NAME,
-    Manifest,
     manifest_rank,
     rank_manifest_name,
     rank_metadata_name,
 )
+from dcp_volumes.checkpoint._manifest import Manifest
 from dcp_volumes.checkpoint._retention import (
     DEFAULT_PARTIAL_GRACE_S,
     delete_checkpoint,

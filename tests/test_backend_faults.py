@@ -28,7 +28,7 @@ from dcp_volumes import (
     VolumeWriter,
 )
 from dcp_volumes._volume import Volume
-from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME
+from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from tests.faulty_backend import Faults, install
 from tests.scripts.states import differences, empty_state, state_for
 from tests.test_data_support import payload, read_id, write_samples

@@ -405,3 +405,21 @@ def test_large_file_ranged_fill_killed_midway(moto_server: MotoServer,
 
 def _fetch_large(cache_dir: str, url: str, opts: dict[str, Any]) -> None:
     FileCache(cache_dir).fetch(url, storage_options=opts, size=20 * 2**20)
+
+
+def test_a_limit_beyond_the_disk_warns_only_when_the_caller_chose_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shutil
+
+    from dcp_volumes.data import _cache
+
+    real = shutil.disk_usage
+    small = real(tmp_path)._replace(total=10 * 2**30)  # a 10 GiB disk
+    monkeypatch.setattr(_cache.shutil, "disk_usage", lambda path: small)
+    with caplog.at_level("INFO", logger="dcp_volumes.data._cache"):
+        FileCache(tmp_path / "default")  # the default limit (100GB): no news
+        FileCache(tmp_path / "chosen", limit="500GB")
+    levels = [(r.levelname, "chosen" in r.getMessage()) for r in caplog.records
+              if "exceeds the size of the disk" in r.getMessage()]
+    assert levels == [("INFO", False), ("WARNING", True)]

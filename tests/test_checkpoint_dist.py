@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_volumes import VolumeReader, VolumeWriter
 from dcp_volumes._volume import Volume
-from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, Manifest
+from dcp_volumes.checkpoint._layout import MANIFEST_NAME
+from dcp_volumes.checkpoint._manifest import Manifest
 from tests.checkpoint_helpers import assert_same, blank_like, join, sample_state
 from tests.dist import run_ranks
 

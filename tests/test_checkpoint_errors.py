@@ -30,7 +30,7 @@ from dcp_volumes import (
     VolumeWriter,
 )
 from dcp_volumes._volume import Volume
-from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME
+from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from tests.checkpoint_helpers import blank_like, data_file, failure_of, join, sample_state
 from tests.emulators import Azurite, MotoServer
 

@@ -31,13 +31,8 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_volumes import CheckpointManager
 from dcp_volumes._volume import Volume
-from dcp_volumes.checkpoint._manifest import (
-    MANIFEST_NAME,
-    METADATA_NAME,
-    FileRecord,
-    Manifest,
-    checksum_bytes,
-)
+from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
+from dcp_volumes.checkpoint._manifest import FileRecord, Manifest, checksum_bytes
 from dcp_volumes.cli import EXIT_CLOSED_STDOUT, main
 from tests.emulators import repo_root
 

@@ -277,7 +277,8 @@ def test_two_jobs_saving_the_same_checkpoint_id_at_once(
     import torch.distributed.checkpoint as dcp
 
     from dcp_volumes import VolumeReader
-    from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME, read_manifest
+    from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
+    from dcp_volumes.checkpoint._manifest import read_manifest
 
     url, opts = root
     ck = f"{url}/step-1"

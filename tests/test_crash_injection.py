@@ -37,8 +37,8 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._discovery import newest_complete, scan, step_dir
+from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from dcp_volumes.checkpoint._manager import CheckpointManager
-from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME
 from dcp_volumes.checkpoint._reader import VolumeReader
 from tests.conftest import unique_bucket_name
 from tests.emulators import MotoServer

@@ -35,7 +35,8 @@ from dcp_volumes import (
 )
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._compression import ZstdCompression
-from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME, Manifest, checksum_bytes
+from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
+from dcp_volumes.checkpoint._manifest import Manifest, checksum_bytes
 from tests.checkpoint_helpers import (
     assert_same,
     blank_like,

@@ -34,7 +34,7 @@ from dcp_volumes import (
     storage_error,
 )
 from dcp_volumes._volume import Volume
-from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME
+from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from tests.emulators import MotoServer
 from tests.test_cli import run_cli
 

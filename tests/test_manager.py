@@ -31,8 +31,8 @@ from dcp_volumes._exceptions import (
 )
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._discovery import CheckpointInfo, parse_step, scan, step_dir
+from dcp_volumes.checkpoint._layout import METADATA_NAME
 from dcp_volumes.checkpoint._manager import CheckpointManager
-from dcp_volumes.checkpoint._manifest import METADATA_NAME
 from dcp_volumes.checkpoint._retention import retention_victims
 from tests.dist import run_ranks
 from tests.emulators import LatencyProxy, MotoServer

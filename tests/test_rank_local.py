@@ -31,13 +31,13 @@ from dcp_volumes import (
     VolumeWriter,
 )
 from dcp_volumes._volume import Volume
-from dcp_volumes.checkpoint._manifest import (
+from dcp_volumes.checkpoint._layout import (
     MANIFEST_NAME,
     METADATA_NAME,
-    Manifest,
     rank_manifest_name,
     rank_metadata_name,
 )
+from dcp_volumes.checkpoint._manifest import Manifest
 from dcp_volumes.cli import main as cli_main
 from tests.checkpoint_helpers import assert_same, blank_like, failure_of
 from tests.dist import free_port, run_ranks

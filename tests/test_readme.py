@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME
+from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from tests.doc_blocks import REPO, Block, code_blocks, run
 
 README = REPO / "README.md"

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME
+from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from tests.checkpoint_helpers import assert_same
 from tests.doc_blocks import REPO, code_blocks
 from tests.doc_blocks import run as _run

@@ -26,7 +26,7 @@ from dcp_volumes import (
     VolumeReader,
     VolumeWriter,
 )
-from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME
+from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from dcp_volumes.checkpoint._routing import TARGETS
 from tests.checkpoint_helpers import assert_same, blank_like, failure_of, join
 from tests.proxy import LatencyProxy

@@ -33,7 +33,8 @@ from dcp_volumes import (
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._file_job import coalesce, find_span, split_range
-from dcp_volumes.checkpoint._manifest import MANIFEST_NAME, METADATA_NAME, Manifest
+from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
+from dcp_volumes.checkpoint._manifest import Manifest
 from tests import faulty_backend
 from tests.checkpoint_helpers import assert_same, blank_like, failure_of, join, sample_state
 from tests.emulators import LatencyProxy, MotoServer

@@ -34,14 +34,6 @@ from dcp_volumes._exit_safe import map_all
 from dcp_volumes._volume import FileInfo, Volume, until_shown
 from dcp_volumes.checkpoint import _layout
 
-# Every name in a checkpoint is _layout's; these are re-exported for cli.py, which
-# imports them from here.
-from dcp_volumes.checkpoint._layout import MANIFEST_NAME as MANIFEST_NAME
-from dcp_volumes.checkpoint._layout import METADATA_NAME as METADATA_NAME
-from dcp_volumes.checkpoint._layout import manifest_rank as manifest_rank
-from dcp_volumes.checkpoint._layout import rank_manifest_name as rank_manifest_name
-from dcp_volumes.checkpoint._layout import rank_metadata_name as rank_metadata_name
-
 logger = logging.getLogger(__name__)
 
 ALGORITHM = "xxh3_64"
@@ -190,7 +182,7 @@ def _record_json(record: FileRecord) -> dict[str, Any]:
     return doc
 
 
-def read_manifest(volume: Volume, name: str = MANIFEST_NAME) -> Manifest | None:
+def read_manifest(volume: Volume, name: str = _layout.MANIFEST_NAME) -> Manifest | None:
     """The manifest ``name`` of the checkpoint at ``volume``, or ``None`` for a stock checkpoint.
 
     ``name``: a rank's manifest (``rank_manifest_name``) for a rank-local checkpoint.

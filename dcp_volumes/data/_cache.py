@@ -63,6 +63,11 @@ def _sanitize(name: str) -> str:
     return safe or "data"
 
 
+# The default limit: on a smaller disk its free space is the limit, which is no news
+# for a caller who set nothing (one who asked for more than the disk is told).
+DEFAULT_CACHE_LIMIT = "100GB"
+
+
 def _source_identity(volume: Volume) -> str:
     """Protocol + endpoint: the same bucket name on two endpoints is two sources."""
     opts = volume.storage_options
@@ -109,7 +114,7 @@ class FileCache:
         self,
         cache_dir: str | os.PathLike[str] | None = None,
         *,
-        limit: int | str | None = "100GB",
+        limit: int | str | None = DEFAULT_CACHE_LIMIT,
         headroom: int | str = "256MiB",
         reconcile: bool = True,
     ) -> None:
@@ -119,7 +124,7 @@ class FileCache:
         self.headroom = parse_size(headroom, what="headroom") or 0
         if self.limit == 0:
             raise ConfigurationError("limit=0 leaves no room for any file; use None for no limit.")
-        self._check_dir()
+        self._check_dir(told=limit is not DEFAULT_CACHE_LIMIT)
         self._init_process_state()
         if reconcile:
             self.reconcile()
@@ -146,7 +151,9 @@ class FileCache:
         """Hits, misses, bytes fetched and evictions of this object in this process."""
         return self._store.counters
 
-    def _check_dir(self) -> None:
+    def _check_dir(self, *, told: bool) -> None:
+        """Make the directory; ``told``: the caller chose the limit (a default that exceeds
+        the disk is no news)."""
         try:
             os.makedirs(os.path.join(self.cache_dir, "objects"), exist_ok=True)
             probe_writable(self.cache_dir)
@@ -159,7 +166,8 @@ class FileCache:
         if self.limit is not None:
             total = shutil.disk_usage(self.cache_dir).total
             if self.limit > total:
-                logger.warning(
+                logger.log(
+                    logging.WARNING if told else logging.INFO,
                     "cache limit %.1f GiB exceeds the size of the disk holding %s (%.1f GiB); the "
                     "disk's free space will be the real limit",
                     self.limit / 2**30,

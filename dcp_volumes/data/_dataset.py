@@ -29,14 +29,14 @@ from torch.utils.data import IterableDataset, get_worker_info
 from dcp_volumes._exceptions import CacheError, ConfigurationError
 from dcp_volumes._volume import Volume
 from dcp_volumes._world import World, distributed
-from dcp_volumes.data._cache import FileCache
+from dcp_volumes.data._cache import DEFAULT_CACHE_LIMIT, FileCache
 from dcp_volumes.data._hot import SharedHot
 from dcp_volumes.data._listing import FileTable, build_file_table
 from dcp_volumes.data._metrics import worker_stats
-from dcp_volumes.data._order import NextUse, Plan, epoch_permutation, sample_seeds
+from dcp_volumes.data._order import Cursor, NextUse, Plan, epoch_permutation, sample_seeds
 from dcp_volumes.data._prefetch import Prefetcher
 from dcp_volumes.data._rng import SampleTransform
-from dcp_volumes.data._shared_plan import Cursor, SharedPlan
+from dcp_volumes.data._shared_plan import SharedPlan
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class VolumeDataset(IterableDataset[Any]):
         url_or_file_list: str | os.PathLike[str] | Sequence[str],
         *,
         cache_dir: str | os.PathLike[str] | None = None,
-        cache_limit: int | str | None = "100GB",
+        cache_limit: int | str | None = DEFAULT_CACHE_LIMIT,
         shuffle: bool = True,
         seed: int = 0,
         transform: Callable[..., Any] | None = None,
@@ -289,18 +289,8 @@ class VolumeDataset(IterableDataset[Any]):
 
     def plan(self, *, batch_size: int, world_size: int, rank: int, drop: bool) -> Plan:
         """The plan of the next iteration from the current cursor."""
-        cursor = self._cursor
-        return Plan(
-            num_files=self.num_files,
-            epoch=cursor.epoch,
-            seed=cursor.seed,
-            shuffle=cursor.shuffle,
-            start=cursor.start,
-            batch_size=batch_size,
-            world_size=world_size,
-            rank=rank,
-            drop=drop,
-        )
+        return Plan.from_cursor(self._cursor, num_files=self.num_files, batch_size=batch_size,
+                                world_size=world_size, rank=rank, drop=drop)
 
     def publish_plan(self, plan: Plan, *, num_workers: int, prefetch_factor: int) -> None:
         """Make ``plan`` what every worker reads when it starts its next epoch."""
@@ -333,32 +323,16 @@ class VolumeDataset(IterableDataset[Any]):
         if published is not None:
             return published.plan, published.prefetch_factor, published.local_world_size
         # A stock DataLoader (or plain iteration): the dataset's own settings and cursor.
-        plan = Plan(
-            num_files=self.num_files,
-            epoch=cursor.epoch,
-            seed=cursor.seed,
-            shuffle=cursor.shuffle,
-            start=cursor.start,
-            batch_size=self.options.batch_size,
-            world_size=self.world_size,
-            rank=self.rank,
-            drop=self.options.last_batch == "drop",
-        )
+        plan = Plan.from_cursor(cursor, num_files=self.num_files,
+                                batch_size=self.options.batch_size, world_size=self.world_size,
+                                rank=self.rank, drop=self.options.last_batch == "drop")
         return plan, 2, self.local_world_size
 
     def __len__(self) -> int:
         """Samples this rank yields in a whole epoch."""
-        plan = Plan(
-            num_files=self.num_files,
-            epoch=0,
-            seed=0,
-            shuffle=False,
-            start=0,
-            batch_size=self.options.batch_size,
-            world_size=self.world_size,
-            rank=self.rank,
-            drop=self.options.last_batch == "drop",
-        )
+        plan = Plan.whole_epoch(num_files=self.num_files, batch_size=self.options.batch_size,
+                                world_size=self.world_size, rank=self.rank,
+                                drop=self.options.last_batch == "drop")
         return plan.num_batches * plan.batch_size
 
     # -- iteration (in each worker) -------------------------------------------------------

@@ -311,17 +311,8 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         if not self._volume:
             return super().__len__()
         ds = self._dataset()
-        full = Plan(
-            num_files=ds.num_files,
-            epoch=0,
-            seed=0,
-            shuffle=False,
-            start=0,
-            batch_size=int(self.batch_size or 1),
-            world_size=self._world,
-            rank=self._rank,
-            drop=self._drop,
-        )
+        full = Plan.whole_epoch(num_files=ds.num_files, batch_size=int(self.batch_size or 1),
+                                world_size=self._world, rank=self._rank, drop=self._drop)
         return full.num_batches
 
     # -- iteration ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ change between releases, which would break resumes across an upgrade).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -83,6 +84,15 @@ def sample_seeds(seed: int, epoch: int, positions: np.ndarray) -> list[int]:
     return mixed.tolist()  # type: ignore[no-any-return]
 
 
+class Cursor(NamedTuple):
+    """Where the next iteration starts: the epoch's order (seed, shuffle) and stream position."""
+
+    epoch: int
+    start: int
+    seed: int
+    shuffle: bool
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one rank reads in one (possibly resumed) epoch.
@@ -116,6 +126,25 @@ class Plan:
         if self.start < 0 or self.epoch < 0:
             raise ConfigurationError("start and epoch must be >= 0.")
 
+    @classmethod
+    def from_cursor(
+        cls, cursor: Cursor, *, num_files: int, batch_size: int, world_size: int, rank: int,
+        drop: bool,
+    ) -> Plan:
+        """What ``rank`` reads from ``cursor`` on."""
+        return cls(num_files=num_files, epoch=cursor.epoch, seed=cursor.seed,
+                   shuffle=cursor.shuffle, start=cursor.start, batch_size=batch_size,
+                   world_size=world_size, rank=rank, drop=drop)
+
+    @classmethod
+    def whole_epoch(
+        cls, *, num_files: int, batch_size: int, world_size: int, rank: int, drop: bool
+    ) -> Plan:
+        """A whole epoch (its length does not depend on the order)."""
+        return cls.from_cursor(Cursor(0, 0, 0, False), num_files=num_files,
+                               batch_size=batch_size, world_size=world_size, rank=rank,
+                               drop=drop)
+
     @property
     def global_batch_size(self) -> int:
         return self.batch_size * self.world_size
@@ -132,10 +161,6 @@ class Plan:
         """The stream position after the last delivered sample of the epoch."""
         return self.start + self.num_batches * self.global_batch_size
 
-    def rank_positions(self) -> np.ndarray:
-        """This rank's stream positions, in delivery order."""
-        return self.worker_positions(0, 1)
-
     def worker_positions(self, worker: int, num_workers: int) -> np.ndarray:
         """Stream positions read by DataLoader worker ``worker`` of ``num_workers``, in order."""
         if not 0 <= worker < num_workers:
@@ -144,10 +169,6 @@ class Plan:
         offsets = np.arange(self.batch_size, dtype=np.int64)
         first = self.start + batches * self.global_batch_size + self.rank * self.batch_size
         return (first[:, None] + offsets[None, :]).reshape(-1)
-
-    def rank_of(self, position: np.ndarray | int) -> np.ndarray | int:
-        """Which rank reads stream position(s) ``position`` (positions >= start)."""
-        return ((position - self.start) % self.global_batch_size) // self.batch_size
 
 
 class NextUse:

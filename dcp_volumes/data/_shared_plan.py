@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from dcp_volumes.data._order import Plan
+from dcp_volumes.data._order import Cursor, Plan
 from dcp_volumes.data._shared_words import SharedWords
 
 _FIELDS = (
@@ -44,13 +44,6 @@ class Published(NamedTuple):
     plan: Plan
     prefetch_factor: int
     local_world_size: int
-
-
-class Cursor(NamedTuple):
-    epoch: int
-    start: int
-    seed: int
-    shuffle: bool
 
 
 class SharedPlan(SharedWords):

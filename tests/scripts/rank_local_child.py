@@ -44,7 +44,7 @@ def main(rank: int, world: int, port: int, root: str, options: dict[str, Any], p
     from dcp_volumes import VolumeWriter
     from dcp_volumes._volume import Volume
     from dcp_volumes.checkpoint import _rank_save
-    from dcp_volumes.checkpoint._manifest import rank_metadata_name
+    from dcp_volumes.checkpoint._layout import rank_metadata_name
 
     dist.init_process_group("gloo")
     url = root.rstrip("/")
