@@ -11,6 +11,7 @@ backend exceptions.
 from __future__ import annotations
 
 import builtins
+import hashlib
 import io
 import os
 import shutil
@@ -38,6 +39,7 @@ from dcp_volumes._volume._backend import (
 )
 from dcp_volumes._volume._fsspec import strip_protocol
 from dcp_volumes._volume._local import LocalBackend, download_atomically, fill_in_parts
+from dcp_volumes._volume._obstore import used_here as obstore_used_here
 from dcp_volumes._volume._obstore_options import azure_account_from_url
 from dcp_volumes._volume._retry import (
     RetryPolicy,
@@ -205,6 +207,27 @@ class Volume:
         if self.protocol in LOCAL_PROTOCOLS:
             return LocalBackend.capabilities  # no client needed to know
         return self.backend.capabilities
+
+    def forks_cleanly(self) -> bool:
+        """Whether a process forked now can use this volume's client (DataLoader workers):
+        a client that does not survive a fork breaks only once this process did I/O."""
+        return self.capabilities.survives_fork or not obstore_used_here()
+
+    @property
+    def identity(self) -> str:
+        """Which store this is, for cache keys: the protocol and the endpoint (the same
+        bucket name on two endpoints is two stores); a connection string, which holds a
+        secret, only as a hash."""
+        opts = self.storage_options
+        client = opts.get("client_kwargs") or {}
+        endpoint = str(
+            opts.get("endpoint_url") or client.get("endpoint_url") or opts.get("account_name")
+            or ""
+        )
+        conn = opts.get("connection_string")
+        if conn:
+            endpoint += "#" + hashlib.sha256(str(conn).encode()).hexdigest()[:16]
+        return f"{self.protocol}|{endpoint}"
 
     # -- retries and error translation -----------------------------------------------------
 

@@ -68,21 +68,8 @@ def _sanitize(name: str) -> str:
 DEFAULT_CACHE_LIMIT = "100GB"
 
 
-def _source_identity(volume: Volume) -> str:
-    """Protocol + endpoint: the same bucket name on two endpoints is two sources."""
-    opts = volume.storage_options
-    client = opts.get("client_kwargs") or {}
-    endpoint = str(
-        opts.get("endpoint_url") or client.get("endpoint_url") or opts.get("account_name") or ""
-    )
-    conn = opts.get("connection_string")
-    if conn:  # hashed: it holds a secret
-        endpoint += "#" + hashlib.sha256(str(conn).encode()).hexdigest()[:16]
-    return f"{volume.protocol}|{endpoint}"
-
-
 def _key(volume: Volume, url: str) -> str:
-    digest = hashlib.sha256(f"{_source_identity(volume)}\n{url}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{volume.identity}\n{url}".encode()).hexdigest()
     return digest[:_KEY_CHARS]
 
 

@@ -35,7 +35,6 @@ from torch.utils.data import default_collate
 
 from dcp_volumes._exceptions import ConfigurationError, DatasetChangedError
 from dcp_volumes._torch import pin_batch
-from dcp_volumes._volume import obstore_used_here
 from dcp_volumes._world import World
 from dcp_volumes.data import _batch_sharing
 from dcp_volumes.data._dataset import VolumeDataset
@@ -340,7 +339,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         if self.num_workers == 0 or not self._volume or self._context_chosen_by_user:
             return
         volume = self._dataset().volume
-        if volume.capabilities.survives_fork or not obstore_used_here():
+        if volume.forks_cleanly():
             self.multiprocessing_context = None  # torch's default (fork): fastest to start
             return
         try:
