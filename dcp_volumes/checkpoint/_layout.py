@@ -165,6 +165,38 @@ class Location:
         return True
 
 
+class AtLocation:
+    """What a ``VolumeWriter`` and a ``VolumeReader`` say about where they point.
+
+    The one attribute it needs is declared: ``_location``, set by the subclass.
+    """
+
+    _location: Location
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint's URL (credentials removed); DCP logs it."""
+        return self.volume.display_url
+
+    @property
+    def volume(self) -> Volume:
+        """The volume of the current checkpoint."""
+        return self._location.volume
+
+    @property
+    def local_copy_path(self) -> str | None:
+        """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
+        return self._location.local_copy_path
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.volume.display_url!r})"
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a URL or path this class can address."""
+        return Location.addressable(checkpoint_id)
+
+
 def inside(rel: str, where: str) -> str:
     """``rel`` (a file name from ``.metadata`` or the manifest) if it names a file inside
     the checkpoint; ``CheckpointCorruptError`` otherwise.

@@ -54,6 +54,7 @@ from dcp_volumes.checkpoint._file_job import DEFAULT_COALESCE_GAP, Decoders, Fil
 from dcp_volumes.checkpoint._layout import (
     MANIFEST_NAME,
     METADATA_NAME,
+    AtLocation,
     Location,
     marker_rank,
     rank_manifest_name,
@@ -105,7 +106,7 @@ class ReaderOptions:
             raise ConfigurationError("coalesce_gap and prefetch_bytes must be >= 0 bytes.")
 
 
-class VolumeReader(StorageReader):
+class VolumeReader(AtLocation, StorageReader):
     """DCP storage reader for any volume: object store, fsspec URL or mount path.
 
     Pass it to ``dcp.load``. Loads checkpoints written by ``VolumeWriter`` and
@@ -196,32 +197,6 @@ class VolumeReader(StorageReader):
     # -- identity ---------------------------------------------------------------------------
 
     @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint's URL (credentials removed); DCP logs it."""
-        return self.volume.display_url
-
-    @property
-    def volume(self) -> Volume:
-        """The volume of the current checkpoint."""
-        return self._location.volume
-
-    # The name the reader's code uses for it.
-    _volume = volume
-
-    @property
-    def local_copy_path(self) -> str | None:
-        """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
-        return self._location.local_copy_path
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.volume.display_url!r})"
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a URL or path this class can address."""
-        return Location.addressable(checkpoint_id)
-
-    @property
     def manifest(self) -> Manifest | None:
         """The checkpoint's manifest once loaded (``None`` for stock checkpoints)."""
         return self._manifest
@@ -238,7 +213,7 @@ class VolumeReader(StorageReader):
         self._manifest_ahead = None
         self._load_id = uuid.uuid4().hex
         ahead, self._read_ahead = self._read_ahead, None
-        if ahead is not None and ahead[0] == self._volume.url:
+        if ahead is not None and ahead[0] == self.volume.url:
             self._read_ahead, self._manifest_ahead = ahead, ahead[3]
 
     def _read_for_load(self, rank: int | None = None) -> Metadata:
@@ -246,14 +221,14 @@ class VolumeReader(StorageReader):
         does, for typed errors): DCP resets the reader to the same location first, and
         the load then uses what was read here instead of asking the volume again."""
         metadata = self.read_metadata(**({"rank": rank} if rank is not None else {}))
-        self._read_ahead = (self._volume.url, rank, metadata, self._manifest_ahead)
+        self._read_ahead = (self.volume.url, rank, metadata, self._manifest_ahead)
         return metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Unpickle ``.metadata`` (``__{rank}.metadata`` when DCP passes ``rank=``)."""
         rank = kwargs.get("rank")
         ahead = self._read_ahead
-        if ahead is not None and ahead[0] == self._volume.url and ahead[1] == rank:
+        if ahead is not None and ahead[0] == self.volume.url and ahead[1] == rank:
             self._read_ahead = None
             return self._stamped(ahead[2])
         name = METADATA_NAME if rank is None else rank_metadata_name(int(rank))
@@ -263,7 +238,7 @@ class VolumeReader(StorageReader):
         if rank is None and not self._manifest_loaded and self._manifest_ahead is None:
             self._manifest_ahead = self._read_manifest_ahead()
         try:
-            data = self._volume.read_bytes(name)
+            data = self.volume.read_bytes(name)
         except BucketNotFoundError:
             raise
         except VolumeNotFoundError:
@@ -271,7 +246,7 @@ class VolumeReader(StorageReader):
                 raise earlier from None
             raise self._not_found(name) from None
         try:
-            metadata = loads_metadata(data, redact_url(self._volume.url_of(name)))
+            metadata = loads_metadata(data, redact_url(self.volume.url_of(name)))
         except CheckpointCorruptError as exc:
             if rank is None:
                 self._metadata_error = exc
@@ -291,7 +266,7 @@ class VolumeReader(StorageReader):
         """Take the storage index from ``metadata`` and load the manifest (all ranks)."""
         if metadata.storage_data is None:
             raise CheckpointCorruptError(
-                f"The .metadata of {self._volume.display_url} has no storage index; it was not "
+                f"The .metadata of {self.volume.display_url} has no storage index; it was not "
                 "written by a DCP storage writer."
             )
         self._storage_data = metadata.storage_data
@@ -327,7 +302,7 @@ class VolumeReader(StorageReader):
                 # (one that fails falls back to a fetch, checked the same way):
                 # a restore from local files alone asks the volume nothing more.
                 remote = [job for job in jobs if not job.from_local]
-                listing = pool.submit(self._volume.list) if self._manifest and remote else None
+                listing = pool.submit(self.volume.list) if self._manifest and remote else None
                 submitted = 0
                 in_flight = 0
                 direct = 0
@@ -357,7 +332,7 @@ class VolumeReader(StorageReader):
                     decoders.pool.shutdown(wait=True, cancel_futures=True)
         logger.debug(
             "%s: %d of %d items read straight into their target tensors",
-            self._volume.display_url,
+            self.volume.display_url,
             direct,
             len(plan.items),
         )
@@ -368,11 +343,11 @@ class VolumeReader(StorageReader):
     # -- internals --------------------------------------------------------------------------
 
     def _not_found(self, name: str) -> CheckpointNotFoundError:
-        where = self._volume.display_url
+        where = self.volume.display_url
         # DCP asks for the rank-local marker only after .metadata failed: name the
         # file a save writes, so the message points at the right one.
         marker = METADATA_NAME if name == METADATA_NAME else f"{METADATA_NAME} (nor {name})"
-        present = self._volume.list()
+        present = self.volume.list()
         ranks = sorted(r for r in (marker_rank(f.path) for f in present) if r is not None)
         if ranks and name == METADATA_NAME:
             return CheckpointNotFoundError(
@@ -394,7 +369,7 @@ class VolumeReader(StorageReader):
                 f"not {marker}, the marker a save writes last. A save crashed or is still "
                 "running. Fix: wait for the save to finish, or load an older checkpoint."
             )
-        found = scan(self._volume, listing=present, unnumbered=True) if present else []
+        found = scan(self.volume, listing=present, unnumbered=True) if present else []
         if found:
             return _run_root_error(where, marker, found)
         if present:
@@ -412,7 +387,7 @@ class VolumeReader(StorageReader):
 
     def _read_manifest_ahead(self) -> futures.Future[Manifest | None]:
         """The manifest's GET, started beside the ``.metadata`` one: a round trip less a load."""
-        return _exit_safe.start("dcpv-manifest", read_manifest, self._volume, MANIFEST_NAME)
+        return _exit_safe.start("dcpv-manifest", read_manifest, self.volume, MANIFEST_NAME)
 
     def _load_manifest(self) -> None:
         if self._manifest_loaded:
@@ -424,19 +399,19 @@ class VolumeReader(StorageReader):
         # Read before .metadata, it may belong to another save (none yet, or one this
         # commit replaced): then it is read again, after .metadata, as without the head start.
         if not self._covers(manifest):
-            manifest = read_manifest(self._volume, self._manifest_name)
+            manifest = read_manifest(self.volume, self._manifest_name)
         self._manifest = manifest
         self._manifest_loaded = True
         if self._manifest is None:
             logger.debug(
                 "%s has no manifest (stock DCP writer): verification skipped",
-                self._volume.display_url,
+                self.volume.display_url,
             )
             if self.options.verify:
                 logger.warning(
                     "verify=True but %s has no manifest (written by a stock DCP writer): "
                     "there are no checksums to verify against",
-                    self._volume.display_url,
+                    self.volume.display_url,
                 )
 
     def _covers(self, manifest: Manifest | None) -> bool:
@@ -453,9 +428,9 @@ class VolumeReader(StorageReader):
             except KeyError:
                 raise CheckpointCorruptError(
                     f"{req.storage_index.fqn} is not in the storage index of "
-                    f"{self._volume.display_url}'s .metadata; the checkpoint is damaged."
+                    f"{self.volume.display_url}'s .metadata; the checkpoint is damaged."
                 ) from None
-            rel = _layout.inside(info.relative_path, f"{self._volume.display_url}/.metadata")
+            rel = _layout.inside(info.relative_path, f"{self.volume.display_url}/.metadata")
             per_file.setdefault(rel, []).append((req, info))
         manifest = self._manifest
         jobs = []
@@ -465,11 +440,11 @@ class VolumeReader(StorageReader):
                 record = manifest.files.get(rel)
                 if record is None:
                     raise CheckpointCorruptError(
-                        f"{redact_url(self._volume.url_of(rel))} is used by .metadata but not "
+                        f"{redact_url(self.volume.url_of(rel))} is used by .metadata but not "
                         "listed in the manifest; the checkpoint is damaged or was modified "
                         "after it was committed."
                     )
-            job = FileJob.planned(rel, reqs, record, self._volume,
+            job = FileJob.planned(rel, reqs, record, self.volume,
                                   gap=self.options.coalesce_gap, verify=self.options.verify,
                                   transforms=self._transforms)
             if record is not None:
@@ -497,14 +472,14 @@ class VolumeReader(StorageReader):
         expected = {job.rel: job.record for job in jobs if job.record is not None}
         if check_listing(expected, listing):
             # A listing that lags the save is no damage: list again for a moment.
-            _, listing = check_listing_settled(self._volume, expected, listing)
+            _, listing = check_listing_settled(self.volume, expected, listing)
         sizes = {f.path: f.size for f in listing}
         for job in jobs:
             if job.record is not None:
                 self._check_file(job.rel, job.record, sizes)
 
     def _check_file(self, rel: str, record: FileRecord, sizes: Mapping[str, int]) -> None:
-        url = redact_url(self._volume.url_of(rel))
+        url = redact_url(self.volume.url_of(rel))
         if rel not in sizes:
             raise CheckpointCorruptError(
                 f"The checkpoint file {url} is missing ({record.size} bytes in the manifest; "
@@ -549,7 +524,7 @@ class VolumeReader(StorageReader):
         """
         part = self.options.part_size
         per_stream = -(-total // self.options.read_concurrency)
-        cheap_ranges = not self._volume.capabilities.ranged_reads_cost_whole_object
+        cheap_ranges = not self.volume.capabilities.ranged_reads_cost_whole_object
         return max(min(_MIN_SPLIT, part), min(part, per_stream)), cheap_ranges and per_stream < part
 
     def _saved_dtype(self, fqn: str) -> Any:
@@ -572,12 +547,12 @@ class VolumeReader(StorageReader):
             logger.warning(
                 "local copy of %s fails its checksum: reading it from the volume", job.rel
             )
-            job.fall_back_to(self._volume)
+            job.fall_back_to(self.volume)
             self._submit(pool, job, planner)
             self._finish_job(pool, job, planner)
             return
         raise CheckpointCorruptError(
-            f"The checkpoint file {redact_url(self._volume.url_of(job.rel))} fails its "
+            f"The checkpoint file {redact_url(self.volume.url_of(job.rel))} fails its "
             f"checksum ({actual}, manifest {job.record.checksum}): its bytes changed after the "
             "save. Load an older checkpoint."
         )

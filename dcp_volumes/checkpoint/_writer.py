@@ -46,13 +46,13 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._sizes import parse_size
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea
 from dcp_volumes._torch import DCP_VERSION, STAGING_FUTURES, StorageInfo
-from dcp_volumes._volume import FileInfo, RetryPolicy, Volume
+from dcp_volumes._volume import FileInfo, RetryPolicy
 from dcp_volumes._world import World, distributed
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._commit import Commit
 from dcp_volumes.checkpoint._compression import ZstdCompression
 from dcp_volumes.checkpoint._extensions import check_serialization_format, writer_transforms
-from dcp_volumes.checkpoint._layout import Location
+from dcp_volumes.checkpoint._layout import AtLocation, Location
 from dcp_volumes.checkpoint._manifest import FileRecord
 from dcp_volumes.checkpoint._rank_save import RankSave, WrittenItem
 from dcp_volumes.checkpoint._shards import estimate_bytes
@@ -69,7 +69,7 @@ class _RankFiles:
     prefix: str
 
 
-class VolumeWriter(StorageWriter, AsyncStager):
+class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
     """DCP storage writer for any volume: object store, fsspec URL or mount path.
 
     Pass it to ``dcp.save`` or ``dcp.async_save``. With ``async_save`` it also
@@ -266,28 +266,6 @@ class VolumeWriter(StorageWriter, AsyncStager):
 
     # -- identity ---------------------------------------------------------------------------
 
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint's URL (credentials removed); DCP logs it."""
-        return self.volume.display_url
-
-    @property
-    def volume(self) -> Volume:
-        """The volume of the current checkpoint."""
-        return self._location.volume
-
-    @property
-    def local_copy_path(self) -> str | None:
-        """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
-        return self._location.local_copy_path
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.volume.display_url!r})"
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a URL or path this class can address."""
-        return Location.addressable(checkpoint_id)
 
     @property
     def staging_dir(self) -> str:
