@@ -166,7 +166,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     ax.bar([x + 0.2 for x in xs], [c["to_exit_s"] for c in cells], width=0.4,
            label="SIGTERM -> torchrun exited", color="#aec7e8")
     ax.axhline(K8S_GRACE_S, color="#d62728", linestyle="--", label="Kubernetes' default grace")
-    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_xticks(list(xs), labels, fontsize=7, rotation=35, ha="right")
     ax.set_ylabel("seconds after SIGTERM")
     ax.set_title("Preemption: 2 ranks, SIGTERM to torchrun, checkpoint of the current step")
     ax.legend(fontsize=8)
