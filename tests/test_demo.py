@@ -97,6 +97,27 @@ def test_two_crashes_one_in_the_commit_window(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
+def test_preemption_saves_the_step_it_stopped_at(tmp_path: Path) -> None:
+    proc, doc = _demo(tmp_path, *SHORT, "--crashes", "4", "--quick")
+    _assert_correct(proc, doc)
+    assert doc is not None
+    assert sorted(_crash_kinds(doc)) == ["commit", "preempt", "step", "upload"]
+    checks = _checks(doc)
+    assert checks["preempt"]["ok"], checks["preempt"]["detail"]
+    crashed = doc["runs"]["dcp_volumes"]
+    preempt = next(c for c in crashed["crashes"] if c["crash"]["kind"] == "preempt")
+    # The ranks saved the step they stopped at; the requeued job resumed there.
+    assert preempt["steps_lost"] == 0 and preempt["resumed_from"] == preempt["last_step"]
+    assert preempt["stopped_cleanly"] == preempt["world"] == 2
+    assert 0 < preempt["signal_to_commit_s"] < preempt["signal_to_exit_s"] < 30
+    assert "SIGTERM -> commit" in doc["table"] and "preempt 0" in doc["table"]
+    # A real SIGTERM to torchrun's agent, which forwarded it; a new torchrun (leg) resumed.
+    run_dir = Path(doc["workdir"]) / "runs" / "dcp_volumes"
+    assert "Received 15 death signal" in (run_dir / "node-0.log").read_text()
+    assert (run_dir / "spec-1.json").is_file()
+
+
+@pytest.mark.timeout(600)
 def test_shrink_restarts_on_fewer_ranks(tmp_path: Path) -> None:
     proc, doc = _demo(tmp_path, *SHORT, "--crashes", "2", "--shrink", "--quick")
     _assert_correct(proc, doc)
@@ -229,13 +250,15 @@ def test_claim_fresh_deletes_only_what_a_demo_created(tmp_path: Path) -> None:
 def test_crash_plans(seed: int) -> None:
     cfg = DemoConfig(seed=seed)
     plan = plan_crashes(cfg)
-    assert sorted(c.kind for c in plan) == ["commit", "step", "upload"]
+    assert sorted(c.kind for c in plan) == ["commit", "preempt", "step", "upload"]
     steps = [c.step for c in plan]
     assert steps == sorted(set(steps)) and steps[0] > 0 and steps[-1] < cfg.steps
     for c in plan:
         on_save = c.step % cfg.save_every == 0
         assert on_save == (c.kind in ("upload", "commit"))
-        assert c.rank == 0 if c.kind == "commit" else 0 <= c.rank < cfg.nproc
+        assert c.rank == 0 if c.kind in ("commit", "preempt") else 0 <= c.rank < cfg.nproc
+    three = plan_crashes(DemoConfig(seed=seed, crashes=3))  # --crashes 3: SIGKILLs only
+    assert sorted(c.kind for c in three) == ["commit", "step", "upload"]
     shrink = plan_crashes(DemoConfig(seed=seed, shrink=True, crashes=2))
     assert [c.kind for c in shrink] == ["commit", "node"] and shrink[-1].rank == 1
     assert plan_crashes(DemoConfig(seed=seed)) == plan  # the seed decides

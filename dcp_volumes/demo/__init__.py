@@ -4,6 +4,8 @@ A small image classifier trains under ``torchrun`` while ranks are killed
 with SIGKILL at planned instants (inside an async upload, in the window
 between the last shard and ``.metadata``, mid-training, a whole node);
 torchrun's elastic agent restarts the group and the job resumes by itself.
+A preemption sends SIGTERM to the torchrun agents instead: the ranks save the
+step they are at and exit, and the launcher requeues the job.
 The same job runs again without crashes (the reference) and once more with
 a naive setup (a map-style dataset reading the volume on every access, a
 synchronous ``torch.save`` + upload), and the demo reports where the wall
@@ -44,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=d.nproc, help="ranks (one CPU each)")
     p.add_argument("--steps", type=int, default=d.steps, help="training steps")
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between saves")
-    p.add_argument("--crashes", type=int, default=d.crashes, help="SIGKILLs to inject")
+    p.add_argument("--crashes", type=int, default=d.crashes,
+                   help="crashes to inject: SIGKILLs (in an upload, in the commit window, "
+                        "mid-training); the fourth is a preemption (SIGTERM, requeue)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="draws the crashes (which rank, which step) and the data")
     p.add_argument("--shrink", action="store_true",

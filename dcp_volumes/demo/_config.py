@@ -19,8 +19,12 @@ from dcp_volumes._exceptions import ConfigurationError
 #: uploading; ``commit``: the coordinator dies after every shard of a save is on the
 #: volume and before ``.metadata`` (the commit marker) is written; ``step``: a rank
 #: dies in the middle of training; ``node``: a rank and its torchrun agent die (the
-#: node is lost), so the job comes back on fewer ranks.
-CRASH_KINDS = ("upload", "commit", "step", "node")
+#: node is lost), so the job comes back on fewer ranks; ``preempt``: the job is told to
+#: stop, as Kubernetes, SLURM or a spot notice tell it: SIGTERM to every torchrun agent,
+#: which forwards it to its ranks and SIGKILLs them after its grace period
+#: (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default); the scheduler then requeues
+#: the job (the launcher starts torchrun again).
+CRASH_KINDS = ("upload", "commit", "step", "node", "preempt")
 
 #: The two setups compared: the library's, and the naive one it replaces.
 SETUPS = ("dcp_volumes", "naive")
@@ -73,6 +77,11 @@ class Crash:
                     "volume, before .metadata")
         if self.kind == "node":
             return f"node loss (rank {self.rank} and its torchrun agent) after step {self.step}"
+        if self.kind == "preempt":
+            reaction = ("the ranks have no handler and die" if setup == "naive" else
+                        "the ranks save the step they are at and exit")
+            return (f"preemption after step {self.step}: SIGTERM to the torchrun agent(s), "
+                    f"{reaction}; the job is requeued")
         return f"SIGKILL rank {self.rank} after step {self.step}"
 
 
@@ -83,7 +92,7 @@ class DemoConfig:
     nproc: int = 2
     steps: int = 420
     save_every: int = 6
-    crashes: int = 3
+    crashes: int = 4
     seed: int = 0
     shrink: bool = False
     quick: bool = False
@@ -173,7 +182,7 @@ class DemoConfig:
 def _kinds(n: int) -> list[str]:
     if n <= 1:
         return ["commit"] * n
-    kinds = ["upload", "commit", "step"]
+    kinds = ["upload", "commit", "step", "preempt"]
     while len(kinds) < n:
         kinds.append("upload" if len(kinds) % 2 else "step")
     return kinds[:n]
@@ -183,11 +192,12 @@ def plan_crashes(cfg: DemoConfig) -> list[Crash]:
     """The crashes of a run, drawn from ``cfg.seed``.
 
     Kinds: with one crash it lands in the commit window; with two, one in an
-    upload and one in the commit window; a third lands mid-training; more
-    alternate between uploads and training. With ``shrink`` the last one is a
-    node loss. Crash ``i`` falls in the ``i``-th of ``crashes`` equal blocks of
-    save intervals, so crashes are spread over the run and each is preceded by
-    at least one save the job can come back to (except possibly the first).
+    upload and one in the commit window; a third lands mid-training; a fourth
+    is a preemption (SIGTERM, then a requeue); more alternate between uploads
+    and training. With ``shrink`` the last one is a node loss. Crash ``i``
+    falls in the ``i``-th of ``crashes`` equal blocks of save intervals, so
+    crashes are spread over the run and each is preceded by at least one save
+    the job can come back to (except possibly the first).
     """
     n = cfg.crashes
     if n == 0:
@@ -210,8 +220,10 @@ def plan_crashes(cfg: DemoConfig) -> list[Crash]:
         else:
             j = rng.randint(lo, hi)
             step = j * cfg.save_every - rng.randint(1, cfg.save_every - 1)
-        if kind == "commit":
-            rank = 0  # the coordinator writes .metadata: only its death stops the commit
+        if kind in ("commit", "preempt"):
+            # commit: the coordinator writes .metadata, only its death stops the commit;
+            # preempt: the signal goes to the agents, so every rank gets it (rank: none).
+            rank = 0
         elif kind == "node":
             rank = cfg.nproc - 1  # a rank of the last node
         else:

@@ -20,6 +20,9 @@ Event kinds (fields beyond ``ev`` and ``t``):
 * ``staged`` / ``committed``: ``step`` (a save left the training loop / its
   ``.metadata`` is written), from the library's log records
 * ``kill``: ``crash`` (the plan entry), ``step``, ``evidence``
+* ``preempted``: ``step`` (``reached_preemption`` said the save of ``step`` is
+  committed; the rank leaves the loop), then ``exit`` once the rank is done
+  (the launcher records the SIGTERM it sent in ``kill-<index>.json``)
 * ``end``: ``digest`` (rank 0), ``final_wait`` ([t0, t1] of the last ``wait``)
 """
 

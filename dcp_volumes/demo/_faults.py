@@ -47,6 +47,11 @@ _COMMITTED = "checkpoint step %d committed"
 _SHARDS_TIMEOUT_S = 60.0
 
 
+def kill_marker(run_dir: str, index: int) -> str:
+    """The file that records that crash ``index`` fired."""
+    return os.path.join(run_dir, f"kill-{index}.json")
+
+
 def kills_so_far(run_dir: str) -> int:
     """How many planned crashes have fired in this run (the attempt's index)."""
     return sum(1 for n in os.listdir(run_dir) if n.startswith("kill-") and n.endswith(".json"))
@@ -147,7 +152,7 @@ class CrashInjector:
                "evidence": evidence or {}}
         self.events.write("kill", crash=c.__dict__, step=step, evidence=evidence or {},
                           what=c.describe(self.setup))
-        path = os.path.join(self.run_dir, f"kill-{c.index}.json")
+        path = kill_marker(self.run_dir, c.index)
         with open(path + ".tmp", "w") as f:
             json.dump(doc, f)
         os.replace(path + ".tmp", path)

@@ -14,6 +14,14 @@ one agent per node, ``--max-restarts`` equal to the crashes, so the agents
 restart the group after every kill and the job resumes by itself. This
 module only starts torchrun, watches the ranks' event logs for progress, and
 reads them when the job is done. Nothing here supervises a rank.
+
+A preemption is the scheduler's part, played here: once rank 0 has trained
+the planned step, every agent of the job gets SIGTERM (what Kubernetes sends
+to a pod, SLURM to a job step), forwards it to its ranks and waits its grace
+period (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default) before SIGKILL.
+torchrun does not restart after that; the scheduler requeues the job, and so
+does ``run_job``: it starts the same leg again, which resumes from the newest
+complete checkpoint.
 """
 
 from __future__ import annotations
@@ -75,6 +83,8 @@ class JobRecord:
     launches: list[float] = field(default_factory=list)
     exits: list[float] = field(default_factory=list)
     returncodes: list[list[int]] = field(default_factory=list)
+    #: Per preemption: the SIGTERM the launcher sent (see ``_preempt``).
+    preemptions: list[dict[str, Any]] = field(default_factory=list)
 
 
 # -- the volume ----------------------------------------------------------------------------
@@ -164,6 +174,9 @@ class _Progress:
         self.run_dir, self.say, self.crashes = run_dir, say, crashes
         self.offsets: dict[str, int] = {}
         self.starts: dict[str, dict[str, Any]] = {}
+        #: Rank 0's newest step per (leg, attempt); the legs whose rank 0 ended the job.
+        self.steps: dict[tuple[int, int], int] = {}
+        self.ended: set[int] = set()
         self.bar = progress_bar(total=total, desc=desc, unit="step", enabled=progress)
 
     def poll(self) -> None:
@@ -190,15 +203,20 @@ class _Progress:
             self.starts[path] = ev
         start = self.starts.get(path, {})
         if kind == "step" and start.get("rank") == 0:
+            self.steps[(start["leg"], start["attempt"])] = int(ev["step"])
             self.bar.n = ev["step"]  # goes back after a restart: the redone steps
             self.bar.refresh()
+        elif kind == "end" and start.get("rank") == 0:
+            self.ended.add(int(start["leg"]))
         elif kind == "kill":
             crash = Crash(**ev["crash"])
             self.say(f"  crash {crash.index + 1}/{self.crashes} at {time.strftime('%X')}: "
                      f"{ev.get('what') or crash.describe()}")
         elif kind == "restored" and start.get("rank") == 0 and start.get("attempt", 0) > 0:
             step = ev["step"]
-            self.say(f"  torchrun restarted the job on {start['world']} rank(s); it resumed "
+            who = ("the requeued job started" if start.get("restart") == 0
+                   else "torchrun restarted the job")
+            self.say(f"  {who} on {start['world']} rank(s); it resumed "
                      f"from {'step ' + str(step) if step is not None else 'the start'}")
 
     def close(self) -> None:
@@ -282,9 +300,38 @@ def _rank_pids(run_dir: str) -> list[int]:
     return alive
 
 
+def _preempt(job: JobRecord, procs: list[subprocess.Popen[bytes]], crash: Crash, leg: int,
+             step: int, say: Say) -> None:
+    """The scheduler's notice: SIGTERM to every agent of the job, recorded first.
+
+    The record is the crash's kill marker (``_faults.kills_so_far`` counts it, so
+    the requeued attempt knows this crash fired) with the time the signal was sent.
+    """
+    from dcp_volumes.demo._faults import kill_marker
+
+    t = time.time()
+    doc = {"crash": asdict(crash), "step": step, "t": t, "pid": os.getpid(), "leg": leg,
+           "evidence": {"signal": "SIGTERM", "agents": len(procs), "sent_by": "launcher"}}
+    path = kill_marker(job.run_dir, crash.index)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".tmp", path)
+    job.preemptions.append(doc)
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            p.send_signal(signal.SIGTERM)
+    say(f"  crash {crash.index + 1}/{len(job.crashes)} at {time.strftime('%X')}: "
+        f"{crash.describe(job.setup)} (sent at step {step})")
+
+
 def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
             options: Mapping[str, Any], workdir: str, say: Say, progress: bool) -> None:
-    """Run ``job``'s legs one after the other under torchrun; raise if one fails."""
+    """Run ``job``'s legs one after the other under torchrun; raise if one fails.
+
+    A leg that was preempted before it finished is started again (requeued).
+    """
+    from dcp_volumes.demo._faults import kills_so_far
+
     os.makedirs(job.run_dir, exist_ok=True)
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the rendezvous store shared (the default),
     # gloo ranks of a restarted attempt find the killed attempt's addresses and fail to
@@ -294,8 +341,14 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
                     TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     monitor = _Progress(job.run_dir, cfg.steps, job.name, say, progress, len(job.crashes))
     lost_nodes = {len(cfg.nodes) - 1} if any(c.kind == "node" for c in job.crashes) else set()
+    queue = list(legs)
+    preempts = [c for c in job.crashes if c.kind == "preempt"]
+    i = -1
     try:
-        for i, leg in enumerate(legs):
+        while queue:
+            leg = queue.pop(0)
+            i += 1
+            preempted = False
             spec_path = os.path.join(job.run_dir, f"spec-{i}.json")
             with open(spec_path, "w") as f:
                 json.dump(_spec(cfg, job, i, leg.stop_at, root, workdir), f, indent=1)
@@ -319,12 +372,25 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
                             f"the {job.name} job did not finish in {JOB_TIMEOUT_S:.0f}s; its "
                             f"logs are in {job.run_dir}")
                     monitor.poll()
-                    time.sleep(0.25)
+                    if not preempted and preempts:
+                        attempt = kills_so_far(job.run_dir)
+                        crash = next((c for c in preempts if c.index == attempt), None)
+                        step = monitor.steps.get((i, attempt), 0)
+                        if crash is not None and step >= crash.step:
+                            _preempt(job, procs, crash, i, step, say)
+                            preempted = True
+                    time.sleep(0.05 if preempts else 0.25)
             finally:
                 _stop(procs, job.run_dir)
             job.exits.append(time.time())
             codes = [int(p.returncode) for p in procs]
             job.returncodes.append(codes)
+            monitor.poll()
+            if preempted and i not in monitor.ended:
+                # Told to stop (agents that got SIGTERM exit non-zero): the scheduler's
+                # requeue. Whether the ranks stopped cleanly is the report's to check.
+                queue.insert(0, leg)
+                continue
             failed = [n for n, rc in enumerate(codes) if rc != 0 and n not in lost_nodes]
             if failed or codes[0] != 0:
                 raise DcpVolumesError(

@@ -125,6 +125,12 @@ class NaiveSetup:
         return {"model": model.state_dict(), "optim": state.optim.state_dict(),
                 "sched": state.sched.state_dict(), "step": state.step, "rng": rngs}
 
+    def should_save(self, step: int) -> bool:
+        return step % int(self.spec["save_every"]) == 0
+
+    def reached_preemption(self, step: int) -> bool:
+        return False  # no handler: a SIGTERM kills the rank (its default action)
+
     def save(self, step: int, state: TrainState) -> None:
         plain = self._plain(state)
         if self.rank == 0:

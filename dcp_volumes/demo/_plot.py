@@ -2,7 +2,9 @@
 
 Per rank: steps (compute), input waits, save calls (blocking), uploads in
 flight (save call -> ``.metadata``), restarts (a kill -> the process group
-and the restore), the work that a crash threw away, and the kills.
+and the restore), the work that a crash threw away, the kills, and the
+preemptions (the SIGTERM on every rank's row, a dotted line to the commit of
+the step saved for it).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dcp_volumes.demo._launcher import JobRecord
-from dcp_volumes.demo._report import RunStats, attempts_of
+from dcp_volumes.demo._report import RunStats, attempts_of, next_attempt
 
 _COLORS = {
     "compute": "#4c9a2a",
@@ -22,6 +24,9 @@ _COLORS = {
     "restore": "#9467bd",
     "lost, redone later": "#000000",
 }
+
+
+_PREEMPT = "#e377c2"
 
 
 def _spans(xs: list[tuple[float, float]], t0: float) -> list[tuple[float, float]]:
@@ -35,6 +40,7 @@ def plot_timeline(jobs: Mapping[str, JobRecord], runs: Mapping[str, RunStats], p
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     order = [n for n in ("naive", "dcp_volumes", "reference") if n in jobs]
@@ -49,8 +55,10 @@ def plot_timeline(jobs: Mapping[str, JobRecord], runs: Mapping[str, RunStats], p
         _panel(ax, jobs[name], runs[name])
     axes[-1, 0].set_xlabel("seconds since the job was launched")
     handles: list[Any] = [Patch(color=c, label=k) for k, c in _COLORS.items()]
-    handles.append(plt.Line2D([], [], marker="X", color="#d62728", linestyle="", markersize=10,
+    handles.append(Line2D([], [], marker="X", color="#d62728", linestyle="", markersize=10,
                               label="SIGKILL"))
+    handles.append(Line2D([], [], marker="v", color=_PREEMPT, linestyle=":", markersize=9,
+                              label="SIGTERM (preemption) -> commit"))
     fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8,
                frameon=False, bbox_to_anchor=(0.5, 0.995))
     fig.suptitle(title, y=0.955, fontsize=9)
@@ -65,8 +73,7 @@ def _panel(ax: Any, job: JobRecord, stats: RunStats) -> None:
     ranks = sorted({r for a in attempts for r in a.ranks})
     lost_windows: list[tuple[float, float]] = []
     for i, att in enumerate(attempts):
-        nxt = attempts[i + 1] if i + 1 < len(attempts) and attempts[i + 1].leg == att.leg \
-            else None
+        nxt = next_attempt(attempts, i)
         keep_to = (nxt.restored or 0) if nxt is not None else None
         kill = att.kill
         for r in att.ranks:
@@ -102,7 +109,14 @@ def _panel(ax: Any, job: JobRecord, stats: RunStats) -> None:
                 lost = [e for e in steps if e["step"] > keep_to]
                 if lost and kill is not None:
                     lost_windows.append((lost[0]["t0"], kill["t"]))
-            if kill is not None and r == _kill_rank(att):
+            if att.preempted and kill is not None:  # every rank got the SIGTERM
+                ax.plot([kill["t"] - t0], [y], marker="v", color=_PREEMPT, markersize=10)
+                done = next((e for e in evs if e["ev"] == "preempted"), None)
+                commit = committed.get(done["step"]) if done is not None else None
+                if commit is not None:
+                    ax.plot([kill["t"] - t0, commit - t0], [y, y], linestyle=":",
+                            color=_PREEMPT, linewidth=1.5)
+            elif kill is not None and r == _kill_rank(att):
                 ax.plot([kill["t"] - t0], [y], marker="X", color="#d62728", markersize=11)
     for a, b in lost_windows:
         for y in range(len(ranks)):

@@ -5,11 +5,13 @@ come from and how checkpoints are taken:
 
 * ``dcp_volumes``: ``VolumeDataset`` + ``DataLoader`` (read-through cache,
   prefetch, random augmentation seeded per sample, a global resumable
-  position) and ``CheckpointManager`` (async saves every ``save_every`` steps,
-  retention, restore of the newest complete checkpoint), public API only;
+  position) and ``CheckpointManager`` (async saves every ``save_every`` steps
+  through ``should_save``, retention, restore of the newest complete
+  checkpoint, and on SIGTERM a save of the current step: ``reached_preemption``
+  ends the loop and the rank exits 0), public API only;
 * ``naive`` (``_naive.py``): a map-style dataset that reads every file from the
   volume on every access, and a synchronous ``torch.save`` on rank 0 followed
-  by an upload.
+  by an upload; no preemption handling (a SIGTERM kills it).
 
 The state holds the model, the optimiser, the LR scheduler, the step, the
 loader's position and every rank's RNGs. Each rank records what it does in
@@ -24,6 +26,7 @@ import json
 import logging
 import os
 import pickle
+import signal
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -46,6 +49,7 @@ from dcp_volumes.demo._workload import (  # noqa: E402
     load_sample,
     params_digest,
     restore_rngs,
+    worker_in_own_process_group,
 )
 
 logger = logging.getLogger("dcp_volumes.demo")
@@ -94,7 +98,9 @@ class Setup(Protocol):
     def restore(self, state: TrainState) -> int | None: ...
     def batches(self, start_step: int) -> Iterator[Batch]: ...
     def fetch_seconds(self, measured: float) -> float: ...
+    def should_save(self, step: int) -> bool: ...
     def save(self, step: int, state: TrainState) -> None: ...
+    def reached_preemption(self, step: int) -> bool: ...
     def close(self) -> None: ...
 
 
@@ -118,13 +124,17 @@ class LibrarySetup:
         # resumed job (its iterator starts at the restored step, not at step 0).
         self.loader = DataLoader(dataset, global_batch_size=spec["global_batch"],
                                  num_workers=spec["num_workers"],
-                                 generator=torch.Generator().manual_seed(spec["seed"]))
+                                 generator=torch.Generator().manual_seed(spec["seed"]),
+                                 worker_init_fn=worker_in_own_process_group)
         marks["t_loader"] = time.time()
         self.mgr = CheckpointManager(
             spec["ckpt_url"], keep_last=spec["keep_last"], storage_options=options,
             staging_dir=staging,
             # Several shard files per rank, so an "upload" kill lands between two of them.
             writer_options={"file_size": spec["file_size"]},
+            save_interval_steps=spec["save_every"],
+            # A preemption (SIGTERM from torchrun's agent) saves the step the ranks agree on.
+            preemption_signals=(signal.SIGTERM,),
         )
         marks["t_manager"] = time.time()
         self.injector = injector
@@ -137,15 +147,31 @@ class LibrarySetup:
         return self.mgr.restore(self._state(state))
 
     def batches(self, start_step: int) -> Iterator[Batch]:
+        # The first iter() starts the loader's processes (its fork server, the persistent
+        # workers): with SIGTERM ignored, which they inherit, so the preemption signal
+        # that torchrun sends to this rank's process group leaves them running (see
+        # worker_in_own_process_group). A SIGTERM in this short window goes unnoticed.
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            epoch = iter(self.loader)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         while True:  # one pass per epoch; a restored loader continues mid-epoch
-            yield from self.loader
+            yield from epoch
+            epoch = iter(self.loader)
 
     def fetch_seconds(self, measured: float) -> float:
         return float(self.loader.metrics.fetch_seconds[-1])
 
+    def should_save(self, step: int) -> bool:
+        return self.mgr.should_save(step)  # collective: every rank, every step
+
     def save(self, step: int, state: TrainState) -> None:
         self.injector.before_save(step)
         self.mgr.save(step, self._state(state))
+
+    def reached_preemption(self, step: int) -> bool:
+        return self.mgr.reached_preemption(step)
 
     def close(self) -> None:
         self.mgr.close()
@@ -239,6 +265,7 @@ def train(spec: Mapping[str, Any]) -> None:
     step = restored or 0
     stop = spec["stop_at"] or spec["steps"]
     batches = setup.batches(step)
+    preempted = False
     while step < stop:
         t0 = time.time()
         x, y, names = next(batches)
@@ -259,14 +286,22 @@ def train(spec: Mapping[str, Any]) -> None:
         cpu = time.thread_time() - cpu0
         injector.after_compute(step)
         saved = None
-        if step % spec["save_every"] == 0 or step == spec["steps"]:
+        if setup.should_save(step) or step == spec["steps"]:  # should_save: every step
             setup.save(step, state)
             saved = [tc, time.time()]
         events.write("step", step=step, t0=t0, tf=tf, tc=tc, t1=time.time(), fetch=fetch,
                      cpu=cpu, save=saved, samples=list(names),
                      loss=round(float(loss.item()), 5))
+        if setup.reached_preemption(step):  # the save of this step is committed
+            events.write("preempted", step=step)
+            preempted = True
+            break
     w0 = time.time()
     setup.close()
+    if preempted:  # the job is requeued and resumes; it has not ended
+        dist.destroy_process_group()
+        events.write("exit", step=step)
+        return
     digest = params_digest(model) if rank == 0 else None
     events.write("end", step=step, digest=digest, final_wait=[w0, time.time()])
     dist.destroy_process_group()

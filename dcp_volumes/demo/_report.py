@@ -6,7 +6,10 @@ Accounting (from rank 0's clock; the gradient all-reduce keeps ranks in lockstep
 * ``restart``: a kill -> the first batch of the next attempt in hand
   (torchrun noticing, stopping the survivors and re-forming the group, the
   new interpreters importing torch, the process group, listing the data,
-  the restore, the loader's first batch);
+  the restore, the loader's first batch); after a preemption, from the
+  later of the SIGTERM and the end of the last step trained (a job that
+  handles the signal trains on to the step it saves), through the commit
+  wait, the exit and the requeued torchrun, to its first batch;
 * ``lost``: from the end of the last step that the next attempt kept (the
   step it resumed from) to the kill: work that was done and then redone;
 * for the steps that were kept: ``compute`` (batch in hand -> optimizer
@@ -43,6 +46,7 @@ from typing import Any
 
 from dcp_volumes.demo._config import Crash, DemoConfig
 from dcp_volumes.demo._events import read_events
+from dcp_volumes.demo._faults import kill_marker
 from dcp_volumes.demo._launcher import JobRecord
 
 DAY_S = 86400.0
@@ -50,11 +54,15 @@ DAY_S = 86400.0
 
 @dataclass
 class Attempt:
-    """One attempt of a job: the processes that torchrun started together."""
+    """One attempt of a job: the processes that torchrun started together.
+
+    ``signal``: the preemption the launcher sent this attempt (its kill marker), if any.
+    """
 
     leg: int
     index: int
     ranks: dict[int, list[dict[str, Any]]]
+    signal: dict[str, Any] | None = None
 
     def of(self, kind: str, rank: int = 0) -> list[dict[str, Any]]:
         return [e for e in self.ranks.get(rank, []) if e["ev"] == kind]
@@ -82,11 +90,16 @@ class Attempt:
 
     @property
     def kill(self) -> dict[str, Any] | None:
+        """The crash that ended the attempt: a rank's kill event, or the preemption signal."""
         for evs in self.ranks.values():
             for e in evs:
                 if e["ev"] == "kill":
                     return e
-        return None
+        return self.signal
+
+    @property
+    def preempted(self) -> bool:
+        return self.signal is not None
 
 
 def attempts_of(run_dir: str) -> list[Attempt]:
@@ -95,8 +108,25 @@ def attempts_of(run_dir: str) -> list[Attempt]:
     for evs in read_events(run_dir):
         s = evs[0]
         groups.setdefault((s["leg"], s["attempt"]), {})[s["rank"]] = evs
-    return [Attempt(leg, index, ranks) for (leg, index), ranks in sorted(groups.items())
-            if 0 in ranks]
+    signals = {}
+    for (leg, index) in groups:
+        path = kill_marker(run_dir, index)
+        if os.path.exists(path):
+            with open(path) as f:
+                doc = json.load(f)
+            if doc["crash"]["kind"] == "preempt" and doc.get("leg") == leg:
+                signals[(leg, index)] = doc
+    return [Attempt(leg, index, ranks, signals.get((leg, index)))
+            for (leg, index), ranks in sorted(groups.items()) if 0 in ranks]
+
+
+def next_attempt(attempts: list[Attempt], i: int) -> Attempt | None:
+    """The attempt that continued ``attempts[i]``'s work: the next one of its leg, or
+    after a preemption the requeued one (the first of the next leg)."""
+    if i + 1 >= len(attempts):
+        return None
+    att, nxt = attempts[i], attempts[i + 1]
+    return nxt if nxt.leg == att.leg or att.preempted else None
 
 
 @dataclass
@@ -112,6 +142,13 @@ class CrashOutcome:
     restart_s: float
     restart_parts: dict[str, float]
     evidence: dict[str, Any]
+    #: Preemptions: SIGTERM sent -> the saved step committed (None: no save committed,
+    #: as for the naive job) and -> torchrun's agents exited.
+    signal_to_commit_s: float | None = None
+    signal_to_exit_s: float | None = None
+    #: Preemptions: ranks that left the loop through ``reached_preemption`` (of ``world``).
+    stopped_cleanly: int = 0
+    world: int = 0
 
 
 @dataclass
@@ -179,66 +216,77 @@ def analyse(job: JobRecord) -> RunStats:
     stats = RunStats(name=job.name, setup=job.setup, worlds=[a.world for a in attempts])
     committed: set[int] = set()
     saved: set[int] = set()
-    for leg, launch in enumerate(job.launches):
-        mine = [a for a in attempts if a.leg == leg and a.steps]
-        prev_end = launch  # when the current attempt's (re)start began
-        for i, att in enumerate(mine):
-            steps = att.steps
-            first_tf = steps[0]["tf"]
-            if i == 0:
-                stats.startup += first_tf - prev_end
-            else:
-                stats.restart += first_tf - prev_end
-                stats.crashes[-1].restart_s = first_tf - prev_end
-                stats.crashes[-1].restart_parts = _restart_parts(att, prev_end)
-            stats.restores.append((att.restored, sorted(committed), sorted(saved)))
-            committed |= {int(e["step"]) for e in att.of("committed")}
-            saved |= {int(e["step"]) for e in steps if e["save"]}
-            by_rank = {r: {e["step"]: e for e in evs if e["ev"] == "step"}
-                       for r, evs in sorted(att.ranks.items())}
-            _count_saves(stats, att, by_rank)
-            nxt = mine[i + 1] if i + 1 < len(mine) else None
-            keep_to = (nxt.restored or 0) if nxt is not None else math.inf
-            kept = [e for e in steps if e["step"] <= keep_to]
-            for j, e in enumerate(kept):
-                wall = e["tc"] - e["tf"]
-                cpu = min(wall, float(e.get("cpu", wall)))
-                stats.compute += cpu
-                stats.stalled += wall - cpu
-                if e["save"]:
-                    stats.blocking += _stall([r[e["step"]]["save"] for r in by_rank.values()
-                                              if e["step"] in r])
-                if j > 0:  # the first batch of an attempt is part of its (re)start
-                    stats.input_wait += e["fetch"]
-            stats.kept_steps += len(kept)
-            for e in kept:
-                stats.samples[e["step"]] = [x for r in by_rank.values()
-                                            for x in r.get(e["step"], {}).get("samples", [])]
-            if nxt is None:
-                ends = [e for evs in att.ranks.values() for e in evs if e["ev"] == "end"]
-                if att.of("end"):
-                    stats.final_wait += _stall([e["final_wait"] for e in ends])
-                    stats.wall += att.of("end")[0]["t"] - launch
-                    stats.digest = att.of("end")[0]["digest"]
-                continue
-            kill = att.kill
-            t_kill = kill["t"] if kill is not None else steps[-1]["t1"]
-            boundary = kept[-1]["t1"] if kept else first_tf
-            stats.lost += t_kill - boundary
+    trained = [a for a in attempts if a.steps]
+    launch = prev_end = 0.0  # the launch of the current leg chain; the last (re)start
+    for i, att in enumerate(trained):
+        steps = att.steps
+        first_tf = steps[0]["tf"]
+        if i == 0 or next_attempt(trained, i - 1) is None:  # a leg the launcher started
+            launch = prev_end = job.launches[att.leg]
+            stats.startup += first_tf - prev_end
+        else:
+            stats.restart += first_tf - prev_end
+            stats.crashes[-1].restart_s = first_tf - prev_end
+            stats.crashes[-1].restart_parts = _restart_parts(att, prev_end,
+                                                             trained[i - 1].preempted)
+        stats.restores.append((att.restored, sorted(committed), sorted(saved)))
+        committed |= {int(e["step"]) for e in att.of("committed")}
+        saved |= {int(e["step"]) for e in steps if e["save"]}
+        by_rank = {r: {e["step"]: e for e in evs if e["ev"] == "step"}
+                   for r, evs in sorted(att.ranks.items())}
+        _count_saves(stats, att, by_rank)
+        nxt = next_attempt(trained, i)
+        keep_to = (nxt.restored or 0) if nxt is not None else math.inf
+        kept = [e for e in steps if e["step"] <= keep_to]
+        for j, e in enumerate(kept):
+            wall = e["tc"] - e["tf"]
+            cpu = min(wall, float(e.get("cpu", wall)))
+            stats.compute += cpu
+            stats.stalled += wall - cpu
+            if e["save"]:
+                stats.blocking += _stall([r[e["step"]]["save"] for r in by_rank.values()
+                                          if e["step"] in r])
+            if j > 0:  # the first batch of an attempt is part of its (re)start
+                stats.input_wait += e["fetch"]
+        stats.kept_steps += len(kept)
+        for e in kept:
+            stats.samples[e["step"]] = [x for r in by_rank.values()
+                                        for x in r.get(e["step"], {}).get("samples", [])]
+        if nxt is None:
+            ends = [e for evs in att.ranks.values() for e in evs if e["ev"] == "end"]
+            if att.of("end"):
+                stats.final_wait += _stall([e["final_wait"] for e in ends])
+                stats.wall += att.of("end")[0]["t"] - launch
+                stats.digest = att.of("end")[0]["digest"]
+            continue
+        kill = att.kill
+        t_kill = kill["t"] if kill is not None else steps[-1]["t1"]
+        boundary = kept[-1]["t1"] if kept else first_tf
+        if att.preempted:
+            # Told, not killed: every step recorded was trained to its end (a job that
+            # handles the signal trains on to the step it saves).
+            done = [e["step"] for e in steps]
+            t_stop = max(t_kill, steps[-1]["t1"])
+        else:
             # The last step computed before the kill (a kill inside a save comes after its
             # step was computed, before that step's event was written).
             done = [e["step"] for e in steps if e["t1"] <= t_kill]
             if kill is not None:
                 done.append(int(kill["step"]))
-            last = max(done) if done else (att.restored or 0)
-            stats.crashes.append(CrashOutcome(
-                crash=kill["crash"] if kill is not None else {"index": -1, "kind": "unplanned"},
-                t_kill=t_kill, last_step=last, resumed_from=nxt.restored,
-                steps_lost=last - (nxt.restored or 0), lost_s=t_kill - boundary,
-                restart_s=0.0, restart_parts={},
-                evidence=kill["evidence"] if kill is not None else {},
-            ))
-            prev_end = t_kill
+            t_stop = t_kill
+        stats.lost += t_stop - boundary
+        last = max(done) if done else (att.restored or 0)
+        outcome = CrashOutcome(
+            crash=kill["crash"] if kill is not None else {"index": -1, "kind": "unplanned"},
+            t_kill=t_kill, last_step=last, resumed_from=nxt.restored,
+            steps_lost=last - (nxt.restored or 0), lost_s=t_stop - boundary,
+            restart_s=0.0, restart_parts={},
+            evidence=kill["evidence"] if kill is not None else {},
+        )
+        if att.preempted and kill is not None:
+            _preemption_times(outcome, att, job, t_kill)
+        stats.crashes.append(outcome)
+        prev_end = t_stop
     stats.committed = len(committed)
     stats.torn_restores = sum(len(a.of("torn")) for a in attempts)
     changed = next((a for a in attempts if a.world != attempts[0].world), None) \
@@ -271,10 +319,27 @@ def _count_saves(stats: RunStats, att: Attempt,
             stats.save_end_to_end.append(e["t"] - save_t0[e["step"]])
 
 
-def _restart_parts(att: Attempt, since: float) -> dict[str, float]:
+def _preemption_times(outcome: CrashOutcome, att: Attempt, job: JobRecord,
+                      t_signal: float) -> None:
+    """Signal -> commit and -> exit of a preempted attempt (the launcher sent the signal)."""
+    stopped = [r for r, evs in att.ranks.items() if any(e["ev"] == "preempted" for e in evs)]
+    outcome.stopped_cleanly, outcome.world = len(stopped), att.world
+    at = att.of("preempted")
+    if at:
+        step = int(at[0]["step"])
+        commits = [e["t"] for e in att.of("committed") if int(e["step"]) == step]
+        if commits:
+            outcome.signal_to_commit_s = commits[0] - t_signal
+    if att.leg < len(job.exits):
+        outcome.signal_to_exit_s = job.exits[att.leg] - t_signal
+
+
+def _restart_parts(att: Attempt, since: float, requeued: bool = False) -> dict[str, float]:
     restored = att.of("restored")[0]
+    first = ("preemption: last step -> commit, exit, requeue, new processes" if requeued
+             else "torchrun: kill -> new processes")
     return {
-        "torchrun: kill -> new processes": att.t_proc - since,
+        first: att.t_proc - since,
         "interpreter, torch import, process group": att.start["t_group"] - att.t_proc,
         "data listing, restore": restored["t1"] - att.start["t_group"],
         "first batch": att.steps[0]["tf"] - restored["t1"],
@@ -358,8 +423,10 @@ def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
     """The demo's checks (PASS means all of them)."""
     checks = []
     fired = sorted(int(c.crash.get("index", -1)) for c in crashed.crashes)
+    requeue = ", the scheduler requeued it after a preemption" \
+        if any(c.kind == "preempt" for c in planned) else ""
     checks.append(Check(
-        "crashes", "every planned crash happened, torchrun restarted the job each time",
+        "crashes", f"every planned crash happened, torchrun restarted the job each time{requeue}",
         fired == [c.index for c in planned],
         f"{len(fired)} of {len(planned)} crashes, {len(crashed.worlds)} attempts"))
     if cfg.shrink:
@@ -416,8 +483,21 @@ def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
             over.append((c.steps_lost, allowed))
     checks.append(Check(
         "lost", "work lost per crash <= one save interval + the save in flight", not over,
-        "steps lost: " + ", ".join(str(c.steps_lost) for c in crashed.crashes)
+        "steps lost: " + lost_by_kind(crashed.crashes)
         + f" (interval {cfg.save_every})" + (f"; over: {over}" if over else "")))
+    preempts = [c for c in crashed.crashes if c.crash.get("kind") == "preempt"]
+    if any(c.kind == "preempt" for c in planned):
+        ok = bool(preempts) and all(
+            c.steps_lost == 0 and c.signal_to_commit_s is not None
+            and c.stopped_cleanly == c.world for c in preempts)
+        details = [
+            f"step {c.last_step}: {c.steps_lost} lost, SIGTERM -> commit "
+            f"{_seconds(c.signal_to_commit_s)}, -> exit {_seconds(c.signal_to_exit_s)}, "
+            f"{c.stopped_cleanly} of {c.world} ranks stopped through reached_preemption"
+            for c in preempts]
+        checks.append(Check("preempt", "preemption lost 0 steps: the ranks saved the step "
+                            "they stopped at and exited", ok,
+                            "; ".join(details) or "the preemption did not happen"))
     # Time shares against the computation's wall time: CPU contention from whatever else
     # runs on the machine slows saves and steps alike, and cancels out.
     cw = crashed.compute_wall
@@ -469,6 +549,15 @@ class Report:
                 "json": self.json_path, "plot": self.plot_path, "seconds": self.seconds}
 
 
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f} s"
+
+
+def lost_by_kind(crashes: list[CrashOutcome]) -> str:
+    """``upload 4, commit 6, step 3, preempt 0``: steps lost per crash, in order."""
+    return ", ".join(f"{c.crash.get('kind')} {c.steps_lost}" for c in crashes) or "-"
+
+
 def _pct(part: float, whole: float) -> str:
     return f"{part:7.1f} s {part / whole:6.1%}" if whole else f"{part:7.1f} s"
 
@@ -501,8 +590,13 @@ def render_table(runs: Mapping[str, RunStats], proj: Mapping[str, dict[str, floa
         lambda s: f"{_mean(s.save_blocking):.3f} / {max(s.save_blocking, default=0):.3f} s")
     row("save end-to-end, mean / max",
         lambda s: f"{_mean(s.save_end_to_end):.3f} / {max(s.save_end_to_end, default=0):.3f} s")
-    row("steps lost per crash",
-        lambda s: ", ".join(str(c.steps_lost) for c in s.crashes) or "-")
+    row("steps lost per crash, by kind", lambda s: lost_by_kind(s.crashes))
+    if any(c.crash.get("kind") == "preempt" for s in runs.values() for c in s.crashes):
+        def preempt(s: RunStats) -> str:
+            ps = [c for c in s.crashes if c.crash.get("kind") == "preempt"]
+            return ", ".join(f"{_seconds(c.signal_to_commit_s)} / {_seconds(c.signal_to_exit_s)}"
+                             for c in ps) or "-"
+        row("preemption: SIGTERM -> commit / -> exit", preempt)
     if any(s.torn_restores for s in runs.values()):
         row("torn checkpoints met by a restore", lambda s: str(s.torn_restores))
     row("restart per crash, mean",
