@@ -7,6 +7,8 @@ import gc
 import json
 import logging
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -363,6 +365,31 @@ def test_workers_end_when_the_training_process_is_killed(
     while any(process_running(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [w for w in workers if process_running(w)], "workers outlived the training process"
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_workers_survive_a_sigterm_to_the_training_process_group(
+    local_data: tuple[str, str], tmp_path: Path, context: str
+) -> None:
+    # torchrun's agent killpg's each rank with SIGTERM (a preemption); the rank handles
+    # it and trains on to the step its ranks save at. Its workers must not die of it.
+    src, cache = local_data
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.scripts.signalled_loader", src, cache, context],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=Path(__file__).parent.parent, start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert "noticed 1" in out
+    assert "delivered 24" in out  # the whole epoch, after the signal too
 
 
 @pytest.mark.timeout(180)

@@ -1,10 +1,14 @@
 """Preloaded by the DataLoader's forkserver (and imported nowhere else).
 
-Starts torch_shm_manager in the server process, so the workers it forks
-share that one instead of each starting its own (a libtorch process per
-worker; see ``_batch_sharing``).
+Leaves the training process's group (``_worker_exit``: a SIGTERM for the
+training process is not the server's, nor its workers', which it forks into
+its own group), then starts torch_shm_manager in the server process, so the
+workers it forks share that one instead of each starting its own (a libtorch
+process per worker; see ``_batch_sharing``).
 """
 
 from dcp_volumes.data import _batch_sharing
+from dcp_volumes.data._worker_exit import leave_training_group
 
+leave_training_group()
 _batch_sharing.start_manager_here()

@@ -40,7 +40,7 @@ from dcp_volumes.data import _batch_sharing
 from dcp_volumes.data._dataset import VolumeDataset
 from dcp_volumes.data._metrics import LoaderMetrics, worker_stats
 from dcp_volumes.data._order import ORDER_ALGORITHM, Plan
-from dcp_volumes.data._worker_exit import ExitWithTrainingProcess
+from dcp_volumes.data._worker_exit import ExitWithTrainingProcess, group_signals_held
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,15 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             kwargs["worker_init_fn"] = _batch_sharing.WorkerInit(
                 self.sharing_strategy, kwargs.get("worker_init_fn")
             )
-        self._context_chosen_by_user = kwargs.get("multiprocessing_context") is not None
+        chosen = kwargs.get("multiprocessing_context")
+        self._context_chosen_by_user = chosen is not None
+        if chosen == "forkserver" or (
+            isinstance(chosen, multiprocessing.context.BaseContext)
+            and chosen.get_start_method() == "forkserver"
+        ):
+            # The one forkserver of the process: with our preload, its server leaves the
+            # training process's group as the loader's own choice of it does.
+            kwargs["multiprocessing_context"] = _forkserver()
         self._token = 0
         self._step = 0
         # Persistent workers started by an earlier iteration (and still serving).
@@ -329,7 +337,8 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             self._dataset().publish_plan(
                 plan, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor or 2
             )
-        inner = super().__iter__()
+        with group_signals_held():  # worker processes may start here
+            inner = super().__iter__()
         # torch keeps persistent workers (its iterator) from here on, for the loader's life.
         self._workers_running = bool(self.persistent_workers and self.num_workers)
         return self._deliver(inner, plan, self._token)

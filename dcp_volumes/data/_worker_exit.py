@@ -1,4 +1,15 @@
-"""DataLoader workers end with their training process, also when it is killed.
+"""DataLoader workers belong to their training process: they end with it, and its
+signals are its own.
+
+A launcher may signal a training process's whole process group: torchrun's
+agent ``killpg``s each rank with SIGTERM when the job is stopped (a
+preemption), which the rank handles (``preemption_signals``) by saving and
+stopping at a step boundary. A worker, or the fork server, that got it would
+die, and the rank's next batch would fail before the save. So worker processes
+start with SIGTERM held (``group_signals_held``) and, before anything else,
+move to a process group of their own (``leave_training_group``); a SIGTERM sent
+to the worker itself (torch stopping it) still ends it, and the training
+process gets any that came meanwhile once the hold ends.
 
 torch's workers watch ``os.getppid()``. A forkserver worker's parent is the
 fork server, not the training process, and each worker holds the server's
@@ -10,10 +21,38 @@ the training process's sentinel (``multiprocessing.parent_process``) instead.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+# Signals a launcher sends to the whole group of a training process.
+_GROUP_SIGNALS = {signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def group_signals_held() -> Iterator[None]:
+    """Hold the group signals in this thread while it starts worker processes: they
+    inherit the hold, so none dies of one before it has left the group."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def leave_training_group() -> None:
+    """In a worker process or the fork server: a process group of its own, then the held
+    group signals released (one that reached the old group meanwhile is dropped)."""
+    for sig in _GROUP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    with contextlib.suppress(OSError):  # already a group or session leader
+        os.setpgid(0, 0)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP_SIGNALS)
+    for sig in _GROUP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
 
 
 class ExitWithTrainingProcess:
@@ -23,6 +62,7 @@ class ExitWithTrainingProcess:
         self.user_init = user_init
 
     def __call__(self, worker_id: int) -> None:
+        leave_training_group()
         parent = multiprocessing.parent_process()
         if parent is not None:
             threading.Thread(

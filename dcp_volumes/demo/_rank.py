@@ -49,7 +49,6 @@ from dcp_volumes.demo._workload import (  # noqa: E402
     load_sample,
     params_digest,
     restore_rngs,
-    worker_in_own_process_group,
 )
 
 logger = logging.getLogger("dcp_volumes.demo")
@@ -124,8 +123,7 @@ class LibrarySetup:
         # resumed job (its iterator starts at the restored step, not at step 0).
         self.loader = DataLoader(dataset, global_batch_size=spec["global_batch"],
                                  num_workers=spec["num_workers"],
-                                 generator=torch.Generator().manual_seed(spec["seed"]),
-                                 worker_init_fn=worker_in_own_process_group)
+                                 generator=torch.Generator().manual_seed(spec["seed"]))
         marks["t_loader"] = time.time()
         self.mgr = CheckpointManager(
             spec["ckpt_url"], keep_last=spec["keep_last"], storage_options=options,
@@ -147,15 +145,7 @@ class LibrarySetup:
         return self.mgr.restore(self._state(state))
 
     def batches(self, start_step: int) -> Iterator[Batch]:
-        # The first iter() starts the loader's processes (its fork server, the persistent
-        # workers): with SIGTERM ignored, which they inherit, so the preemption signal
-        # that torchrun sends to this rank's process group leaves them running (see
-        # worker_in_own_process_group). A SIGTERM in this short window goes unnoticed.
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            epoch = iter(self.loader)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        epoch = iter(self.loader)
         while True:  # one pass per epoch; a restored loader continues mid-epoch
             yield from epoch
             epoch = iter(self.loader)

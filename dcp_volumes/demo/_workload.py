@@ -110,21 +110,3 @@ def restore_rngs(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     np.random.set_state(states["numpy"])
     random.setstate(states["random"])
-
-
-def worker_in_own_process_group(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: the worker leaves the rank's process group.
-
-    torchrun's agent forwards a SIGTERM (a preemption) to each rank's whole
-    process group. A loader worker (or the fork server it came from) that got
-    it would die, and the rank, which handles the signal and trains on to the
-    step its ranks agree to save, would fail on its next batch. The rank starts
-    its loader's processes with SIGTERM ignored (``_rank.LibrarySetup``); the
-    worker puts the default back and leaves the group, so it still stops when
-    torch stops it, and ends with the rank (the library's loader watches the
-    training process).
-    """
-    import signal
-
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.setpgid(0, 0)
