@@ -266,7 +266,7 @@ def train(spec: Mapping[str, Any]) -> None:
         cpu0 = time.thread_time()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         optim.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         average_gradients(model, world)
         optim.step()
         sched.step()

@@ -77,7 +77,7 @@ class Attempt:
 
     @property
     def t_proc(self) -> float:
-        return min(evs[0]["t_proc"] for evs in self.ranks.values())
+        return float(min(evs[0]["t_proc"] for evs in self.ranks.values()))
 
     @property
     def restored(self) -> int | None:
@@ -508,12 +508,12 @@ def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
     checks.append(Check("input", "input wait <= 5% of compute time", inp <= 0.05,
                         f"{inp:.2%}"))
     g, g0 = crashed.wall_share_ex_restart, ref.wall_share_ex_restart
-    c, c0 = crashed.goodput_ex_restart, ref.goodput_ex_restart
+    cpu, cpu0 = crashed.goodput_ex_restart, ref.goodput_ex_restart
     checks.append(Check(
         "goodput", "goodput (restart set apart) >= 95% of the crash-free run's",
         g0 > 0 and g >= 0.95 * g0,
         f"{g:.1%} vs {g0:.1%} ({g / g0:.1%} of it) with compute on the wall clock, which "
-        f"cancels CPU contention; on CPU time {c:.1%} vs {c0:.1%}" if g0 else "no reference"))
+        f"cancels CPU contention; on CPU time {cpu:.1%} vs {cpu0:.1%}" if g0 else "no reference"))
     return checks
 
 
