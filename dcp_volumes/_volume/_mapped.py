@@ -10,8 +10,8 @@ drops the pages of every open upload map from this process every 10 ms
 (``MADV_DONTNEED``: the page cache keeps them); what an upload holds in RSS
 is then about what it sends (or hashes, for a signed payload) in that time,
 not the file. The kernel maps a file's large folios whole on the first touch
-(2 MiB on ext4 here), so that is the least an upload in flight holds; a
-shorter period bought little RSS for more CPU (benchmarks/README.md).
+(their size is the filesystem's), so that is the least an upload in flight
+holds; a shorter period bought little RSS for more CPU (benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations

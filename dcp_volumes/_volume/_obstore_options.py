@@ -285,7 +285,7 @@ def _unsigned_over_tls(out: StoreSettings) -> None:
 
     TLS already protects the body in transit; signing it costs a SHA-256 pass
     over every byte before the first one is sent (CPU on the training host,
-    and every page of the staged file mapped at once; benchmarks/README.md).
+    and every page of the staged file mapped at once; benchmarks/HISTORY.md).
     The user's ``unsigned_payload`` (or ``AWS_UNSIGNED_PAYLOAD``) wins.
     """
     if "unsigned_payload" not in out.config and not _env.aws_unsigned_payload_set():

@@ -123,7 +123,7 @@ class Manifest:
             "extra": dict(self.extra),
         }
         # Compact: with an indent json encodes in Python, not C, and this is on
-        # the commit's path (benchmarks/README.md); `python -m json.tool` prints it.
+        # the commit's path (benchmarks/HISTORY.md); `python -m json.tool` prints it.
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod

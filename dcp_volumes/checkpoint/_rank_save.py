@@ -151,7 +151,7 @@ class RankSave:
         self._placed: list[_Placed] = []  # its items
         self._uploads: list[ThreadFuture[None]] = []
         # Set by the first upload that fails: serialisation stops. A flag, not a scan
-        # of every upload before each item (items x files; benchmarks/README.md).
+        # of every upload before each item (items x files; benchmarks/HISTORY.md).
         self._upload_failed = threading.Event()
 
     def run(self, planner: SavePlanner) -> list[WriteResult]:

@@ -37,7 +37,7 @@ _GATHER = 64 * 1024
 
 # torch.save gives every zip record a CRC-32 that torch.load never checks; each data
 # file is hashed whole for the manifest instead, so the CRC is CPU spent for nothing
-# (benchmarks/README.md). Its public switch is process-wide in torch before config
+# (benchmarks/HISTORY.md). Its public switch is process-wide in torch before config
 # overrides became per thread: one save at a time flips it.
 _CRC32_SWITCH = threading.Lock()
 

@@ -9,7 +9,7 @@ process does in ``next()``, and the worker's thread answers each connection.
 "file_system" passes the segment's name instead; torch's
 ``torch_shm_manager`` tracks the segments and removes them when the last
 process using them exits, killed or not. (The data benchmark's warm epochs
-show the difference: benchmarks/README.md, ``warm_side_by_side``.)
+show the difference: benchmarks/HISTORY.md, ``warm_side_by_side``.)
 
 So ``DataLoader`` switches its *workers* to "file_system" (the strategy is
 per process: what the training process itself shares keeps the user's

@@ -181,7 +181,7 @@ def average_gradients(model: torch.nn.Module, world: int) -> None:
     This is what DistributedDataParallel does, without overlapping the
     all-reduce with the backward pass; the demo's model is small enough that
     the overlap would not matter, and DDP's constructor imports torch._dynamo
-    (1.5-4 s on this machine), which every restart of every rank would pay.
+    (seconds of start-up), which every restart of every rank would pay.
     """
     if world == 1:
         return
