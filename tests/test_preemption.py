@@ -9,6 +9,7 @@ each rank reports and a resumed run's weights are what the tests check.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -164,26 +165,25 @@ def test_a_signal_that_reaches_one_rank_only_stops_every_rank_at_the_same_step(
     assert max(_complete(root, options)) == ends[0]["step"]
 
 
-def _slow_save_job(moto_server: Any, tmp_path: Path, proxy: LatencyProxy,
-                   grace_s: float) -> tuple[str, Path, subprocess.Popen[str]]:
-    root = moto_server.create_bucket(f"preempt-slow-{random.randrange(10**9)}")
-    options = moto_server.storage_options(proxy.endpoint)
-    opts = {"storage_options": options, "interval": 2, "state_kib": 8192, "step_s": 0.02,
-            "grace_s": grace_s}
-    out = tmp_path / "job"
-    proc = _launch(root, 400, out, opts)
-    return root, out, proc
+@contextlib.contextmanager
+def _slow_save_job(
+    moto_server: Any, tmp_path: Path, grace_s: float
+) -> Iterator[tuple[str, Path, subprocess.Popen[str]]]:
+    """A job saving every 2 steps, 8 MiB a rank behind 16 Mbit/s: a save takes about 4 s."""
+    with LatencyProxy.in_front_of(moto_server, latency_s=0.05, bandwidth_bps=16e6) as proxy:
+        root = moto_server.create_bucket(f"preempt-slow-{random.randrange(10**9)}")
+        options = moto_server.storage_options(proxy.endpoint)
+        opts = {"storage_options": options, "interval": 2, "state_kib": 8192, "step_s": 0.02,
+                "grace_s": grace_s}
+        out = tmp_path / "job"
+        yield root, out, _launch(root, 400, out, opts)
 
 
 def test_a_second_signal_ends_the_job_without_a_partial_checkpoint_taken_for_complete(
     moto_server: Any, tmp_path: Path
 ) -> None:
-    # 8 MiB a rank behind 16 Mbit/s: a save takes about 4 s.
-    with LatencyProxy.in_front_of(moto_server, latency_s=0.05, bandwidth_bps=16e6) as proxy:
-        root, out, proc = _slow_save_job(moto_server, tmp_path, proxy, grace_s=60)
-        _wait_for(lambda: 2 in _rank(out, 0)["saved"], proc, out)
-        before = proc  # step 2's save uploads: wait until it committed
-        _wait_for(lambda: 4 in _rank(out, 0)["saved"], before, out)
+    with _slow_save_job(moto_server, tmp_path, grace_s=60) as (root, out, proc):
+        _wait_for(lambda: 4 in _rank(out, 0)["saved"], proc, out)
         proc.send_signal(signal.SIGTERM)
         time.sleep(1.5)  # the preemption save is uploading now
         for r in (0, 1):
@@ -208,8 +208,7 @@ def test_a_second_signal_ends_the_job_without_a_partial_checkpoint_taken_for_com
 def test_the_grace_period_running_out_leaves_the_previous_checkpoint_intact(
     moto_server: Any, tmp_path: Path
 ) -> None:
-    with LatencyProxy.in_front_of(moto_server, latency_s=0.05, bandwidth_bps=16e6) as proxy:
-        root, out, proc = _slow_save_job(moto_server, tmp_path, proxy, grace_s=1.0)
+    with _slow_save_job(moto_server, tmp_path, grace_s=1.0) as (root, out, proc):
         _wait_for(lambda: 4 in _rank(out, 0)["saved"], proc, out)
         proc.send_signal(signal.SIGTERM)
         code = _finish(proc, out)

@@ -28,28 +28,14 @@ class ManagerOptions:
     reader_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.keep_last is not None and (
-            isinstance(self.keep_last, bool)
-            or not isinstance(self.keep_last, int)
-            or self.keep_last < 1
-        ):
-            raise ConfigurationError(
-                f"keep_last={self.keep_last!r} must be an integer >= 1 (the newest complete "
-                "checkpoint is always kept), or None to keep every checkpoint."
-            )
+        _count_or_none("keep_last", self.keep_last, "(the newest complete checkpoint is "
+                       "always kept), or None to keep every checkpoint.")
         if not isinstance(self.partial_grace_s, (int, float)) or self.partial_grace_s < 0:
             raise ConfigurationError(
                 f"partial_grace={self.partial_grace_s!r} must be a number of seconds >= 0."
             )
-        if self.save_interval_steps is not None and (
-            isinstance(self.save_interval_steps, bool)
-            or not isinstance(self.save_interval_steps, int)
-            or self.save_interval_steps < 1
-        ):
-            raise ConfigurationError(
-                f"save_interval_steps={self.save_interval_steps!r} must be an integer >= 1 "
-                "(should_save(step) is then true every that many steps), or None."
-            )
+        _count_or_none("save_interval_steps", self.save_interval_steps,
+                       "(should_save(step) is then true every that many steps), or None.")
         if (isinstance(self.preemption_grace_s, bool)
                 or not isinstance(self.preemption_grace_s, (int, float))
                 or self.preemption_grace_s <= 0):
@@ -67,3 +53,9 @@ class ManagerOptions:
                     f"{what} may not set {clash}: the manager sets them. Pass them as "
                     "CheckpointManager arguments instead."
                 )
+
+
+def _count_or_none(name: str, value: object, meaning: str) -> None:
+    """Refuse ``value`` unless it is ``None`` or an integer >= 1 (``meaning`` ends the message)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ConfigurationError(f"{name}={value!r} must be an integer >= 1 {meaning}")
