@@ -1,6 +1,6 @@
 """The fenced code blocks of the project's Markdown documents, and a way to run them.
 
-README.md and docs/recipes.md promise that their Python blocks run as written;
+README.md and the documents in docs/ promise that their Python blocks run as written;
 ``tests/test_readme.py`` and ``tests/test_recipes.py`` keep the promise by
 taking the blocks from here and running each in a fresh interpreter
 (``run``), with this checkout first on ``PYTHONPATH``.

@@ -1,4 +1,5 @@
-"""README.md's Python blocks, run as written, each in a fresh interpreter.
+"""The Python blocks of README.md and docs/ (but recipes.md: ``test_recipes.py``), run as
+written, each in a fresh interpreter.
 
 The convention, so that what a reader copies is what runs here:
 
@@ -34,41 +35,50 @@ from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from tests.doc_blocks import REPO, Block, code_blocks, run
 
 README = REPO / "README.md"
+# The user documents: the README and the pages it sends readers to for details.
+DOCS = [README, *sorted(p for p in (REPO / "docs").glob("*.md") if p.name != "recipes.md")]
 ENDPOINT = "http://127.0.0.1:9000"
 _MARK = "readme-test:"
 _BUCKET = re.compile(r"s3://([a-z0-9][a-z0-9.-]+)/")
-# The blocks the tests below run; a block added to the README needs a test here.
+# The blocks the tests below run; a block added to DOCS needs a test here.
 TESTED = {"quickstart", "dcp_s3", "route_s3", "compression", "lifecycle", "data_s3",
           "file_cache_s3"}
 
 
-def _marked() -> dict[str, Block]:
-    """The README's Python blocks that are marked to run, by name."""
-    out: dict[str, Block] = {}
-    for block in code_blocks(README):
+def _blocks() -> Iterator[tuple[str, Block]]:
+    """Every fenced block of DOCS, with ``file:line`` for messages."""
+    for doc in DOCS:
+        for block in code_blocks(doc):
+            yield f"{doc.relative_to(REPO)}:{block.line}", block
+
+
+def _marked() -> dict[str, tuple[str, Block]]:
+    """The Python blocks of DOCS that are marked to run, by name (with where they are)."""
+    out: dict[str, tuple[str, Block]] = {}
+    for where, block in _blocks():
         if block.lang != "python" or block.marker is None:
             continue
         name = block.marker.removeprefix(_MARK).strip()
         if not name.startswith("skip:"):
-            assert name not in out, f"README.md:{block.line}: a second block named {name!r}"
-            out[name] = block
+            assert name not in out, f"{where}: a second block named {name!r}"
+            out[name] = (where, block)
     return out
 
 
 def test_every_block_names_its_language() -> None:
-    bare = [b.line for b in code_blocks(README) if not b.lang]
-    assert not bare, f"README.md: fences without a language at lines {bare} (use bash/text/...)"
+    bare = [where for where, b in _blocks() if not b.lang]
+    assert not bare, f"fences without a language (use bash/text/...): {bare}"
 
 
 def test_every_python_block_is_run_or_marked_as_not_run() -> None:
-    for block in code_blocks(README):
+    for where, block in _blocks():
         if block.lang != "python":
             continue
         assert block.marker is not None and block.marker.startswith(_MARK), (
-            f"README.md:{block.line}: a python block without '<!-- {_MARK} NAME -->' "
+            f"{where}: a python block without '<!-- {_MARK} NAME -->' "
             f"(or '<!-- {_MARK} skip: WHY -->') on the line above its fence"
         )
-        ast.parse(block.code, filename=f"README.md:{block.line}")
+        ast.parse(block.code, filename=where)
     assert set(_marked()) == TESTED
 
 
@@ -80,10 +90,10 @@ def s3(moto_server: Any) -> Iterator[Any]:
 
 
 def _script(name: str, where: Path, moto: Any = None) -> Path:
-    block = _marked()[name]
+    place, block = _marked()[name]
     code = block.code
     if name.endswith("_s3"):
-        assert ENDPOINT in code, f"README.md:{block.line}: an S3 block names no {ENDPOINT}"
+        assert ENDPOINT in code, f"{place}: an S3 block names no {ENDPOINT}"
         for bucket in sorted(set(_BUCKET.findall(code))):
             moto.boto3_client().create_bucket(Bucket=bucket)
         code = code.replace(ENDPOINT, moto.endpoint)

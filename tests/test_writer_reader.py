@@ -103,6 +103,29 @@ def test_checkpoint_id_overrides_path_and_writer_is_reused(tmp_path: Path) -> No
     assert not (tmp_path / "unused").exists()
 
 
+def test_metadata_read_ahead_is_typed_and_is_the_one_the_load_uses(tmp_path: Path) -> None:
+    # CheckpointManager.restore reads .metadata before dcp.load for typed errors; the
+    # load must not ask the volume again (a round trip on an object store).
+    with pytest.raises(CheckpointNotFoundError):
+        VolumeReader(tmp_path / "nothing").read_metadata_ahead()
+    state = sample_state(big_mib=1)
+    dcp.save(state, storage_writer=VolumeWriter(tmp_path / "ck"))
+    reader = VolumeReader(tmp_path / "ck")
+    reader.read_metadata_ahead()
+    (tmp_path / "ck" / METADATA_NAME).unlink()  # a second read would fail
+    out = blank_like(state)
+    dcp.load(out, checkpoint_id=str(tmp_path / "ck"), storage_reader=reader)
+    assert_same(out, state)
+    # A rank-local checkpoint: the rank's own __<rank>.metadata, read ahead the same way.
+    dcp.save(state, storage_writer=VolumeWriter(tmp_path / "local"), use_collectives=False)
+    reader = VolumeReader(tmp_path / "local")
+    reader.read_metadata_ahead(rank=0)
+    (tmp_path / "local" / _layout.rank_metadata_name(0)).unlink()
+    out = blank_like(state)
+    dcp.load(out, checkpoint_id=str(tmp_path / "local"), storage_reader=reader)
+    assert_same(out, state)
+
+
 # -- .metadata holds only stock types ---------------------------------------------------------
 
 _UNPICKLE_WITHOUT_US = r"""

@@ -216,9 +216,9 @@ def translate_error(
         return exc
     kind = _neutral(exc)
     detail = _detail(exc, scrub)
-    if isinstance(kind, Misconfigured):
-        if kind.explained:
-            return ConfigurationError(f"Cannot {op} {where}: {detail}")
+    if isinstance(kind, Misconfigured) and kind.explained:
+        return ConfigurationError(f"Cannot {op} {where}: {detail}")
+    if isinstance(kind, Misconfigured) or (isinstance(kind, InvalidKey) and op != "list"):
         return ConfigurationError(
             f"Cannot {op} {where}: the object-store client refused its settings ({detail}). "
             "Fix: correct storage_options (the message names the setting)."
@@ -229,11 +229,6 @@ def translate_error(
             "Fix: create it first, or correct the URL."
         )
     if isinstance(kind, InvalidKey):
-        if op != "list":
-            return ConfigurationError(
-                f"Cannot {op} {where}: the object-store client refused its settings "
-                f"({detail}). Fix: correct storage_options (the message names the setting)."
-            )
         # The store holds a key (someone else's upload) that names a path segment
         # "." or "..": not a settings problem, and serving it could reach outside.
         return VolumeError(

@@ -179,56 +179,20 @@ def inspect_dir(
         if f.path.startswith(prefix)
     ]
     names = {f.path for f in files}
-    has_metadata = METADATA_NAME in names
-    has_manifest = MANIFEST_NAME in names
-    manifest_ranks = {r for r in map(manifest_rank, names) if r is not None}
     rank_local = is_rank_local(names)
-    if not (has_metadata or has_manifest or rank_local or is_canonical(name)) and not any(
-        n.endswith(".distcp") for n in names
-    ):
+    if not _looks_like_checkpoint(name, names, rank_local):
         return None
-    problems: list[str] = []
-    created: float | None = None
-    newer_format = False
-    manifest_names = (
-        [rank_manifest_name(r) for r in sorted(manifest_ranks)] if rank_local
-        else [MANIFEST_NAME] if has_manifest else []
-    )
-    world = 0
-    for manifest_name in manifest_names:
-        entry = next(f for f in files if f.path == manifest_name)
-        key = (name, entry.size, entry.etag, entry.mtime, manifest_name)
-        try:
-            manifest = manifests.get(key) if manifests is not None else None
-            if manifest is None:
-                manifest = Manifest.from_json(
-                    volume.read_bytes(f"{name}/{manifest_name}"),
-                    where=volume.url_of(f"{name}/{manifest_name}"),
-                )
-                if manifests is not None:
-                    manifests[key] = manifest
-        except CheckpointVersionError as exc:
-            newer_format = True
-            problems.append(f"{manifest_name}: {exc}")
-        except CheckpointCorruptError as exc:
-            problems.append(f"{manifest_name}: unreadable ({exc})")
-        else:
-            created = max(created or 0.0, manifest.created) or None
-            problems.extend(check_listing(manifest, files))
-            recorded = manifest.extra.get("world_size")
-            if isinstance(recorded, int):
-                world = max(world, recorded)
+    found = _ManifestFindings.of(volume, name, files, rank_local, manifests)
+    problems = list(found.problems)
     ranks: int | None = None
     if rank_local:
-        ranks, missing = expected_ranks(names, world)
+        ranks, missing = expected_ranks(names, found.world)
         if missing:
             problems.insert(0, missing_ranks_problem(ranks, missing))
-    elif not has_metadata:
+    elif METADATA_NAME not in names:
         problems.insert(0, f"{METADATA_NAME} missing (never committed, or being written/deleted)")
     times = [f.mtime for f in files if f.mtime is not None]
     modified = max(times) if times else None
-    if created is None:
-        created = modified
     return CheckpointInfo(
         step=step,
         url=volume.url_of(name),
@@ -236,14 +200,93 @@ def inspect_dir(
         name=name,
         size=sum(f.size for f in files),
         num_files=len(files),
-        created=created,
-        managed=bool(manifest_names),
+        created=found.created if found.created is not None else modified,
+        managed=bool(found.names),
         problems=tuple(problems),
         modified=modified,
-        newer_format=newer_format,
+        newer_format=found.newer_format,
         rank_local=rank_local,
         ranks=ranks,
     )
+
+
+def _looks_like_checkpoint(name: str, names: Collection[str], rank_local: bool) -> bool:
+    """Whether a directory with these file names is a checkpoint, complete or not."""
+    return (
+        METADATA_NAME in names or MANIFEST_NAME in names or rank_local or is_canonical(name)
+        or any(n.endswith(".distcp") for n in names)
+    )
+
+
+@dataclass(frozen=True)
+class _ManifestFindings:
+    """What a checkpoint directory's manifests say (one, or one per rank if rank-local).
+
+    Attributes:
+        names: the manifest files read (none: a stock DCP checkpoint).
+        created: the newest save time they record.
+        world: the largest world size they record (0: none does).
+        newer_format: one is in a format newer than this version reads.
+        problems: what they find wrong with the directory's files, or with themselves.
+    """
+
+    names: tuple[str, ...] = ()
+    created: float | None = None
+    world: int = 0
+    newer_format: bool = False
+    problems: tuple[str, ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        volume: Volume,
+        name: str,
+        files: Sequence[FileInfo],
+        rank_local: bool,
+        manifests: ManifestCache | None,
+    ) -> _ManifestFindings:
+        paths = {f.path for f in files}
+        if rank_local:
+            ranks = {r for r in map(manifest_rank, paths) if r is not None}
+            manifest_names = [rank_manifest_name(r) for r in sorted(ranks)]
+        else:
+            manifest_names = [MANIFEST_NAME] if MANIFEST_NAME in paths else []
+        problems: list[str] = []
+        created: float | None = None
+        newer_format = False
+        world = 0
+        for manifest_name in manifest_names:
+            entry = next(f for f in files if f.path == manifest_name)
+            try:
+                manifest = _read_manifest(volume, name, entry, manifests)
+            except CheckpointVersionError as exc:
+                newer_format = True
+                problems.append(f"{manifest_name}: {exc}")
+            except CheckpointCorruptError as exc:
+                problems.append(f"{manifest_name}: unreadable ({exc})")
+            else:
+                created = max(created or 0.0, manifest.created) or None
+                problems.extend(check_listing(manifest, files))
+                recorded = manifest.extra.get("world_size")
+                if isinstance(recorded, int):
+                    world = max(world, recorded)
+        return cls(tuple(manifest_names), created, world, newer_format, tuple(problems))
+
+
+def _read_manifest(
+    volume: Volume, name: str, entry: FileInfo, manifests: ManifestCache | None
+) -> Manifest:
+    """The manifest ``entry`` of directory ``name``: from ``manifests`` when read before."""
+    key = (name, entry.size, entry.etag, entry.mtime, entry.path)
+    manifest = manifests.get(key) if manifests is not None else None
+    if manifest is None:
+        manifest = Manifest.from_json(
+            volume.read_bytes(f"{name}/{entry.path}"),
+            where=volume.url_of(f"{name}/{entry.path}"),
+        )
+        if manifests is not None:
+            manifests[key] = manifest
+    return manifest
 
 
 def expected_ranks(names: set[str], world_size: int = 0) -> tuple[int, list[int]]:

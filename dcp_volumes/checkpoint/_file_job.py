@@ -348,17 +348,7 @@ class FileJob:
                 if decoders is None:
                     stream = decode(i)
                 else:
-                    # Ahead: at most `window` items and `budget` stored bytes (always
-                    # the current one), so big tensors are not all decoded at once.
-                    held = sum(self.reqs[j][1].length for j in ahead)
-                    while queued < len(coded) and len(ahead) < decoders.window:
-                        nxt = coded[queued]
-                        size = self.reqs[nxt][1].length
-                        if ahead and held + size > decoders.budget:
-                            break
-                        ahead[nxt] = decoders.pool.submit(decode, nxt)
-                        held += size
-                        queued += 1
+                    queued = self._decode_ahead(decoders, decode, coded, queued, ahead)
                     stream = ahead.pop(i).result()
                 if isinstance(stream, io.BytesIO) and req.type != LoadItemType.BYTE_IO:
                     view = stream.getbuffer()  # deserialised in place: no copy
@@ -367,19 +357,7 @@ class FileJob:
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(stream.read()))
                 continue
-            if not stream.seekable():
-                stream = io.BytesIO(stream.read())
-            try:
-                if view is not None:  # fetched bytes: deserialise in place
-                    tensor = load_tensor_in_place(view)
-                else:
-                    tensor = torch.load(stream, map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise CheckpointCorruptError(
-                    f"{req.storage_index.fqn} in {where} "
-                    f"cannot be deserialised ({type(exc).__name__}: {exc}). The file is damaged; "
-                    "load with verify=True to check it, or load an older checkpoint."
-                ) from exc
+            tensor = _deserialise(stream, view, req.storage_index.fqn, where)
             tensor = narrow(tensor, req.storage_offsets, req.lengths)
             target = self.target(planner, i)
             if target.size() != tensor.size():
@@ -389,6 +367,48 @@ class FileJob:
                 )
             target.copy_(tensor)
             planner.commit_tensor(req, target)
+
+    def _decode_ahead(
+        self,
+        decoders: Decoders,
+        decode: Callable[[int], IO[bytes]],
+        coded: list[int],
+        queued: int,
+        ahead: dict[int, ThreadFuture[IO[bytes]]],
+    ) -> int:
+        """Hand the next transformed items (``coded[queued:]``) to the decoder threads;
+        returns how many of ``coded`` are handed over now.
+
+        Ahead: at most ``window`` items and ``budget`` stored bytes (always the
+        current one), so big tensors are not all decoded at once.
+        """
+        held = sum(self.reqs[j][1].length for j in ahead)
+        while queued < len(coded) and len(ahead) < decoders.window:
+            nxt = coded[queued]
+            size = self.reqs[nxt][1].length
+            if ahead and held + size > decoders.budget:
+                break
+            ahead[nxt] = decoders.pool.submit(decode, nxt)
+            held += size
+            queued += 1
+        return queued
+
+
+def _deserialise(stream: IO[bytes], view: memoryview | None, fqn: str, where: str) -> torch.Tensor:
+    """A saved tensor from its bytes (``view``: fetched into memory, read in place)."""
+    if not stream.seekable():
+        stream = io.BytesIO(stream.read())
+    try:
+        if view is not None:  # fetched bytes: deserialise in place
+            return load_tensor_in_place(view)
+        tensor: torch.Tensor = torch.load(stream, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointCorruptError(
+            f"{fqn} in {where} "
+            f"cannot be deserialised ({type(exc).__name__}: {exc}). The file is damaged; "
+            "load with verify=True to check it, or load an older checkpoint."
+        ) from exc
+    return tensor
 
 
 @dataclass(frozen=True)

@@ -519,7 +519,7 @@ class CheckpointManager:
             # Read .metadata here first: where DCP fails on it, it keeps only the
             # message (its AssertionError joins the texts), not our typed error.
             # A rank-local checkpoint: each rank loads its own __<rank>.metadata.
-            reader._read_for_load(self.rank if rank_local else None)
+            reader.read_metadata_ahead(rank=self.rank if rank_local else None)
             with self._coord.quiet():
                 state_dict_loader.load(
                     state, checkpoint_id=url, storage_reader=reader, planner=planner,

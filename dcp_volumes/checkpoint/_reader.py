@@ -188,7 +188,7 @@ class VolumeReader(AtLocation, StorageReader):
         self._manifest_loaded = False
         self._manifest_name = MANIFEST_NAME
         self._manifest_ahead: futures.Future[Manifest | None] | None = None
-        # What _read_for_load read (location, rank, .metadata, the manifest's GET):
+        # What read_metadata_ahead read (location, rank, .metadata, the manifest's GET):
         # kept across DCP's reset to the same location, used once.
         self._read_ahead: tuple[str, int | None, Metadata, Any] | None = None
         self._split = (self.options.part_size, False)  # per load: see _split_size
@@ -216,10 +216,18 @@ class VolumeReader(AtLocation, StorageReader):
         if ahead is not None and ahead[0] == self.volume.url:
             self._read_ahead, self._manifest_ahead = ahead, ahead[3]
 
-    def _read_for_load(self, rank: int | None = None) -> Metadata:
-        """``read_metadata`` just before ``dcp.load`` with this reader (``CheckpointManager``
-        does, for typed errors): DCP resets the reader to the same location first, and
-        the load then uses what was read here instead of asking the volume again."""
+    def read_metadata_ahead(self, *, rank: int | None = None) -> Metadata:
+        """Read the checkpoint's ``.metadata`` now, just before ``dcp.load`` with this reader.
+
+        An error comes back typed here (``CheckpointNotFoundError``, ...), where DCP
+        would keep only its message; DCP then resets the reader to the same location
+        and the load uses what was read here instead of asking the volume again
+        (``CheckpointManager.restore`` does this).
+
+        Args:
+            rank: a rank-local checkpoint (saved with ``use_collectives=False``):
+                this rank, whose own ``__<rank>.metadata`` it loads.
+        """
         metadata = self.read_metadata(**({"rank": rank} if rank is not None else {}))
         self._read_ahead = (self.volume.url, rank, metadata, self._manifest_ahead)
         return metadata

@@ -490,11 +490,34 @@ def route(
     """
     config_path = config if config is not None else _env.route_config()
     doc = _read_config(config_path) if config_path is not None else {}
-    file_routes: dict[str, dict[str, Any]] = doc.get("routes", {})
-    per_prefix: dict[str, Mapping[str, Any] | None] = {}
+    per_prefix = _chosen_prefixes(prefixes, doc)
+    call: dict[str, Any] = {
+        "storage_options": storage_options,
+        "staging_dir": os.fspath(staging_dir) if staging_dir is not None else None,
+        "upload_concurrency": upload_concurrency,
+        "read_concurrency": read_concurrency,
+        "overwrite": overwrite,
+        "writer_options": writer_options,
+        "reader_options": reader_options,
+    }
+    routes = [
+        Route(prefix=prefix, **_layered_options(prefix, own_options, doc, call))
+        for prefix, own_options in per_prefix.items()
+    ]
+    _TABLE.add(routes)
+    return Routing(routes)
+
+
+def _chosen_prefixes(
+    prefixes: str | Sequence[str] | Mapping[str, Mapping[str, Any]] | None,
+    doc: Mapping[str, Any],
+) -> dict[str, Mapping[str, Any] | None]:
+    """The prefixes to route, each with its own ``storage_options`` where ``prefixes`` maps
+    one: ``route()``'s argument, else the config file's, else ``DCP_VOLUMES_ROUTE``."""
+    per_prefix: dict[str, Mapping[str, Any] | None]
     if prefixes is None:
-        names = list(doc.get("prefixes", [])) + [p for p in file_routes if p not in
-                                                  doc.get("prefixes", [])]
+        listed = list(doc.get("prefixes", []))
+        names = listed + [p for p in doc.get("routes", {}) if p not in listed]
         if not names:
             names = _env.route_prefixes()
         if not names:
@@ -507,34 +530,30 @@ def route(
     elif isinstance(prefixes, str):
         per_prefix = {prefixes: None}
     elif isinstance(prefixes, Mapping):
-        per_prefix = {p: o for p, o in prefixes.items()}
+        per_prefix = dict(prefixes.items())
     else:
         per_prefix = dict.fromkeys(prefixes)
     if not per_prefix:
         raise ConfigurationError("route() got an empty list of prefixes: name at least one.")
+    return per_prefix
 
-    top = {k: v for k, v in doc.items() if k in _OPTION_KEYS}
-    call: dict[str, Any] = {
-        "storage_options": storage_options,
-        "staging_dir": os.fspath(staging_dir) if staging_dir is not None else None,
-        "upload_concurrency": upload_concurrency,
-        "read_concurrency": read_concurrency,
-        "overwrite": overwrite,
-        "writer_options": writer_options,
-        "reader_options": reader_options,
-    }
-    env_options = _env.storage_options()
-    routes = []
-    for prefix, own_options in per_prefix.items():
-        options: dict[str, Any] = {"storage_options": env_options}
-        options.update(top)
-        options.update(file_routes.get(prefix, {}))
-        options.update({k: v for k, v in call.items() if v is not None})
-        if own_options is not None:
-            options["storage_options"] = own_options
-        routes.append(Route(prefix=prefix, **options))
-    _TABLE.add(routes)
-    return Routing(routes)
+
+def _layered_options(
+    prefix: str,
+    own_options: Mapping[str, Any] | None,
+    doc: Mapping[str, Any],
+    call: Mapping[str, Any],
+) -> dict[str, Any]:
+    """One route's options, later layers winning: the environment's storage options, the
+    config file's top level, its ``[routes."<prefix>"]`` table, ``route()``'s arguments
+    (``call``; ``None``: not given), and the prefix's own ``storage_options``."""
+    options: dict[str, Any] = {"storage_options": _env.storage_options()}
+    options.update({k: v for k, v in doc.items() if k in _OPTION_KEYS})
+    options.update(doc.get("routes", {}).get(prefix, {}))
+    options.update({k: v for k, v in call.items() if v is not None})
+    if own_options is not None:
+        options["storage_options"] = own_options
+    return options
 
 
 def unroute() -> None:

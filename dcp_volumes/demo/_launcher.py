@@ -330,8 +330,6 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
 
     A leg that was preempted before it finished is started again (requeued).
     """
-    from dcp_volumes.demo._faults import kills_so_far
-
     os.makedirs(job.run_dir, exist_ok=True)
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the rendezvous store shared (the default),
     # gloo ranks of a restarted attempt find the killed attempt's addresses and fail to
@@ -348,7 +346,6 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
         while queue:
             leg = queue.pop(0)
             i += 1
-            preempted = False
             spec_path = os.path.join(job.run_dir, f"spec-{i}.json")
             with open(spec_path, "w") as f:
                 json.dump(_spec(cfg, job, i, leg.stop_at, root, workdir), f, indent=1)
@@ -365,21 +362,7 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
                             env=dict(base_env, DCP_VOLUMES_DEMO_NODE=str(node)),
                             cwd=job.run_dir, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True))
-                deadline = time.monotonic() + JOB_TIMEOUT_S
-                while any(p.poll() is None for p in procs):
-                    if time.monotonic() > deadline:
-                        raise DcpVolumesError(
-                            f"the {job.name} job did not finish in {JOB_TIMEOUT_S:.0f}s; its "
-                            f"logs are in {job.run_dir}")
-                    monitor.poll()
-                    if not preempted and preempts:
-                        attempt = kills_so_far(job.run_dir)
-                        crash = next((c for c in preempts if c.index == attempt), None)
-                        step = monitor.steps.get((i, attempt), 0)
-                        if crash is not None and step >= crash.step:
-                            _preempt(job, procs, crash, i, step, say)
-                            preempted = True
-                    time.sleep(0.05 if preempts else 0.25)
+                preempted = _wait_for_leg(job, i, procs, monitor, preempts, say)
             finally:
                 _stop(procs, job.run_dir)
             job.exits.append(time.time())
@@ -398,6 +381,31 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
                     f"{os.path.join(job.run_dir, 'node-*.log')}\n" + _log_tail(job.run_dir))
     finally:
         monitor.close()
+
+
+def _wait_for_leg(job: JobRecord, leg_index: int, procs: list[subprocess.Popen[bytes]],
+                  monitor: _Progress, preempts: list[Crash], say: Say) -> bool:
+    """Wait for a leg's agents to exit, showing progress and sending the leg's planned
+    preemption when its step comes; returns whether it was preempted."""
+    from dcp_volumes.demo._faults import kills_so_far
+
+    preempted = False
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            raise DcpVolumesError(
+                f"the {job.name} job did not finish in {JOB_TIMEOUT_S:.0f}s; its "
+                f"logs are in {job.run_dir}")
+        monitor.poll()
+        if not preempted and preempts:
+            attempt = kills_so_far(job.run_dir)
+            crash = next((c for c in preempts if c.index == attempt), None)
+            step = monitor.steps.get((leg_index, attempt), 0)
+            if crash is not None and step >= crash.step:
+                _preempt(job, procs, crash, leg_index, step, say)
+                preempted = True
+        time.sleep(0.05 if preempts else 0.25)
+    return preempted
 
 
 def _log_tail(run_dir: str, lines: int = 25) -> str:

@@ -79,24 +79,9 @@ def _panel(ax: Any, job: JobRecord, stats: RunStats) -> None:
         for r in att.ranks:
             y = ranks.index(r)
             evs = att.ranks[r]
-            start = evs[0]
             steps = [e for e in evs if e["ev"] == "step"]
-            restored = next((e for e in evs if e["ev"] == "restored"), None)
-            cats: dict[str, list[tuple[float, float]]] = {k: [] for k in _COLORS}
-            boot_from = start["t_proc"]
-            cats["start / restart"].append((boot_from, restored["t0"] if restored else
-                                            boot_from))
-            if restored:
-                cats["restore"].append((restored["t0"], restored["t1"]))
-            for e in steps:
-                cats["input wait"].append((e["t0"], e["tf"]))
-                cats["compute"].append((e["tf"], e["tc"]))
-                if e["save"]:
-                    cats["checkpoint blocking"].append((e["save"][0], e["save"][1]))
             committed = {e["step"]: e["t"] for e in evs if e["ev"] == "committed"}
-            for e in steps:
-                if e["save"] and e["step"] in committed and job.setup != "naive":
-                    cats["upload in flight"].append((e["save"][1], committed[e["step"]]))
+            cats = _rank_spans(evs, steps, committed, job.setup)
             for key, color in _COLORS.items():
                 if key in ("upload in flight", "lost, redone later") or not cats[key]:
                     continue
@@ -128,6 +113,26 @@ def _panel(ax: Any, job: JobRecord, stats: RunStats) -> None:
                  f"{stats.goodput_ex_restart:.1%} with restarts set apart; "
                  f"{len(stats.crashes)} crash(es)", fontsize=9, loc="left")
     ax.grid(axis="x", alpha=0.3)
+
+
+def _rank_spans(evs: list[dict[str, Any]], steps: list[dict[str, Any]],
+                committed: dict[int, float], setup: str) -> dict[str, list[tuple[float, float]]]:
+    """What one rank's attempt spent its time on: (start, end) spans by legend entry."""
+    restored = next((e for e in evs if e["ev"] == "restored"), None)
+    cats: dict[str, list[tuple[float, float]]] = {k: [] for k in _COLORS}
+    boot_from = evs[0]["t_proc"]
+    cats["start / restart"].append((boot_from, restored["t0"] if restored else boot_from))
+    if restored:
+        cats["restore"].append((restored["t0"], restored["t1"]))
+    for e in steps:
+        cats["input wait"].append((e["t0"], e["tf"]))
+        cats["compute"].append((e["tf"], e["tc"]))
+        if e["save"]:
+            cats["checkpoint blocking"].append((e["save"][0], e["save"][1]))
+    for e in steps:
+        if e["save"] and e["step"] in committed and setup != "naive":
+            cats["upload in flight"].append((e["save"][1], committed[e["step"]]))
+    return cats
 
 
 def _kill_rank(att: Any) -> int | None:

@@ -205,6 +205,66 @@ def _logging(rank: int) -> None:
     root.setLevel(logging.INFO)
 
 
+def _fresh_state(spec: Mapping[str, Any], rank: int) -> TrainState:
+    """The model, optimiser and schedule before any step: the same on every rank."""
+    torch.manual_seed(spec["seed"])  # the same initial weights everywhere
+    model = build_model(spec["hidden"])
+    optim = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=spec["lr"],
+                                                total_steps=spec["steps"] + 1, pct_start=0.1)
+    torch.manual_seed(spec["seed"] * 1000 + 1 + rank)  # dropout: a stream per rank
+    return TrainState(model, optim, sched)
+
+
+def _train_step(state: TrainState, x: torch.Tensor, y: torch.Tensor, world: int) -> torch.Tensor:
+    """One data-parallel optimiser step on this rank's batch; returns its loss."""
+    loss = torch.nn.functional.cross_entropy(state.model(x), y)
+    state.optim.zero_grad(set_to_none=True)
+    loss.backward()  # type: ignore[no-untyped-call]
+    average_gradients(state.model, world)
+    state.optim.step()
+    state.sched.step()
+    return loss
+
+
+def _train_steps(spec: Mapping[str, Any], setup: Setup, state: TrainState,
+                 injector: CrashInjector, events: EventLog, world: int,
+                 start: int) -> tuple[int, bool]:
+    """Train from step ``start`` to ``stop_at`` (or the last step), saving as the manager
+    says; stop early at a committed preemption. Returns the step reached and whether a
+    preemption stopped it."""
+    step = start
+    stop = spec["stop_at"] or spec["steps"]
+    batches = setup.batches(step)
+    preempted = False
+    while step < stop:
+        t0 = time.time()
+        x, y, names = next(batches)
+        tf = time.time()
+        fetch = setup.fetch_seconds(tf - t0)
+        # This thread's CPU time over the computation: the useful work. The rest of the
+        # step's wall time is the all-reduce wait and the CPU going to other processes.
+        cpu0 = time.thread_time()
+        loss = _train_step(state, x, y, world)
+        step += 1
+        state.step = step
+        tc = time.time()
+        cpu = time.thread_time() - cpu0
+        injector.after_compute(step)
+        saved = None
+        if setup.should_save(step) or step == spec["steps"]:  # should_save: every step
+            setup.save(step, state)
+            saved = [tc, time.time()]
+        events.write("step", step=step, t0=t0, tf=tf, tc=tc, t1=time.time(), fetch=fetch,
+                     cpu=cpu, save=saved, samples=list(names),
+                     loss=round(float(loss.item()), 5))
+        if setup.reached_preemption(step):  # the save of this step is committed
+            events.write("preempted", step=step)
+            preempted = True
+            break
+    return step, preempted
+
+
 def train(spec: Mapping[str, Any]) -> None:
     """Run (or resume) the job described by ``spec`` until ``stop_at`` or the last step."""
     from datetime import timedelta
@@ -229,13 +289,8 @@ def train(spec: Mapping[str, Any]) -> None:
     local = os.path.join(spec["local_dir"], f"node-{node}")
 
     marks = {"t_group": t_group}
-    torch.manual_seed(spec["seed"])  # the same initial weights everywhere
-    model = build_model(spec["hidden"])
-    optim = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(optim, max_lr=spec["lr"],
-                                                total_steps=spec["steps"] + 1, pct_start=0.1)
-    torch.manual_seed(spec["seed"] * 1000 + 1 + rank)  # dropout: a stream per rank
-    state = TrainState(model, optim, sched)
+    state = _fresh_state(spec, rank)
+    model = state.model
     marks["t_model"] = time.time()
 
     setup: Setup
@@ -252,40 +307,8 @@ def train(spec: Mapping[str, Any]) -> None:
     if rank == 0:
         logger.info("attempt %d on %d ranks: %s", attempt, world,
                     f"resumed from step {restored}" if restored else "starting fresh")
-    step = restored or 0
-    stop = spec["stop_at"] or spec["steps"]
-    batches = setup.batches(step)
-    preempted = False
-    while step < stop:
-        t0 = time.time()
-        x, y, names = next(batches)
-        tf = time.time()
-        fetch = setup.fetch_seconds(tf - t0)
-        # This thread's CPU time over the computation: the useful work. The rest of the
-        # step's wall time is the all-reduce wait and the CPU going to other processes.
-        cpu0 = time.thread_time()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        optim.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        average_gradients(model, world)
-        optim.step()
-        sched.step()
-        step += 1
-        state.step = step
-        tc = time.time()
-        cpu = time.thread_time() - cpu0
-        injector.after_compute(step)
-        saved = None
-        if setup.should_save(step) or step == spec["steps"]:  # should_save: every step
-            setup.save(step, state)
-            saved = [tc, time.time()]
-        events.write("step", step=step, t0=t0, tf=tf, tc=tc, t1=time.time(), fetch=fetch,
-                     cpu=cpu, save=saved, samples=list(names),
-                     loss=round(float(loss.item()), 5))
-        if setup.reached_preemption(step):  # the save of this step is committed
-            events.write("preempted", step=step)
-            preempted = True
-            break
+    step, preempted = _train_steps(spec, setup, state, injector, events, world,
+                                   start=restored or 0)
     w0 = time.time()
     setup.close()
     if preempted:  # the job is requeued and resumes; it has not ended

@@ -238,53 +238,12 @@ def analyse(job: JobRecord) -> RunStats:
         nxt = next_attempt(trained, i)
         keep_to = (nxt.restored or 0) if nxt is not None else math.inf
         kept = [e for e in steps if e["step"] <= keep_to]
-        for j, e in enumerate(kept):
-            wall = e["tc"] - e["tf"]
-            cpu = min(wall, float(e.get("cpu", wall)))
-            stats.compute += cpu
-            stats.stalled += wall - cpu
-            if e["save"]:
-                stats.blocking += _stall([r[e["step"]]["save"] for r in by_rank.values()
-                                          if e["step"] in r])
-            if j > 0:  # the first batch of an attempt is part of its (re)start
-                stats.input_wait += e["fetch"]
-        stats.kept_steps += len(kept)
-        for e in kept:
-            stats.samples[e["step"]] = [x for r in by_rank.values()
-                                        for x in r.get(e["step"], {}).get("samples", [])]
+        _count_kept(stats, kept, by_rank)
         if nxt is None:
-            ends = [e for evs in att.ranks.values() for e in evs if e["ev"] == "end"]
-            if att.of("end"):
-                stats.final_wait += _stall([e["final_wait"] for e in ends])
-                stats.wall += att.of("end")[0]["t"] - launch
-                stats.digest = att.of("end")[0]["digest"]
+            _count_end(stats, att, launch)
             continue
-        kill = att.kill
-        t_kill = kill["t"] if kill is not None else steps[-1]["t1"]
-        boundary = kept[-1]["t1"] if kept else first_tf
-        if att.preempted:
-            # Told, not killed: every step recorded was trained to its end (a job that
-            # handles the signal trains on to the step it saves).
-            done = [e["step"] for e in steps]
-            t_stop = max(t_kill, steps[-1]["t1"])
-        else:
-            # The last step computed before the kill (a kill inside a save comes after its
-            # step was computed, before that step's event was written).
-            done = [e["step"] for e in steps if e["t1"] <= t_kill]
-            if kill is not None:
-                done.append(int(kill["step"]))
-            t_stop = t_kill
-        stats.lost += t_stop - boundary
-        last = max(done) if done else (att.restored or 0)
-        outcome = CrashOutcome(
-            crash=kill["crash"] if kill is not None else {"index": -1, "kind": "unplanned"},
-            t_kill=t_kill, last_step=last, resumed_from=nxt.restored,
-            steps_lost=last - (nxt.restored or 0), lost_s=t_stop - boundary,
-            restart_s=0.0, restart_parts={},
-            evidence=kill["evidence"] if kill is not None else {},
-        )
-        if att.preempted and kill is not None:
-            _preemption_times(outcome, att, job, t_kill)
+        outcome, t_stop = _crash_outcome(job, att, nxt, kept)
+        stats.lost += outcome.lost_s
         stats.crashes.append(outcome)
         prev_end = t_stop
     stats.committed = len(committed)
@@ -294,6 +253,67 @@ def analyse(job: JobRecord) -> RunStats:
     if changed is not None:
         stats.world_change = (changed.world, changed.restored)
     return stats
+
+
+def _count_kept(stats: RunStats, kept: list[dict[str, Any]],
+                by_rank: Mapping[int, Mapping[int, dict[str, Any]]]) -> None:
+    """Add an attempt's kept steps (those the next attempt did not redo) to ``stats``."""
+    for j, e in enumerate(kept):
+        wall = e["tc"] - e["tf"]
+        cpu = min(wall, float(e.get("cpu", wall)))
+        stats.compute += cpu
+        stats.stalled += wall - cpu
+        if e["save"]:
+            stats.blocking += _stall([r[e["step"]]["save"] for r in by_rank.values()
+                                      if e["step"] in r])
+        if j > 0:  # the first batch of an attempt is part of its (re)start
+            stats.input_wait += e["fetch"]
+    stats.kept_steps += len(kept)
+    for e in kept:
+        stats.samples[e["step"]] = [x for r in by_rank.values()
+                                    for x in r.get(e["step"], {}).get("samples", [])]
+
+
+def _count_end(stats: RunStats, att: Attempt, launch: float) -> None:
+    """Add the end of the job (its last attempt) to ``stats``: final wait, wall, digest."""
+    ends = [e for evs in att.ranks.values() for e in evs if e["ev"] == "end"]
+    if att.of("end"):
+        stats.final_wait += _stall([e["final_wait"] for e in ends])
+        stats.wall += att.of("end")[0]["t"] - launch
+        stats.digest = att.of("end")[0]["digest"]
+
+
+def _crash_outcome(job: JobRecord, att: Attempt, nxt: Attempt,
+                   kept: list[dict[str, Any]]) -> tuple[CrashOutcome, float]:
+    """How attempt ``att`` ended (a kill or a preemption) and what it lost, and when it
+    stopped; ``nxt`` is the attempt that resumed after it."""
+    steps = att.steps
+    kill = att.kill
+    t_kill = kill["t"] if kill is not None else steps[-1]["t1"]
+    boundary = kept[-1]["t1"] if kept else steps[0]["tf"]
+    if att.preempted:
+        # Told, not killed: every step recorded was trained to its end (a job that
+        # handles the signal trains on to the step it saves).
+        done = [e["step"] for e in steps]
+        t_stop = max(t_kill, steps[-1]["t1"])
+    else:
+        # The last step computed before the kill (a kill inside a save comes after its
+        # step was computed, before that step's event was written).
+        done = [e["step"] for e in steps if e["t1"] <= t_kill]
+        if kill is not None:
+            done.append(int(kill["step"]))
+        t_stop = t_kill
+    last = max(done) if done else (att.restored or 0)
+    outcome = CrashOutcome(
+        crash=kill["crash"] if kill is not None else {"index": -1, "kind": "unplanned"},
+        t_kill=t_kill, last_step=last, resumed_from=nxt.restored,
+        steps_lost=last - (nxt.restored or 0), lost_s=t_stop - boundary,
+        restart_s=0.0, restart_parts={},
+        evidence=kill["evidence"] if kill is not None else {},
+    )
+    if att.preempted and kill is not None:
+        _preemption_times(outcome, att, job, t_kill)
+    return outcome, t_stop
 
 
 def _stall(spans: list[list[float]]) -> float:
@@ -421,14 +441,31 @@ def _epoch_check(samples: Mapping[int, list[str]], cfg: DemoConfig) -> tuple[boo
 def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
                planned: list[Crash]) -> list[Check]:
     """The demo's checks (PASS means all of them)."""
-    checks = []
+    checks = [_crashes_check(crashed, planned)]
+    checks += _result_checks(cfg, crashed, ref)
+    checks.append(_complete_check(crashed))
+    checks.append(_lost_check(cfg, crashed))
+    if any(c.kind == "preempt" for c in planned):
+        checks.append(_preempt_check(crashed))
+    checks += _time_checks(crashed, ref)
+    return checks
+
+
+def _crashes_check(crashed: RunStats, planned: list[Crash]) -> Check:
+    """Every planned fault fired, and torchrun (or the requeue) brought the job back."""
     fired = sorted(int(c.crash.get("index", -1)) for c in crashed.crashes)
     requeue = ", the scheduler requeued it after a preemption" \
         if any(c.kind == "preempt" for c in planned) else ""
-    checks.append(Check(
+    return Check(
         "crashes", f"every planned crash happened, torchrun restarted the job each time{requeue}",
         fired == [c.index for c in planned],
-        f"{len(fired)} of {len(planned)} crashes, {len(crashed.worlds)} attempts"))
+        f"{len(fired)} of {len(planned)} crashes, {len(crashed.worlds)} attempts")
+
+
+def _result_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats) -> list[Check]:
+    """The crashed job ended where the reference did: weights, samples, epochs (and the
+    world it shrank to)."""
+    checks = []
     if cfg.shrink:
         change = crashed.world_change
         what = (f"weights bit-identical to a reference that went from {cfg.nproc} to "
@@ -450,6 +487,11 @@ def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
                         + (f"; differs at steps {mism[:5]}" if mism else "")))
     ok, detail = _epoch_check(crashed.samples, cfg)
     checks.append(Check("epochs", "each sample of an epoch exactly once", ok, detail))
+    return checks
+
+
+def _complete_check(crashed: RunStats) -> Check:
+    """Each restore took the newest complete checkpoint, never one a crash left partial."""
     # A restore must load a step that was saved and is not older than the newest commit
     # seen (a commit's log line can be lost in a kill, so a newer one is fine: the
     # bit-identical weights show what it held). The save a crash hit must be skipped.
@@ -473,48 +515,60 @@ def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
         where = "in the commit window (all shards, no .metadata)" if kind == "commit" \
             else "mid-upload"
         detail += f"; step {step}, killed {where}, {'skipped' if ok_skip else 'TAKEN'}"
-    checks.append(Check("complete", "no checkpoint taken for complete that was not",
-                        not bad_restores and all(ok for *_, ok in skipped), detail))
+    return Check("complete", "no checkpoint taken for complete that was not",
+                 not bad_restores and all(ok for *_, ok in skipped), detail)
+
+
+def _lost_check(cfg: DemoConfig, crashed: RunStats) -> Check:
+    """No crash cost more than one save interval plus the save in flight."""
     over = []
     for c in crashed.crashes:
         s_last = (c.last_step // cfg.save_every) * cfg.save_every
         allowed = cfg.save_every + (c.last_step - s_last)
         if c.steps_lost > allowed:
             over.append((c.steps_lost, allowed))
-    checks.append(Check(
+    return Check(
         "lost", "work lost per crash <= one save interval + the save in flight", not over,
         "steps lost: " + lost_by_kind(crashed.crashes)
-        + f" (interval {cfg.save_every})" + (f"; over: {over}" if over else "")))
+        + f" (interval {cfg.save_every})" + (f"; over: {over}" if over else ""))
+
+
+def _preempt_check(crashed: RunStats) -> Check:
+    """A preemption lost nothing: the ranks saved the step they stopped at, then exited."""
     preempts = [c for c in crashed.crashes if c.crash.get("kind") == "preempt"]
-    if any(c.kind == "preempt" for c in planned):
-        ok = bool(preempts) and all(
-            c.steps_lost == 0 and c.signal_to_commit_s is not None
-            and c.stopped_cleanly == c.world for c in preempts)
-        details = [
-            f"step {c.last_step}: {c.steps_lost} lost, SIGTERM -> commit "
-            f"{_seconds(c.signal_to_commit_s)}, -> exit {_seconds(c.signal_to_exit_s)}, "
-            f"{c.stopped_cleanly} of {c.world} ranks stopped through reached_preemption"
-            for c in preempts]
-        checks.append(Check("preempt", "preemption lost 0 steps: the ranks saved the step "
-                            "they stopped at and exited", ok,
-                            "; ".join(details) or "the preemption did not happen"))
+    ok = bool(preempts) and all(
+        c.steps_lost == 0 and c.signal_to_commit_s is not None
+        and c.stopped_cleanly == c.world for c in preempts)
+    details = [
+        f"step {c.last_step}: {c.steps_lost} lost, SIGTERM -> commit "
+        f"{_seconds(c.signal_to_commit_s)}, -> exit {_seconds(c.signal_to_exit_s)}, "
+        f"{c.stopped_cleanly} of {c.world} ranks stopped through reached_preemption"
+        for c in preempts]
+    return Check("preempt", "preemption lost 0 steps: the ranks saved the step "
+                 "they stopped at and exited", ok,
+                 "; ".join(details) or "the preemption did not happen")
+
+
+def _time_checks(crashed: RunStats, ref: RunStats) -> list[Check]:
+    """Checkpoint blocking, input wait and goodput against their targets."""
     # Time shares against the computation's wall time: CPU contention from whatever else
     # runs on the machine slows saves and steps alike, and cancels out.
     cw = crashed.compute_wall
     blk = crashed.blocking / cw if cw else 1.0
-    checks.append(Check("blocking", "checkpoint blocking <= 2% of compute time", blk <= 0.02,
-                        f"{blk:.2%}"))
     inp = crashed.input_wait / cw if cw else 1.0
-    checks.append(Check("input", "input wait <= 5% of compute time", inp <= 0.05,
-                        f"{inp:.2%}"))
     g, g0 = crashed.wall_share_ex_restart, ref.wall_share_ex_restart
     cpu, cpu0 = crashed.goodput_ex_restart, ref.goodput_ex_restart
-    checks.append(Check(
-        "goodput", "goodput (restart set apart) >= 95% of the crash-free run's",
-        g0 > 0 and g >= 0.95 * g0,
-        f"{g:.1%} vs {g0:.1%} ({g / g0:.1%} of it) with compute on the wall clock, which "
-        f"cancels CPU contention; on CPU time {cpu:.1%} vs {cpu0:.1%}" if g0 else "no reference"))
-    return checks
+    return [
+        Check("blocking", "checkpoint blocking <= 2% of compute time", blk <= 0.02,
+              f"{blk:.2%}"),
+        Check("input", "input wait <= 5% of compute time", inp <= 0.05, f"{inp:.2%}"),
+        Check(
+            "goodput", "goodput (restart set apart) >= 95% of the crash-free run's",
+            g0 > 0 and g >= 0.95 * g0,
+            f"{g:.1%} vs {g0:.1%} ({g / g0:.1%} of it) with compute on the wall clock, which "
+            f"cancels CPU contention; on CPU time {cpu:.1%} vs {cpu0:.1%}" if g0
+            else "no reference"),
+    ]
 
 
 # -- the report ----------------------------------------------------------------------------
