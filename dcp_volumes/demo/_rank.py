@@ -229,6 +229,17 @@ def train(spec: Mapping[str, Any]) -> None:
     local = os.path.join(spec["local_dir"], f"node-{node}")
 
     marks = {"t_group": t_group}
+    # The inputs and checkpoints first: the library's DataLoader starts its workers' fork
+    # server as it is built, and the server's imports run while the model is built and
+    # the checkpoint restored (the same order for both setups).
+    setup: Setup
+    if spec["setup"] == "naive":
+        from dcp_volumes.demo._naive import NaiveSetup
+
+        setup = NaiveSetup(spec, options, injector, local)
+    else:
+        SavePhases.install(injector)
+        setup = LibrarySetup(spec, options, injector, local, marks)
     torch.manual_seed(spec["seed"])  # the same initial weights everywhere
     model = build_model(spec["hidden"])
     optim = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.01)
@@ -237,15 +248,6 @@ def train(spec: Mapping[str, Any]) -> None:
     torch.manual_seed(spec["seed"] * 1000 + 1 + rank)  # dropout: a stream per rank
     state = TrainState(model, optim, sched)
     marks["t_model"] = time.time()
-
-    setup: Setup
-    if spec["setup"] == "naive":
-        from dcp_volumes.demo._naive import NaiveSetup
-
-        setup = NaiveSetup(spec, options, injector, model, local)
-    else:
-        SavePhases.install(injector)
-        setup = LibrarySetup(spec, options, injector, local, marks)
     t0 = time.time()
     restored = setup.restore(state)
     events.write("restored", step=restored, t0=t0, t1=time.time(), marks=marks)
