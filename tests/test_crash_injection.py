@@ -272,7 +272,9 @@ def test_sigkill_at_random_instants_local(
 @pytest.mark.emulator
 @pytest.mark.parametrize(
     ("trials", "seed"),
-    [pytest.param(25, 2, id="quick"), pytest.param(150, 4, marks=pytest.mark.slow, id="many")],
+    # 100 kills in all on S3, each checked against the store; the local volume's 225 search
+    # the orders of a save more widely (the commit protocol is the same).
+    [pytest.param(25, 2, id="quick"), pytest.param(75, 4, marks=pytest.mark.slow, id="many")],
 )
 def test_sigkill_at_random_instants_s3(
     bucket: tuple[str, dict[str, Any]], capsys: pytest.CaptureFixture[str], trials: int,

@@ -393,10 +393,13 @@ def test_workers_survive_a_sigterm_to_the_training_process_group(
 
 
 @pytest.mark.timeout(180)
-def test_forkserver_workers_share_one_shared_memory_manager(
+def test_the_fork_server_starts_with_the_loader_and_its_workers_share_one_manager(
     moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: Path
 ) -> None:
-    """Each worker starting its own torch_shm_manager cost ~0.3 s of every loader start."""
+    """The fork server's imports are most of a new process's time to its first batch; it
+    starts as the loader is built, so they run beside what comes before the first
+    ``iter()`` (a restore). Each worker starting its own torch_shm_manager cost ~0.3 s
+    of every loader start."""
     url, direct = s3_bucket
     write_samples(url + "/data", direct, 12)
     # A fresh interpreter: the forkserver (and what it preloads) is once per process.
@@ -408,6 +411,10 @@ def test_forkserver_workers_share_one_shared_memory_manager(
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found["start_method"] == "forkserver"
+    # Running before the first iter(), and the one the workers came from.
+    assert len(found["servers_when_built"]) == 1, found
+    assert found["servers"] == found["servers_when_built"], found
+    assert found["workers_of_server"] == 3, found
     assert found["managers"] == 1, found  # the server's, not one per worker (3)
 
 

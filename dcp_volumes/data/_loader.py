@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.context
+import multiprocessing.forkserver
 import os
 import pickle
 import time
@@ -114,6 +115,34 @@ def _forkserver() -> multiprocessing.context.BaseContext:
     return ctx
 
 
+def _worker_defaults(
+    workers: int,
+    prefetch_factor: int | None,
+    persistent_workers: bool | None,
+    pin_memory: bool | None,
+) -> tuple[int | None, bool, bool]:
+    """(prefetch_factor, persistent_workers, pin_memory) with the tuned defaults filled in."""
+    if workers > 0:
+        prefetch_factor = 4 if prefetch_factor is None else prefetch_factor
+        persistent_workers = True if persistent_workers is None else persistent_workers
+    if pin_memory is None:
+        pin_memory = torch.cuda.is_available()
+    return prefetch_factor, bool(persistent_workers), pin_memory
+
+
+def _our_forkserver_if_chosen(kwargs: dict[str, Any]) -> bool:
+    """Whether the user chose the workers' start method; a chosen "forkserver" becomes
+    ours: the one fork server of the process, whose preload leaves the training
+    process's group as the loader's own choice of it does."""
+    chosen = kwargs.get("multiprocessing_context")
+    if chosen == "forkserver" or (
+        isinstance(chosen, multiprocessing.context.BaseContext)
+        and chosen.get_start_method() == "forkserver"
+    ):
+        kwargs["multiprocessing_context"] = _forkserver()
+    return chosen is not None
+
+
 class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     """A ``torch.utils.data.DataLoader`` with tuned defaults, a global state and metrics.
 
@@ -141,12 +170,14 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             arguments always win over the tuned defaults.
 
     Workers start with torch's default method (fork on Linux before Python
-    3.14), except where that is unsafe: once this process has done I/O through
-    obstore (S3 and Azure volumes: a checkpoint save, a listing), a forked child
-    could not use it, so workers of a dataset on such a volume then start with
+    3.14), except where that is unsafe: once a process has done I/O through
+    obstore (S3 and Azure volumes: a checkpoint save, a listing), a child it
+    forks could not use it, so workers of a dataset on such a volume start with
     "forkserver" (the dataset is pickled to them; the stream and state are the
-    same). A transform that cannot be pickled keeps fork, and its workers fetch
-    through fsspec (slower; logged). Pass ``multiprocessing_context`` to choose.
+    same). Its server starts as the loader is built, so its imports run beside
+    a restore rather than before the first batch. A transform that cannot be
+    pickled keeps fork, and its workers fetch through fsspec once this process
+    used obstore (slower; logged). Pass ``multiprocessing_context`` to choose.
     A forked worker also inherits the parent's locks as they were at the fork:
     if another thread was inside OpenSSL then, the worker blocks at its first
     TLS call; "forkserver" avoids that too. Epochs:
@@ -174,60 +205,23 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         sharing_strategy: str | None = None,
         **kwargs: Any,
     ) -> None:
-        world = World.current()
-        det_rank, det_world, local_world = world.rank, world.size, world.local_size
-        if isinstance(dataset, VolumeDataset):
-            det_rank, det_world = dataset.rank, dataset.world_size
-        self._rank = det_rank if rank is None else rank
-        self._world = det_world if world_size is None else world_size
-        if self._world < 1 or not 0 <= self._rank < self._world:
-            raise ConfigurationError(f"rank={self._rank} / world_size={self._world} is invalid.")
+        local_world = self._place(dataset, rank, world_size)
         per_rank = self._resolve_batch(batch_size, global_batch_size)
         self._volume = isinstance(dataset, VolumeDataset)
-        if self._volume:
-            if kwargs.get("in_order") is False:
-                raise ConfigurationError(
-                    "in_order=False would deliver batches out of the global order that resumes "
-                    "and multi-rank runs rely on; leave it True with a VolumeDataset."
-                )
-            ds: VolumeDataset = dataset  # type: ignore[assignment]
-            self._drop = (ds.options.last_batch == "drop") if drop_last is None else drop_last
-            collate: Callable[[list[Any]], Any] = _CollateWithStats(
-                collate_fn or default_collate, ds.dataset_id
-            )
-            torch_drop_last = False  # batches are always full: the plan pads or drops
-        else:
-            self._drop = bool(drop_last)
-            collate = collate_fn or default_collate
-            torch_drop_last = self._drop
+        collate, torch_drop_last = self._collation(dataset, collate_fn, drop_last, kwargs)
         workers = default_num_workers(local_world) if num_workers is None else num_workers
-        if workers > 0:
-            prefetch_factor = 4 if prefetch_factor is None else prefetch_factor
-            persistent_workers = True if persistent_workers is None else persistent_workers
-        else:
-            persistent_workers = bool(persistent_workers)
-        if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
+        prefetch_factor, persistent_workers, pin_memory = _worker_defaults(
+            workers, prefetch_factor, persistent_workers, pin_memory
+        )
         self.sharing_strategy = _batch_sharing.resolve(sharing_strategy) if workers else None
-        if workers:
-            kwargs["worker_init_fn"] = ExitWithTrainingProcess(kwargs.get("worker_init_fn"))
-        if self.sharing_strategy is not None:
-            kwargs["worker_init_fn"] = _batch_sharing.WorkerInit(
-                self.sharing_strategy, kwargs.get("worker_init_fn")
-            )
-        chosen = kwargs.get("multiprocessing_context")
-        self._context_chosen_by_user = chosen is not None
-        if chosen == "forkserver" or (
-            isinstance(chosen, multiprocessing.context.BaseContext)
-            and chosen.get_start_method() == "forkserver"
-        ):
-            # The one forkserver of the process: with our preload, its server leaves the
-            # training process's group as the loader's own choice of it does.
-            kwargs["multiprocessing_context"] = _forkserver()
+        self._wrap_worker_init(kwargs, workers)
+        self._context_chosen_by_user = _our_forkserver_if_chosen(kwargs)
         self._token = 0
         self._step = 0
         # Persistent workers started by an earlier iteration (and still serving).
         self._workers_running = False
+        # The fork server was started when the loader was built (see _start_fork_server_now).
+        self._fork_server_ahead = False
         self.metrics = LoaderMetrics(rank=self._rank, window_s=metrics_window_s, mlflow=mlflow)
         super().__init__(
             dataset,
@@ -240,6 +234,11 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             prefetch_factor=prefetch_factor,
             **kwargs,
         )
+        self._log_settings()
+        self._start_fork_server_now()
+
+    def _log_settings(self) -> None:
+        per_rank = int(self.batch_size or 1)
         logger.info(
             "DataLoader rank %d/%d: batch %d per rank (%d global), %d workers, prefetch_factor "
             "%s, persistent_workers %s, pin_memory %s, batches shared by %s",
@@ -247,12 +246,57 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             self._world,
             per_rank,
             per_rank * self._world,
-            workers,
-            prefetch_factor,
-            persistent_workers,
-            pin_memory,
+            self.num_workers,
+            self.prefetch_factor,
+            self.persistent_workers,
+            self.pin_memory,
             self.sharing_strategy or "torch's default",
         )
+
+    def _place(
+        self, dataset: torch.utils.data.Dataset[Any], rank: int | None, world_size: int | None
+    ) -> int:
+        """Set this loader's rank and world size (explicit, else the dataset's, else the
+        process group's); returns the local world size."""
+        world = World.current()
+        det_rank, det_world = world.rank, world.size
+        if isinstance(dataset, VolumeDataset):
+            det_rank, det_world = dataset.rank, dataset.world_size
+        self._rank = det_rank if rank is None else rank
+        self._world = det_world if world_size is None else world_size
+        if self._world < 1 or not 0 <= self._rank < self._world:
+            raise ConfigurationError(f"rank={self._rank} / world_size={self._world} is invalid.")
+        return world.local_size
+
+    def _collation(
+        self,
+        dataset: torch.utils.data.Dataset[Any],
+        collate_fn: Callable[[list[Any]], Any] | None,
+        drop_last: bool | None,
+        kwargs: Mapping[str, Any],
+    ) -> tuple[Callable[[list[Any]], Any], bool]:
+        """Set ``_drop``; returns (the collate function torch calls, torch's drop_last)."""
+        if not isinstance(dataset, VolumeDataset):
+            self._drop = bool(drop_last)
+            return collate_fn or default_collate, self._drop
+        if kwargs.get("in_order") is False:
+            raise ConfigurationError(
+                "in_order=False would deliver batches out of the global order that resumes "
+                "and multi-rank runs rely on; leave it True with a VolumeDataset."
+            )
+        self._drop = (dataset.options.last_batch == "drop") if drop_last is None else drop_last
+        collate = _CollateWithStats(collate_fn or default_collate, dataset.dataset_id)
+        return collate, False  # batches are always full: the plan pads or drops
+
+    def _wrap_worker_init(self, kwargs: dict[str, Any], workers: int) -> None:
+        """The workers' init: leave the training process's group and watch it, set the
+        sharing strategy, then the user's ``worker_init_fn``."""
+        if workers:
+            kwargs["worker_init_fn"] = ExitWithTrainingProcess(kwargs.get("worker_init_fn"))
+        if self.sharing_strategy is not None:
+            kwargs["worker_init_fn"] = _batch_sharing.WorkerInit(
+                self.sharing_strategy, kwargs.get("worker_init_fn")
+            )
 
     def _resolve_batch(self, batch_size: int | None, global_batch_size: int | None) -> int:
         for name, value in (("batch_size", batch_size), ("global_batch_size", global_batch_size)):
@@ -343,17 +387,54 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self._workers_running = bool(self.persistent_workers and self.num_workers)
         return self._deliver(inner, plan, self._token)
 
+    def _start_fork_server_now(self) -> None:
+        """Start the fork server as the loader is built, where its workers will need one.
+
+        The server imports torch and this package before it forks a worker (its
+        preload): most of a new process's time to its first batch. Started here,
+        that runs beside what the training process does between building the
+        loader and iterating it, a checkpoint restore above all. The workers
+        themselves start at the first ``iter()``, from the position a restore set.
+        Without a choice of the user's, that is a dataset on a volume whose client
+        does not survive a fork (S3, Azure): its workers then start from the server
+        from the first epoch on, whether or not this process has used the client yet.
+        """
+        if self.num_workers == 0:
+            return
+        if self._context_chosen_by_user:
+            ctx = self.multiprocessing_context
+            if ctx is None or ctx.get_start_method() != "forkserver":
+                return
+        elif not self._volume or self._dataset().volume.capabilities.survives_fork:
+            return
+        elif self._pickle_error() is not None:
+            return  # forked at iter() (see _choose_start_method), which logs why
+        else:
+            self.multiprocessing_context = _forkserver()
+        with group_signals_held():  # the server leaves the group first thing (its preload)
+            multiprocessing.forkserver.ensure_running()
+        self._fork_server_ahead = True
+
+    def _pickle_error(self) -> Exception | None:
+        """Why the dataset cannot go to forkserver workers (it is pickled), or None."""
+        try:
+            pickle.dumps(self.dataset)
+        except Exception as exc:  # what a transform may raise is open-ended
+            return exc
+        return None
+
     def _choose_start_method(self) -> None:
         """Forkserver instead of fork where a forked worker could not use the volume's client."""
         if self.num_workers == 0 or not self._volume or self._context_chosen_by_user:
             return
+        if self._fork_server_ahead:
+            return  # started with the loader: the workers start from it
         volume = self._dataset().volume
         if volume.forks_cleanly():
             self.multiprocessing_context = None  # torch's default (fork): fastest to start
             return
-        try:
-            pickle.dumps(self.dataset)
-        except Exception as exc:  # what a transform may raise is open-ended
+        exc = self._pickle_error()
+        if exc is not None:
             logger.warning(
                 "DataLoader workers are forked although this process already used obstore, "
                 "because the dataset cannot be pickled for forkserver (%s: %s); they fetch "

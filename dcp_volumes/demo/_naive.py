@@ -89,7 +89,7 @@ class NaiveSetup:
     """Reads through ``NaiveDataset``; saves with ``torch.save`` + upload on rank 0."""
 
     def __init__(self, spec: Mapping[str, Any], options: Mapping[str, Any],
-                 injector: CrashInjector, model: torch.nn.Module, local: str) -> None:
+                 injector: CrashInjector, local: str) -> None:
         self.spec, self.options, self.injector = spec, dict(options), injector
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         data_fs, data_root = _fs(spec["data_url"], options)

@@ -289,18 +289,20 @@ def train(spec: Mapping[str, Any]) -> None:
     local = os.path.join(spec["local_dir"], f"node-{node}")
 
     marks = {"t_group": t_group}
-    state = _fresh_state(spec, rank)
-    model = state.model
-    marks["t_model"] = time.time()
-
+    # The inputs and checkpoints first: the library's DataLoader starts its workers' fork
+    # server as it is built, and the server's imports run while the model is built and
+    # the checkpoint restored (the same order for both setups).
     setup: Setup
     if spec["setup"] == "naive":
         from dcp_volumes.demo._naive import NaiveSetup
 
-        setup = NaiveSetup(spec, options, injector, model, local)
+        setup = NaiveSetup(spec, options, injector, local)
     else:
         SavePhases.install(injector)
         setup = LibrarySetup(spec, options, injector, local, marks)
+    state = _fresh_state(spec, rank)
+    model = state.model
+    marks["t_model"] = time.time()
     t0 = time.time()
     restored = setup.restore(state)
     events.write("restored", step=restored, t0=t0, t1=time.time(), marks=marks)
