@@ -29,6 +29,7 @@ from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from dcp_volumes.checkpoint._peers import sources_of, targets_of
 from tests.dist import free_port, run_ranks
 from tests.proxy import LatencyProxy
+from tests.test_cli import run_cli
 from tests.test_disk_full import small_disk  # noqa: F401 - a fixture
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,6 +247,28 @@ def test_a_peer_killed_during_replication_leaves_the_commit_and_the_restore_fall
     by_dir = {Path(r["local_dir"]).name: r["sources"] for r in reports}
     assert by_dir["node-b"]["volume"] > 0  # no whole replica of it anywhere: the volume
     assert by_dir["node-a"]["volume"] == 0
+
+
+def test_cli_ls_and_inspect_show_what_a_node_holds_locally_and_replicated(
+        saved: tuple[str, dict[str, Any], Path]) -> None:
+    root, options, base = saved
+    node_a = base / "node-a"
+    result = run_cli("ls", root, "--local-dir", str(node_a), "--json", options=options)
+    assert result.returncode == 0, result.stderr
+    held = {c["step"]: c["held"] for c in json.loads(result.stdout)["checkpoints"]}
+    assert held[1] == {}  # step 1's copies were dropped when step 2 committed
+    own = {p.name for p in node_a.joinpath("step-00000002").rglob("*.distcp")}
+    assert held[2]["own"]["files"] == len(own)
+    (replica,) = [k for k in held[2] if k != "own"]
+    other = next(n for n in node_a.joinpath("replicas").iterdir())
+    assert replica == other.name and held[2][replica]["files"] > 0
+
+    table = run_cli("ls", root, "--local-dir", str(node_a), options=options)
+    assert table.returncode == 0 and "LOCAL" in table.stdout and f"{replica} (" in table.stdout
+    shown = run_cli("inspect", f"{root}/2", "--local-dir", str(node_a), options=options)
+    assert shown.returncode == 0 and f"replicas kept: {replica} (" in shown.stdout
+    missing = run_cli("ls", root, "--local-dir", str(base / "nowhere"), options=options)
+    assert missing.returncode != 0 and "Fix:" in missing.stderr
 
 
 def test_local_replicas_needs_a_local_tier(tmp_path: Path) -> None:
