@@ -13,8 +13,8 @@ Two nodes of two ranks (ranks 0, 1 on node 0; 2, 3 on node 1): 0 -> 2, 1 -> 3,
 2 -> 0, 3 -> 1. One node: no replicas.
 
 The bytes travel over a private gloo group (created by every rank with the
-manager), in chunks of ``_CHUNK`` bytes, one chunk per peer in flight: memory
-stays bounded whatever the checkpoint's size. Every operation on the group has
+manager), in chunks of ``_CHUNK`` bytes, ``_WINDOW`` chunks per peer in flight:
+memory stays bounded whatever the checkpoint's size. Every operation on the group has
 ``TIMEOUT_S``: a dead or hung peer fails the transfer, never the job.
 
 Call order (each call on every rank, on the peer group)::
@@ -62,8 +62,10 @@ __all__ = ["TIMEOUT_S", "PeerTier", "sources_of", "targets_of"]
 
 #: Seconds any one operation on the peer group may take before the transfer is given up.
 TIMEOUT_S = 60.0
-# Bytes of one message: the memory a transfer holds per peer and direction.
-_CHUNK = 4 * 2**20
+# Bytes of one message, and messages in flight per peer and direction: the memory a
+# transfer holds per peer and direction is their product.
+_CHUNK = 8 * 2**20
+_WINDOW = 2
 
 
 # -- pairing --------------------------------------------------------------------------------
@@ -128,11 +130,13 @@ class _Receive:
         return f"{self.dest}.part"
 
 
-def _streams(items: Sequence[Any]) -> dict[int, deque[Any]]:
-    """Items by peer, in order; empty files are not sent (the receiver makes them)."""
-    streams: dict[int, deque[Any]] = {}
+def _chunks(items: Sequence[_Send] | Sequence[_Receive]) -> dict[int, deque[tuple[Any, int]]]:
+    """The messages of each peer's stream, in order: (file, bytes) per chunk (none for an
+    empty file: its receiver makes it)."""
+    streams: dict[int, deque[tuple[Any, int]]] = {}
     for item in items:
-        streams.setdefault(item.peer, deque()).append(item)
+        for start in range(0, item.size, _CHUNK):
+            streams.setdefault(item.peer, deque()).append((item, min(_CHUNK, item.size - start)))
     return streams
 
 
@@ -222,53 +226,62 @@ def transfer(
 
     Both sides list the same files of each pair in the same order with the same
     sizes, so every message is matched by its position: in round ``n`` each
-    stream (one per peer and direction) moves its ``n``-th chunk. A file that
+    stream (one per peer and direction) moves its ``n``-th chunk, and up to
+    ``_WINDOW`` rounds are in flight (a chunk is read or written while the
+    next one travels): ``_WINDOW * _CHUNK`` bytes a stream at most. A file that
     cannot be written or fails its checksum is dropped (its bytes still drain,
     the stream stays in step); a peer that fails raises ``PeerTransferError``.
     """
-    outgoing = _streams([s for s in sends if s.size > 0])
-    incoming = _streams(receives)
-    send_bufs = {peer: bytearray(_CHUNK) for peer in outgoing}
-    recv_bufs = {peer: torch.empty(_CHUNK, dtype=torch.uint8) for peer in incoming}
+    outgoing = _chunks(sends)
+    incoming = _chunks(receives)
+    send_bufs = {peer: [bytearray(_CHUNK) for _ in range(_WINDOW)] for peer in outgoing}
+    recv_bufs = {peer: [torch.empty(_CHUNK, dtype=torch.uint8) for _ in range(_WINDOW)]
+                 for peer in incoming}
     wait = timedelta(seconds=timeout_s)
+    rounds: deque[tuple[list[Any], list[tuple[_Receive, torch.Tensor]]]] = deque()
+
+    def finish_round() -> None:
+        works, arriving = rounds.popleft()
+        for work in works:
+            if work is not None:
+                work.wait(wait)
+        for item, chunk in arriving:
+            _take_chunk(item, chunk)
+            if item.got >= item.size:
+                _end(item, done)
+
     try:
+        for item in receives:
+            if item.size == 0:
+                _end(item, done)
+        r = 0
         while outgoing or incoming:
+            if len(rounds) >= _WINDOW:  # its buffers are the ones this round reuses
+                finish_round()
             works = []
             arriving: list[tuple[_Receive, torch.Tensor]] = []
             for peer, queue in list(outgoing.items()):
-                send = queue[0]
-                n = _next_chunk(send, send_bufs[peer])
-                tensor = torch.frombuffer(send_bufs[peer], dtype=torch.uint8)[:n]
-                works.append(dist.isend(tensor, dst=peer, group=group))
-                if send.sent >= send.size:
-                    if send.file is not None:
-                        send.file.close()
-                    queue.popleft()
-                    if not queue:
-                        del outgoing[peer]
+                send, _ = queue.popleft()
+                buf = send_bufs[peer][r % _WINDOW]
+                n = _next_chunk(send, buf)
+                works.append(dist.isend(torch.frombuffer(buf, dtype=torch.uint8)[:n],
+                                        dst=peer, group=group))
+                if send.sent >= send.size and send.file is not None:
+                    send.file.close()
+                    send.file = None
+                if not queue:
+                    del outgoing[peer]
             for peer, rqueue in list(incoming.items()):
-                while rqueue and rqueue[0].size == 0:
-                    _end(rqueue.popleft(), done)
-                if not rqueue:
-                    del incoming[peer]
-                    continue
-                item = rqueue[0]
-                chunk = recv_bufs[peer][: min(_CHUNK, item.size - item.got)]
+                item, n = rqueue.popleft()
+                chunk = recv_bufs[peer][r % _WINDOW][:n]
                 works.append(dist.irecv(chunk, src=peer, group=group))
                 arriving.append((item, chunk))
-            for work in works:
-                if work is not None:
-                    work.wait(wait)
-            for item, chunk in arriving:
-                _take_chunk(item, chunk)
-                if item.got >= item.size:
-                    _end(item, done)
-                    queue = incoming[item.peer]
-                    queue.popleft()
-                    while queue and queue[0].size == 0:
-                        _end(queue.popleft(), done)
-                    if not queue:
-                        del incoming[item.peer]
+                if not rqueue:
+                    del incoming[peer]
+            rounds.append((works, arriving))
+            r += 1
+        while rounds:
+            finish_round()
     except Exception as exc:
         raise PeerTransferError(summary(exc)) from exc
     finally:
