@@ -27,7 +27,8 @@ Call order (each call on every rank, on the peer group)::
                       ``<local_dir>/replicas/node-<source node>/<name>`` (newest only)
     exchange(...)     in ``VolumeReader.read_data`` (``dcp.load``): all_gather of
                       what each node holds and what each rank needs; the holders
-                      send the files a rank lacks; the rest come from the volume
+                      send the files a rank lacks (checked against the manifest on
+                      arrival, as replicas are); the rest come from the volume
 
 Only a committed checkpoint is replicated (``replicate`` runs after the commit),
 and a restore uses replicas only of the checkpoint it chose, every file checked
@@ -53,7 +54,7 @@ import torch.distributed as dist
 from dcp_volumes._world import World
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._coordination import summary
-from dcp_volumes.checkpoint._manifest import Checksum, Manifest
+from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, Manifest
 from dcp_volumes.checkpoint._retention import LocalTier
 
 logger = logging.getLogger(__name__)
@@ -117,9 +118,10 @@ class _Send:
 class _Receive:
     peer: int
     rel: str
-    dest: str
+    dest: str | None  # None: kept in ``memory`` (a restore reads it from there)
     size: int
-    checksum: str | None  # checked on arrival when given (else by whoever reads the file)
+    checksum: str | None  # the manifest's: checked on arrival (None: not checked here)
+    memory: bytearray | None = None
     got: int = 0
     file: io.BufferedWriter | None = None
     hasher: Checksum = field(default_factory=Checksum)
@@ -166,6 +168,13 @@ def _take_chunk(item: _Receive, data: torch.Tensor) -> None:
     if item.failed is not None:
         return
     view = data.numpy().data
+    if item.dest is None:
+        if item.memory is None:
+            item.memory = bytearray(item.size)
+        item.memory[item.got - len(view):item.got] = view
+        if item.checksum is not None:
+            item.hasher.update(view)
+        return
     try:
         if item.file is None:
             os.makedirs(os.path.dirname(item.dest), exist_ok=True)
@@ -179,7 +188,10 @@ def _take_chunk(item: _Receive, data: torch.Tensor) -> None:
 
 def _end(item: _Receive, done: set[str]) -> None:
     """Close a received file: keep it if whole and matching its checksum, else drop it."""
-    if item.failed is None:
+    if item.dest is None:
+        if item.memory is None:
+            item.memory = bytearray(item.size)  # an empty file
+    elif item.failed is None:
         try:
             if item.file is None:  # an empty file
                 os.makedirs(os.path.dirname(item.dest), exist_ok=True)
@@ -193,7 +205,10 @@ def _end(item: _Receive, done: set[str]) -> None:
         if actual != item.checksum:
             item.failed = (f"{item.rel} from rank {item.peer} fails its checksum ({actual}, "
                            f"manifest {item.checksum})")
-    if item.failed is None:
+    if item.failed is None and item.dest is None:
+        done.add(item.rel)
+        return
+    if item.failed is None and item.dest is not None:
         try:
             os.replace(item.part, item.dest)
             done.add(item.rel)
@@ -206,6 +221,9 @@ def _end(item: _Receive, done: set[str]) -> None:
 
 
 def _discard(item: _Receive) -> None:
+    item.memory = None
+    if item.dest is None:
+        return
     if item.file is not None:
         with contextlib.suppress(OSError):
             item.file.close()
@@ -456,16 +474,21 @@ class PeerTier:
 
     # -- restore --------------------------------------------------------------------------
 
-    def exchange(self, name: str, needs: Mapping[str, int], dest: str) -> set[str]:
-        """Every rank, in a load: get the files in ``needs`` (rel -> size) that another node
-        holds into ``dest``; returns those received (to be checked by whoever reads them).
+    def exchange(
+        self, name: str, needs: Mapping[str, FileRecord], dest: str, *, memory_bytes: int = 0
+    ) -> dict[str, bytearray | None]:
+        """Every rank, in a load: get the files in ``needs`` (rel -> its manifest record)
+        that another node holds; returns those received whole, with the manifest's
+        checksum (a file that fails it is dropped with a warning): in memory, the first
+        ``memory_bytes`` of them (in name order), and the rest written into ``dest``
+        (``None``).
 
         A failure returns what arrived whole so far: the rest comes from the volume.
         """
         if self._broken is not None:
             logger.warning("peer tier: not asking peers for %s (the peer group failed earlier: "
                            "%s)", name, self._broken)
-            return set()
+            return {}
         mine_node = self.nodes[self.rank]
         first_of_node = self._by_node[mine_node][0] == self.rank
         dirs = self.held_dirs(name)
@@ -476,12 +499,13 @@ class PeerTier:
                 held.update(_layout.local_files(directory))
         gathered: list[Any] = [None] * len(self.nodes)
         try:
-            dist.all_gather_object(gathered, (held, dict(needs)), group=self.group)
+            wanted = {rel: record.size for rel, record in needs.items()}
+            dist.all_gather_object(gathered, (held, wanted), group=self.group)
         except Exception as exc:
             self._broken = summary(exc)
             logger.warning("peer tier: could not ask peers for the files of %s (%s): they come "
                            "from the volume", name, self._broken)
-            return set()
+            return {}
         holdings = {self.nodes[r]: h for r, (h, _) in enumerate(gathered) if h is not None}
         sends: list[_Send] = []
         receives: list[_Receive] = []
@@ -498,8 +522,10 @@ class PeerTier:
                     sends.append(_Send(rank, _find(dirs, rel, size), size))
                 if rank == self.rank:
                     _layout.inside(rel, f"a peer's listing of {name}")
-                    receives.append(_Receive(holder, rel, os.path.join(dest, *rel.split("/")),
-                                             size, None))
+                    in_memory = size <= memory_bytes
+                    memory_bytes -= size if in_memory else 0
+                    path = None if in_memory else os.path.join(dest, *rel.split("/"))
+                    receives.append(_Receive(holder, rel, path, size, needs[rel].checksum))
         done: set[str] = set()
         try:
             transfer(self.group, sends, receives, done=done, timeout_s=self.timeout_s)
@@ -512,7 +538,7 @@ class PeerTier:
             logger.info("peer tier: %s: received %d files (%.1f MiB) from peers, sent %d",
                         name, len(done), sum(r.size for r in receives if r.rel in done) / 2**20,
                         len(sends))
-        return done
+        return {r.rel: r.memory for r in receives if r.rel in done}
 
     def held_dirs(self, name: str) -> list[str]:
         """This node's directories that may hold files of ``name``: its own copy, then replicas."""

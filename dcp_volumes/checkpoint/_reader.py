@@ -546,19 +546,25 @@ class VolumeReader(AtLocation, StorageReader):
 
     def _fetch_from_peers(self, jobs: Sequence[FileJob]) -> None:
         """Every rank: files no local copy has are asked of the peers (one collective);
-        those that arrive are read from this node's local tier, checked like local copies."""
+        those that arrive (checked against the manifest) are read like local copies."""
         peers, local_dir = self._peers, self.local_copy_path
         self._from_peers = set()
         if peers is None:
             return
-        needs = {job.rel: job.record.size for job in jobs
+        needs = {job.rel: job.record for job in jobs
                  if job.record is not None and not job.from_local and local_dir is not None}
-        received = peers.exchange(self._name(), needs, local_dir or "")
+        # Up to prefetch_bytes arrive in memory and are read from there (no disk write on
+        # the restore's path); the rest is written into the local tier and read back.
+        received = peers.exchange(self._name(), needs, local_dir or "",
+                                  memory_bytes=self.options.prefetch_bytes)
         if local_dir is None:
             return
-        self._from_peers = received
+        self._from_peers = set(received)
         for job in jobs:
-            if job.rel in received and job.record is not None:
+            data = received.get(job.rel)
+            if data is not None:
+                job.read_received(data)
+            elif job.rel in received and job.record is not None:
                 job.read_local_copy(Volume(local_dir), job.record.size)
 
     def _source_of(self, job: FileJob) -> str:
