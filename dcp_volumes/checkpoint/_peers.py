@@ -28,7 +28,9 @@ Call order (each call on every rank, on the peer group)::
     exchange(...)     in ``VolumeReader.read_data`` (``dcp.load``): all_gather of
                       what each node holds and what each rank needs; the holders
                       send the files a rank lacks (checked against the manifest on
-                      arrival, as replicas are); the rest come from the volume
+                      arrival, as replicas are; kept in memory up to the reader's
+                      ``prefetch_bytes``, written into the local tier beyond); the
+                      rest come from the volume
 
 Only a committed checkpoint is replicated (``replicate`` runs after the commit),
 and a restore uses replicas only of the checkpoint it chose, every file checked
