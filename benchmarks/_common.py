@@ -185,12 +185,14 @@ def _proxy_main(
     target_port: int,
     latency_s: float,
     bandwidth_bps: float | None,
+    total_bandwidth_bps: float | None,
     conn: Any,
 ) -> None:
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     proxy = _latency_proxy_class()(
-        target_host, target_port, latency_s=latency_s, bandwidth_bps=bandwidth_bps
+        target_host, target_port, latency_s=latency_s, bandwidth_bps=bandwidth_bps,
+        total_bandwidth_bps=total_bandwidth_bps,
     ).start()
     conn.send(proxy.port)
     try:
@@ -217,8 +219,9 @@ class ProxyProcess:
         *,
         latency_s: float = REMOTE_LATENCY_S,
         bandwidth_bps: float | None = REMOTE_BANDWIDTH_BPS,
+        total_bandwidth_bps: float | None = None,
     ) -> None:
-        self._args = (target_host, target_port, latency_s, bandwidth_bps)
+        self._args = (target_host, target_port, latency_s, bandwidth_bps, total_bandwidth_bps)
         self.latency_s = latency_s
         self.bandwidth_bps = bandwidth_bps
         self.port = 0

@@ -60,6 +60,7 @@ from dcp_volumes.checkpoint._layout import (
 from dcp_volumes.checkpoint._manifest import Manifest
 from dcp_volumes.checkpoint._retention import (
     DEFAULT_PARTIAL_GRACE_S,
+    LocalTier,
     delete_checkpoint,
     retention_victims,
 )
@@ -231,8 +232,42 @@ def _single(vol: Volume) -> tuple[Volume, CheckpointInfo | None]:
 # -- ls -------------------------------------------------------------------------------------
 
 
+def _add_local_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--local-dir", metavar="DIR", default=None,
+                   help="this node's local tier (CheckpointManager's local_dir, or its "
+                        "`local_dir` property): also show which checkpoints it holds on local "
+                        "disk and which other nodes' replicas (local_replicas) it keeps")
+
+
+def _local_tier(args: argparse.Namespace) -> LocalTier | None:
+    if args.local_dir is None:
+        return None
+    directory = os.path.abspath(os.path.expanduser(args.local_dir))
+    if not os.path.isdir(directory):
+        raise ConfigurationError(
+            f"--local-dir {args.local_dir}: no such directory. Fix: pass the local tier's "
+            "directory (CheckpointManager(local_dir=...), or its local_dir property)."
+        )
+    return LocalTier(directory, owner=False)
+
+
+def _held_doc(tier: LocalTier, name: str) -> dict[str, Any]:
+    held = tier.held(name)
+    return {what: {"files": files, "bytes": size} for what, (files, size) in held.items()}
+
+
+def _held_text(held: dict[str, Any]) -> tuple[str, str]:
+    """(LOCAL, REPLICAS) cells: this node's own copy, and the nodes whose replicas it keeps."""
+    own = held.get("own")
+    local = f"{own['files']} files, {format_size(own['bytes'])}" if own else "-"
+    replicas = ", ".join(f"{what} ({d['files']} files)" for what, d in held.items()
+                         if what != "own")
+    return local, replicas or "-"
+
+
 def _configure_ls(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="root URL of a run (s3://bucket/run1, /mnt/ckpt/run1, ...)")
+    _add_local_dir(p)
 
 
 @command("ls", "list the checkpoints under a root: step, complete or partial, size, age",
@@ -243,12 +278,20 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
     # With the checkpoints whose directory name carries no step (STEP "-", JSON null):
     # they load and verify like any other; only the manager's retention skips them.
     infos = scan(vol, unnumbered=True)
-    out.json({"url": vol.display_url, "checkpoints": [_info_doc(i) for i in infos]})
+    tier = _local_tier(args)
+    held = {i.name: _held_doc(tier, i.name) for i in infos} if tier is not None else {}
+    doc: dict[str, Any] = {"url": vol.display_url, "checkpoints": [
+        {**_info_doc(i), **({"held": held[i.name]} if tier is not None else {})} for i in infos
+    ]}
+    if tier is not None:
+        doc["local_dir"] = tier.directory
+    out.json(doc)
     if not infos:
         out.line(f"no checkpoints under {vol.display_url}")
         return EXIT_OK
     now = time.time()
-    rows = [["STEP", "STATUS", "SIZE", "FILES", "AGE", "NAME"]]
+    rows = [["STEP", "STATUS", "SIZE", "FILES", "AGE",
+             *(["LOCAL", "REPLICAS"] if tier is not None else []), "NAME"]]
     for i in infos:
         rows.append([
             _step_text(i),
@@ -256,10 +299,14 @@ def _ls(args: argparse.Namespace, out: Output) -> int:
             format_size(i.size),
             str(i.num_files if i.num_files is not None else "-"),
             human_age(i.created, now),
+            *(_held_text(held[i.name]) if tier is not None else ()),
             i.name + ("" if i.managed else "  (stock DCP)" if i.complete else "")
             + (f"  (rank-local, {i.ranks} ranks)" if i.rank_local else ""),
         ])
     _table(rows, out, right=(0, 2, 3, 4))
+    if tier is not None:
+        out.line(f"LOCAL: this node's copy in {tier.directory}; REPLICAS: other nodes' "
+                 "files it keeps (a restore after their loss reads them from here)")
     return EXIT_OK
 
 
@@ -388,6 +435,7 @@ def _configure_inspect(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=None,
                    help="for a rank-local checkpoint (use_collectives=False): the rank whose "
                         "__<rank>.metadata to show (default 0)")
+    _add_local_dir(p)
 
 
 def _entries(metadata: Any) -> list[dict[str, Any]]:
@@ -439,17 +487,24 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
     transforms = sorted(
         {"+".join(getattr(i, "transform_descriptors", None) or ()) for i in stored} - {""}
     )
+    tier = _local_tier(args)
+    name = cvol.url.rstrip("/").rsplit("/", 1)[-1]
+    held = _held_doc(tier, name) if tier is not None else None
     out.json({"url": cvol.display_url, "step": _step(info),
               "complete": info.complete if info else None,
               "rank_local": rank_local, "rank": rank, "ranks": info.ranks if info else None,
               "tensor_bytes": tensor_bytes, "stored_bytes": stored_bytes,
-              "transforms": transforms, "entries": entries})
+              "transforms": transforms, "entries": entries,
+              **({"local_dir": tier.directory, "held": held} if tier is not None else {})})
     how = f" ({', '.join(transforms)})" if transforms else ""
     scope = f"  rank {rank} of {info.ranks} (rank-local)" if rank is not None and info else ""
     out.line(f"{cvol.display_url}  step {_step_text(info)}  "
              f"{'complete' if info is None or info.complete else 'PARTIAL'}{scope}  "
              f"{len(entries)} entries, {format_size(tensor_bytes)} of tensors, "
              f"{format_size(stored_bytes)} stored{how}")
+    if tier is not None and held is not None:
+        local, replicas = _held_text(held)
+        out.line(f"local tier {tier.directory}: own copy {local}; replicas kept: {replicas}")
     rows = [["NAME", "DTYPE", "SHAPE", "CHUNKS"]]
     for e in entries:
         if e["kind"] == "tensor":

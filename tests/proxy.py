@@ -61,6 +61,25 @@ class _TokenBucket:
             time.sleep(-self.tokens / self.rate)
 
 
+class _SharedBucket(_TokenBucket):
+    """Paces one direction of every connection together (a node's link), thread-safe:
+    each taker waits until its bytes are paid for."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__(rate)
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+            self.stamp = now
+            self.tokens -= n
+            wait = -self.tokens / self.rate if self.tokens < 0 else 0.0
+        if wait:
+            time.sleep(wait)
+
+
 class _Drop(Exception):
     """Internal: reset this connection now."""
 
@@ -94,6 +113,9 @@ class LatencyProxy:
             ``Expect: 100-continue`` work).
         bandwidth_bps: cap in *bits* per second, per connection and direction
             (``200e6`` = 200 Mbit/s).
+        total_bandwidth_bps: cap in bits per second per direction for all
+            connections together (a node's link: without it, enough parallel
+            streams make the store look faster than the link).
         fail_every: reset the connection on every N-th request (before it
             reaches the server).
         fault_rate: the share of requests (0..1) that get a fault, drawn with
@@ -117,6 +139,7 @@ class LatencyProxy:
         *,
         latency_s: float = 0.0,
         bandwidth_bps: float | None = None,
+        total_bandwidth_bps: float | None = None,
         fail_every: int | None = None,
         fault_rate: float = 0.0,
         fault_kinds: tuple[str, ...] = ("503", "500", "reset", "cut"),
@@ -126,11 +149,17 @@ class LatencyProxy:
             raise ValueError("latency_s must be >= 0")
         if bandwidth_bps is not None and bandwidth_bps <= 0:
             raise ValueError("bandwidth_bps must be > 0 (or None for no cap)")
+        if total_bandwidth_bps is not None and total_bandwidth_bps <= 0:
+            raise ValueError("total_bandwidth_bps must be > 0 (or None for no cap)")
         if fail_every is not None and fail_every < 1:
             raise ValueError("fail_every must be >= 1 (or None)")
         self.target = (target_host, int(target_port))
         self.latency_s = latency_s
         self.bandwidth_bps = bandwidth_bps
+        self.total_bandwidth_bps = total_bandwidth_bps
+        total = total_bandwidth_bps / 8 if total_bandwidth_bps else None
+        self._total_up = _SharedBucket(total) if total else None
+        self._total_down = _SharedBucket(total) if total else None
         self.fail_every = fail_every
         if not 0.0 <= fault_rate <= 1.0 or set(fault_kinds) - set(_FAULT_KINDS):
             raise ValueError(f"fault_rate must be in [0, 1]; fault_kinds of {_FAULT_KINDS}")
@@ -430,6 +459,8 @@ class LatencyProxy:
                                 time.sleep(self.latency_s)
                     if up_bucket:
                         up_bucket.take(len(data))
+                    if self._total_up:
+                        self._total_up.take(len(data))
                     upstream.sendall(data)
                 else:
                     if not data:
@@ -445,6 +476,8 @@ class LatencyProxy:
                         cut_after -= len(data)
                     if down_bucket:
                         down_bucket.take(len(data))
+                    if self._total_down:
+                        self._total_down.take(len(data))
                     client.sendall(data)
 
 

@@ -6,6 +6,7 @@ import http.client
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -203,6 +204,21 @@ def test_proxy_caps_bandwidth(moto_server: MotoServer, s3_object: tuple[str, byt
     assert body == data
     # Allow the token bucket's initial burst (<= 256 KiB).
     assert elapsed >= (len(data) - 256 * 1024) * 8 / bps
+
+
+def test_proxy_caps_all_connections_together(
+    moto_server: MotoServer, s3_object: tuple[str, bytes]
+) -> None:
+    path, data = s3_object
+    bps = 40e6  # 4 x 1 MiB in parallel, 40 Mbit/s for all: >= ~0.8 s (each alone: ~0.2 s)
+    with LatencyProxy.in_front_of(moto_server, bandwidth_bps=1e9,
+                                  total_bandwidth_bps=bps) as proxy:
+        start = time.monotonic()
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: _get(proxy.endpoint, path), range(4)))
+        elapsed = time.monotonic() - start
+    assert answers == [(200, data)] * 4
+    assert elapsed >= (4 * len(data) - 256 * 1024) * 8 / bps
 
 
 def test_proxy_drop_next_fails_requests(

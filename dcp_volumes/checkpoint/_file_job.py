@@ -72,6 +72,7 @@ class FileJob:
     file: io.FileIO | None = None
     targets: dict[int, torch.Tensor] = field(default_factory=dict)  # req index -> target
     direct: dict[int, tuple[int, memoryview]] = field(default_factory=dict)  # -> data at, bytes
+    received: bytearray | None = None  # the whole file, sent by a peer node
 
     @classmethod
     def planned(
@@ -103,10 +104,16 @@ class FileJob:
         self.source, self.from_local = local, True
         self.spans, self.whole = [(0, size)], True
 
+    def read_received(self, data: bytearray) -> None:
+        """Take the whole file from ``data`` (a peer node sent it) instead of reading it;
+        its checksum is checked before use, as a local copy's is."""
+        self.received, self.from_local = data, True
+        self.spans, self.whole = [(0, len(data))], True
+
     def fall_back_to(self, source: Volume) -> None:
         """Read the file from ``source`` after its local copy failed (still whole)."""
         self.close()
-        self.source, self.from_local = source, False
+        self.source, self.from_local, self.received = source, False, None
 
     def start(
         self,
@@ -119,6 +126,16 @@ class FileJob:
         spans are cut into GETs of ``split`` (bytes per GET, whether that is a cap:
         ``split_range``) fetched by ``pool``."""
         self.plan_direct(planner, saved_dtype)
+        if self.received is not None:  # into the targets and scratch, like a fetch
+            self.allocate()
+            self.futures = []
+            data, pos = memoryview(self.received), 0
+            for view in self.views(0, len(data)):
+                view[:] = data[pos:pos + len(view)]
+                pos += len(view)
+            self.received = None
+            self.digest = self.checksum()
+            return
         if self.source.capabilities.local_files:
             advise_willneed(self.source.full_path(self.rel), self.spans)
             return
@@ -139,7 +156,7 @@ class FileJob:
 
     def wait(self) -> None:
         """Wait for the fetched bytes (a local file: open it and check its size)."""
-        if self.source.capabilities.local_files:
+        if self.source.capabilities.local_files and not self.pieces:
             self.open_local()
         for f in self.futures:
             f.result()

@@ -15,7 +15,9 @@ Shared by the writer, the reader, discovery and the CLI so that all agree on the
   object stores that throttle per prefix; the name is the ``relative_path``
   in ``.metadata``, so stock readers find the files;
 * the local copy of a checkpoint (the "local tier") lives in
-  ``local_copy_dir/<checkpoint name>``;
+  ``local_copy_dir/<checkpoint name>``; the copies a node keeps of another
+  node's files (``local_replicas``) in
+  ``local_copy_dir/replicas/node-<its node>/<checkpoint name>``;
 * ``Location``: the checkpoint's volume and local copy, held by the writer
   and the reader.
 """
@@ -37,6 +39,7 @@ METADATA_NAME = ".metadata"
 MANIFEST_NAME = ".dcp_volumes.manifest.json"
 _RANK_MARKER = re.compile(r"^__(\d+)" + re.escape(METADATA_NAME) + "$")
 _RANK_MANIFEST = re.compile(r"^__(\d+)" + re.escape(MANIFEST_NAME) + "$")
+_REPLICA_NODE = re.compile(r"^node-(\d+)$")
 
 
 def rank_metadata_name(rank: int) -> str:
@@ -117,6 +120,54 @@ def checkpoint_name(root: str) -> str:
 def local_copy_path(local_copy_dir: str | os.PathLike[str], root: str) -> str:
     """Directory holding the local copy of the checkpoint whose path is ``root``."""
     return os.path.join(os.path.abspath(os.fspath(local_copy_dir)), checkpoint_name(root))
+
+
+#: The directory of ``local_copy_dir`` that holds other nodes' replicas.
+REPLICAS_DIR = "replicas"
+
+
+def replica_dir(local_copy_dir: str | os.PathLike[str], node: int) -> str:
+    """Where a node keeps its replicas of node ``node``'s files (one checkpoint dir below)."""
+    return os.path.join(os.path.abspath(os.fspath(local_copy_dir)), REPLICAS_DIR, f"node-{node}")
+
+
+def replica_nodes(local_copy_dir: str | os.PathLike[str]) -> dict[int, str]:
+    """The nodes whose replicas ``local_copy_dir`` holds, with their directories."""
+    base = os.path.join(os.path.abspath(os.fspath(local_copy_dir)), REPLICAS_DIR)
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return {}
+    found = {}
+    for entry in entries:
+        match = _REPLICA_NODE.match(entry)
+        if match:
+            found[int(match.group(1))] = os.path.join(base, entry)
+    return dict(sorted(found.items()))
+
+
+def local_files(directory: str) -> dict[str, int]:
+    """The data files of a local copy: path relative to ``directory`` (``/``-separated) -> size."""
+    found: dict[str, int] = {}
+    for dirpath, _, names in os.walk(directory):
+        for name in names:
+            if not name.endswith(DATA_SUFFIX):
+                continue
+            path = os.path.join(dirpath, name)
+            try:
+                found[os.path.relpath(path, directory).replace(os.sep, "/")] = os.path.getsize(path)
+            except OSError:  # removed meanwhile (retention)
+                continue
+    return found
+
+
+def local_copy_paths(local_copy_dir: str | os.PathLike[str], root: str) -> list[str]:
+    """Every directory of this node that may hold files of the checkpoint at ``root``:
+    its own local copy first, then the replicas it keeps of other nodes' files."""
+    name = checkpoint_name(root)
+    return [local_copy_path(local_copy_dir, root)] + [
+        os.path.join(d, name) for d in replica_nodes(local_copy_dir).values()
+    ]
 
 
 class Location:

@@ -21,9 +21,13 @@ Call order with a process group (every call below is made on all ranks)::
                         then all_gather again
                         all ranks: dcp.async_save (or dcp.save) through VolumeWriter
                         background, after the commit: coordinator applies retention;
-                        local rank 0 drops older local copies
+                        local rank 0 drops older local copies; with local_replicas,
+                        all ranks queue the replication (``_peers``: its own thread
+                        and gloo group, never on the commit's path)
     restore(state)      coordinator: list, pick the newest complete checkpoint
-                        all ranks: broadcast of the choice, then dcp.load
+                        all ranks: broadcast of the choice, then dcp.load (with
+                        local_replicas, its read_data asks the peers for the files
+                        this node lacks: one all_gather, then point-to-point)
 
 Checkpoint collectives run on a private gloo group (created on all ranks by
 the constructor) so that a background save never interleaves with the
@@ -69,8 +73,9 @@ from dcp_volumes.checkpoint._discovery import (
 )
 from dcp_volumes.checkpoint._layout import METADATA_NAME, is_commit_marker
 from dcp_volumes.checkpoint._manager_options import ManagerOptions
+from dcp_volumes.checkpoint._peers import PeerTier
 from dcp_volumes.checkpoint._preemption import PreemptionWatch, signals_of
-from dcp_volumes.checkpoint._reader import VolumeReader
+from dcp_volumes.checkpoint._reader import SOURCES, VolumeReader
 from dcp_volumes.checkpoint._retention import (
     DEFAULT_PARTIAL_GRACE_S,
     LocalTier,
@@ -121,6 +126,16 @@ class CheckpointManager:
             (files whose checksum does not match the manifest are downloaded).
         local_dir: where the local copies live (default:
             ``<staging dir>/dcp_volumes-local/<hash of root_url>``).
+        local_replicas: with ``keep_local``, how many other nodes keep a copy of
+            each node's local files (``1`` survives the loss of any one node; ``0``,
+            the default: none). After each commit the files go, in the background
+            over a private gloo group, to a rank on another node (node: torchrun's
+            ``GROUP_RANK``; the pairing is in ``checkpoint/_peers.py``), which checks
+            them against the manifest and keeps them in
+            ``<local_dir>/replicas/node-<n>/<step dir>`` (newest only). A restore
+            reads a file from this node's copies, else from the node that holds it,
+            else from the volume; ``restore_sources`` says how many bytes came from
+            where. A failed replication only logs a warning: the save is committed.
         verify: ``restore`` compares every checksum with the manifest before
             loading (downloads the checkpoint twice on object stores).
         overwrite: let ``save`` replace a complete checkpoint of the same step
@@ -171,6 +186,7 @@ class CheckpointManager:
         async_save: bool = True,
         keep_local: bool = False,
         local_dir: str | os.PathLike[str] | None = None,
+        local_replicas: int = 0,
         verify: bool = False,
         overwrite: bool = False,
         create_root: bool = True,
@@ -188,6 +204,7 @@ class CheckpointManager:
             keep_last=keep_last,
             async_save=bool(async_save),
             keep_local=bool(keep_local),
+            local_replicas=local_replicas,
             verify=bool(verify),
             overwrite=bool(overwrite),
             create_root=bool(create_root),
@@ -218,6 +235,10 @@ class CheckpointManager:
             group = dist.new_group(backend="gloo") if self._coord.distributed else None
             self._watch = PreemptionWatch(signals, grace_s=self.options.preemption_grace_s,
                                           group=group)
+        self._peers: PeerTier | None = None
+        if self._local is not None and self.options.local_replicas and self._coord.distributed:
+            self._peers = self._connect_peers(self._local.directory)
+        self._restore_sources: dict[str, int] = {}
         self._committed_step: int | None = None  # the newest step this manager committed
         self._abandoned = False  # a preemption stopped waiting for the save in flight
         self._writer: VolumeWriter | None = None
@@ -436,6 +457,8 @@ class CheckpointManager:
         self._committed_step = step
         if self._local is not None:
             self._local.keep_only(name)
+        if self._peers is not None:
+            self._peers.submit(name)
         if self.is_coordinator:
             try:
                 apply_retention(self._volume, keep_last=self.options.keep_last,
@@ -457,6 +480,27 @@ class CheckpointManager:
     def local_dir(self) -> str | None:
         """Directory of the local tier (``keep_local=True``), else ``None``."""
         return self._local.directory if self._local is not None else None
+
+    @property
+    def restore_sources(self) -> dict[str, int]:
+        """Bytes this rank's last ``restore`` read from ``"local"`` files (its node's
+        local tier and the replicas it keeps), from ``"peer"`` nodes and from the
+        ``"volume"`` (all zero before a restore; ``.metadata`` and the manifest are
+        not counted)."""
+        return {k: self._restore_sources.get(k, 0) for k in SOURCES}
+
+    def _connect_peers(self, directory: str) -> PeerTier | None:
+        """Every rank: the peer tier (``local_replicas``), or ``None`` on one node."""
+        if self.world_size != dist.get_world_size():
+            raise ConfigurationError(
+                f"local_replicas={self.options.local_replicas} needs the checkpoint group to "
+                f"span the job: this one has {self.world_size} of its {dist.get_world_size()} "
+                "ranks. Fix: leave process_group unset (or pass the whole world's), or "
+                "pass local_replicas=0."
+            )
+        return PeerTier.connect(directory, group=self._coord.group, rank=self.rank,
+                                world_size=self.world_size,
+                                replicas=self.options.local_replicas)
 
     # -- restore --------------------------------------------------------------------------
 
@@ -487,6 +531,8 @@ class CheckpointManager:
         """
         self._check_open()
         self._drain()
+        if self._peers is not None:
+            self._peers.wait()  # its group serves the restore next
         error = self._take_error()
         choice: tuple[int, str, bool] | None = None
         if error is None and self.is_coordinator:
@@ -505,12 +551,15 @@ class CheckpointManager:
             return None
         chosen_step, name, rank_local = choice
         url = self._volume.url_of(name)
-        local = self.local_dir if self._local is not None and self._local.has(name) else None
+        local = self.local_dir if self._local is not None and (
+            self._peers is not None or self._local.has(name) or self._local.has_replicas()
+        ) else None
         reader = VolumeReader(
             url,
             storage_options=self.storage_options,
             local_copy_dir=local,
             retry=self._retry,
+            _peers=self._peers,
             **self.options.reader_options,
         )
         logger.info("restoring step %d from %s%s", chosen_step, url,
@@ -525,6 +574,12 @@ class CheckpointManager:
                     state, checkpoint_id=url, storage_reader=reader, planner=planner,
                     process_group=self._coord.group, no_dist=not self._coord.distributed,
                 )
+        self._restore_sources = reader.sources
+        if local is not None:
+            mib = {k: v / 2**20 for k, v in self._restore_sources.items()}
+            logger.info("restored step %d: %.1f MiB from local files, %.1f MiB from peers, "
+                        "%.1f MiB from the volume", chosen_step, mib["local"], mib["peer"],
+                        mib["volume"])
         return chosen_step
 
     def _check_loadable(self, info: CheckpointInfo) -> None:
@@ -556,6 +611,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self._peers is not None:
+                self._peers.wait()  # each of its operations is bounded by its timeout
             if self._watch is not None:
                 self._watch.close()
             # An abandoned save stops at its next upload; nothing waits for it.

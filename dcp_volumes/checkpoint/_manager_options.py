@@ -18,6 +18,7 @@ class ManagerOptions:
     keep_last: int | None = 3
     async_save: bool = True
     keep_local: bool = False
+    local_replicas: int = 0
     verify: bool = False
     overwrite: bool = False
     create_root: bool = True
@@ -30,6 +31,17 @@ class ManagerOptions:
     def __post_init__(self) -> None:
         _count_or_none("keep_last", self.keep_last, "(the newest complete checkpoint is "
                        "always kept), or None to keep every checkpoint.")
+        if (isinstance(self.local_replicas, bool) or not isinstance(self.local_replicas, int)
+                or self.local_replicas < 0):
+            raise ConfigurationError(
+                f"local_replicas={self.local_replicas!r} must be an integer >= 0: how many "
+                "other nodes keep a copy of each node's local tier (1 survives a node loss)."
+            )
+        if self.local_replicas and not self.keep_local:
+            raise ConfigurationError(
+                f"local_replicas={self.local_replicas} copies the local tier to other nodes, "
+                "and there is no local tier. Fix: pass keep_local=True as well."
+            )
         if not isinstance(self.partial_grace_s, (int, float)) or self.partial_grace_s < 0:
             raise ConfigurationError(
                 f"partial_grace={self.partial_grace_s!r} must be a number of seconds >= 0."

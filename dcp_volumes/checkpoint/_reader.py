@@ -8,7 +8,9 @@ reader does, with no extra copy. Where a manifest
 exists, file sizes are checked against it and every file read whole is
 verified against its checksum (``verify=True`` reads every file whole). With
 ``local_copy_dir`` the files are read from the local tier when they match the
-manifest, and from the volume otherwise.
+manifest (the node's own copy, or the replicas it keeps of other nodes' files),
+from a peer node that holds them (``CheckpointManager(local_replicas=...)``),
+and from the volume otherwise.
 
 This module plans the reads and schedules, verifies and finishes them; the
 reads of one file, up to handing its items to DCP's planner, are a ``FileJob``
@@ -68,6 +70,7 @@ from dcp_volumes.checkpoint._manifest import (
     read_manifest,
 )
 from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
+from dcp_volumes.checkpoint._peers import PeerTier
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,8 @@ logger = logging.getLogger(__name__)
 _DECODE_AHEAD_BYTES = 256 * 2**20
 # Smallest GET a file is split into to feed idle streams.
 _MIN_SPLIT = 4 * 2**20
+#: Where a load's bytes came from (``VolumeReader.sources``).
+SOURCES = ("local", "peer", "volume")
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,9 @@ class VolumeReader(AtLocation, StorageReader):
             with stream transforms (``_extensions=``), as ``FileSystemReader``
             takes it; default: torch's (zstd included). Transformed items are
             fetched and undone whole; the rest keep ranged, in-place reads.
+        _peers: the manager's peer tier: files missing from this node's local
+            tier are asked of the other nodes (one collective in ``read_data``)
+            before the volume.
     """
 
     options: ReaderOptions
@@ -164,8 +172,12 @@ class VolumeReader(AtLocation, StorageReader):
         coalesce_gap: int | str = DEFAULT_COALESCE_GAP,
         prefetch_bytes: int | str = "1GiB",
         _extension_registry: Any | None = None,
+        _peers: PeerTier | None = None,
     ) -> None:
         super().__init__()
+        self._peers = _peers
+        self._sources = dict.fromkeys(SOURCES, 0)
+        self._from_peers: set[str] = set()
         self._transforms = ReaderTransforms(_extension_registry)
         self.options = ReaderOptions(
             verify=verify,
@@ -200,6 +212,12 @@ class VolumeReader(AtLocation, StorageReader):
     def manifest(self) -> Manifest | None:
         """The checkpoint's manifest once loaded (``None`` for stock checkpoints)."""
         return self._manifest
+
+    @property
+    def sources(self) -> dict[str, int]:
+        """Bytes the last ``read_data`` read from ``"local"`` files (this node's local
+        tier and the replicas it keeps), from ``"peer"`` nodes and from the ``"volume"``."""
+        return dict(self._sources)
 
     # -- StorageReader ----------------------------------------------------------------------
 
@@ -297,7 +315,15 @@ class VolumeReader(AtLocation, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch what ``plan`` needs, verify it, and hand it to ``planner`` (all ranks)."""
         self._load_manifest()
-        jobs = self._plan_jobs(plan)
+        self._sources = dict.fromkeys(SOURCES, 0)
+        try:
+            jobs = self._plan_jobs(plan)
+        except BaseException:
+            if self._peers is not None:  # the other ranks wait in the exchange: take part
+                self._peers.exchange(self._name(), {}, "")
+            raise
+        if self._peers is not None:
+            self._fetch_from_peers(jobs)
         self._split = self._split_size(sum(job.nbytes for job in jobs))
         decoders = self._decoders(jobs)
         with ThreadPoolExecutor(
@@ -327,6 +353,7 @@ class VolumeReader(AtLocation, StorageReader):
                         self._check_sizes(remote, listing.result())
                         listing = None
                     self._finish_job(pool, job, planner)
+                    self._sources[self._source_of(job)] += job.nbytes
                     in_flight -= job.nbytes
                     job.deliver(planner, decoders)
                     direct += len(job.direct)
@@ -500,25 +527,58 @@ class VolumeReader(AtLocation, StorageReader):
                 f"{record.size}. The file was truncated or replaced; load an older checkpoint."
             )
 
+    def _name(self) -> str:
+        return _layout.checkpoint_name(self.volume.root)
+
     def _use_local_copy(self, job: FileJob) -> None:
-        local_dir = self.local_copy_path
-        if local_dir is None or job.record is None:
+        """Read ``job`` from this node's own copy or a replica it keeps, if one has the
+        manifest's size (its checksum is checked when read)."""
+        if self.options.local_copy_dir is None or job.record is None:
             return
-        path = os.path.join(local_dir, *job.rel.split("/"))
-        try:
-            size = os.path.getsize(path)
-        except OSError:
-            logger.info("no local copy of %s: reading it from the volume", job.rel)
+        wrong: list[int] = []
+        for local_dir in _layout.local_copy_paths(self.options.local_copy_dir, self.volume.root):
+            path = os.path.join(local_dir, *job.rel.split("/"))
+            try:
+                size = os.path.getsize(path)
+            except OSError:
+                continue
+            if size == job.record.size:
+                job.read_local_copy(Volume(local_dir), size)
+                return
+            wrong.append(size)
+        if wrong:
+            logger.info("local copy of %s has %d bytes, manifest says %d: reading it from "
+                        "elsewhere", job.rel, wrong[0], job.record.size)
+        else:
+            logger.debug("no local copy of %s", job.rel)
+
+    def _fetch_from_peers(self, jobs: Sequence[FileJob]) -> None:
+        """Every rank: files no local copy has are asked of the peers (one collective);
+        those that arrive (checked against the manifest) are read like local copies."""
+        peers, local_dir = self._peers, self.local_copy_path
+        self._from_peers = set()
+        if peers is None:
             return
-        if size != job.record.size:
-            logger.info(
-                "local copy of %s has %d bytes, manifest says %d: reading it from the volume",
-                job.rel,
-                size,
-                job.record.size,
-            )
+        needs = {job.rel: job.record for job in jobs
+                 if job.record is not None and not job.from_local and local_dir is not None}
+        # Up to prefetch_bytes arrive in memory and are read from there (no disk write on
+        # the restore's path); the rest is written into the local tier and read back.
+        received = peers.exchange(self._name(), needs, local_dir or "",
+                                  memory_bytes=self.options.prefetch_bytes)
+        if local_dir is None:
             return
-        job.read_local_copy(Volume(local_dir), size)
+        self._from_peers = set(received)
+        for job in jobs:
+            data = received.get(job.rel)
+            if data is not None:
+                job.read_received(data)
+            elif job.rel in received and job.record is not None:
+                job.read_local_copy(Volume(local_dir), job.record.size)
+
+    def _source_of(self, job: FileJob) -> str:
+        if not job.from_local:
+            return "volume"
+        return "peer" if job.rel in self._from_peers else "local"
 
     def _split_size(self, total: int) -> tuple[int, bool]:
         """Bytes per GET, and whether that is a cap (``split_range``'s ``at_most``).

@@ -15,7 +15,9 @@ Rules (the manager applies them after each commit, ``dcp-volumes gc`` on demand)
 
 The local tier keeps the staged files of the newest checkpoint on local disk
 (``<local_dir>/<step dir>``); older local copies are dropped once a newer
-checkpoint is committed.
+checkpoint is committed. The replicas a node keeps of other nodes' files
+(``<local_dir>/replicas/node-<n>/<step dir>``) follow the same rule, once the
+newer checkpoint's replica has arrived whole.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
     sort_key,
 )
-from dcp_volumes.checkpoint._layout import METADATA_NAME, is_commit_marker
+from dcp_volumes.checkpoint._layout import (
+    METADATA_NAME,
+    is_commit_marker,
+    local_files,
+    replica_nodes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +151,24 @@ class LocalTier:
     def has(self, name: str) -> bool:
         """Whether a (possibly partial) local copy of checkpoint ``name`` exists."""
         return os.path.isdir(os.path.join(self.directory, name))
+
+    def held(self, name: str) -> dict[str, tuple[int, int]]:
+        """What this node holds of checkpoint ``name``: ``"own"`` (its local copy) and
+        ``"node-<n>"`` (its replica of node n's files) -> (data files, bytes); only those
+        that hold files."""
+        dirs = {"own": os.path.join(self.directory, name)}
+        dirs.update({f"node-{n}": os.path.join(d, name)
+                     for n, d in replica_nodes(self.directory).items()})
+        held = {}
+        for what, directory in dirs.items():
+            files = local_files(directory)
+            if files:
+                held[what] = (len(files), sum(files.values()))
+        return held
+
+    def has_replicas(self) -> bool:
+        """Whether this node keeps replicas of other nodes' files (``local_replicas``)."""
+        return bool(replica_nodes(self.directory))
 
     def drop(self, name: str) -> None:
         """Remove the local copy of ``name`` (a save of it failed)."""

@@ -1,0 +1,69 @@
+"""One rank of ``bench_peer_tier``: save a state, or restore it and time the restore.
+
+    python -m benchmarks._peer_rank ROOT OUT save|restore SIZE_MIB
+
+``BENCH_PEER`` (JSON): this node's ``storage_options`` (its own proxy: a node's
+link), ``local_dir``, ``keep_local`` and ``local_replicas``. Writes
+``OUT/rank-<r>.json`` with the times, the restore's sources and whether the
+restored state is bit for bit the saved one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcp_volumes import CheckpointManager
+
+_TENSOR_MIB = 16
+
+
+def make_state(size_mib: int, rank: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    n = max(1, size_mib // _TENSOR_MIB)
+    return {f"rank{rank}.t{i}": torch.randn(_TENSOR_MIB * 2**18, generator=g) for i in range(n)}
+
+
+def main() -> None:
+    root, out, mode, size_mib = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    cfg = json.loads(os.environ["BENCH_PEER"])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mgr = CheckpointManager(
+        root, storage_options=cfg["storage_options"], keep_local=cfg["keep_local"],
+        local_dir=cfg["local_dir"], local_replicas=cfg["local_replicas"],
+        writer_options={"file_size": "32MiB"},
+    )
+    report: dict[str, Any] = {"rank": rank, "local_dir": cfg["local_dir"]}
+    want = make_state(size_mib, rank)
+    if mode == "save":
+        dist.barrier()
+        started = time.perf_counter()
+        mgr.save(1, want)
+        report["blocked_s"] = time.perf_counter() - started
+        mgr.wait()
+        report["committed_s"] = time.perf_counter() - started
+        mgr.close()  # waits for the replication
+        report["closed_s"] = time.perf_counter() - started
+    else:
+        target = {k: torch.empty_like(v) for k, v in want.items()}
+        dist.barrier()
+        started = time.perf_counter()
+        step = mgr.restore(target)
+        report["restore_s"] = time.perf_counter() - started
+        report["exact"] = step == 1 and all(torch.equal(target[k], want[k]) for k in want)
+        report["sources"] = mgr.restore_sources
+        mgr.close()
+    with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

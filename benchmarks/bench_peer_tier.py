@@ -1,0 +1,222 @@
+"""Peer tier benchmark: the restore after a node loss, from a peer node vs the volume.
+
+Two "nodes" on this machine (two torchrun agents, ``--ranks`` ranks each, each
+with its own local-tier directory and its own proxy in front of moto: 20 ms a
+request, 200 Mbit/s a connection and ``--node-mbit`` (800) Mbit/s for the node
+as a whole, so parallel streams cannot beat a node's link). A job saves
+``--size-mib`` MiB a rank with ``keep_local=True, local_replicas=1``; then fresh
+jobs restore it, timed inside the ranks (the slowest rank: every rank waits for
+it), side by side:
+
+* ``volume``: no local tier, every byte over the link;
+* ``node lost, no replicas``: node 1's directory is gone and node 0 has no
+  replicas (``keep_local=True`` alone: today's setup before ``local_replicas``);
+* ``node lost, peer tier``: node 1's directory is gone; node 0 holds its own
+  files and node 1's replica and sends node 1 its files over gloo;
+* ``same-node local``: both directories intact (a restart on the same nodes).
+
+Every restore is checked bit for bit. The save's cost is reported too: how
+long ``save`` blocked, the commit, and the end of the replication.
+
+::
+
+    python -m benchmarks.bench_peer_tier                     # 128 MiB a rank, 1 rank a node
+    python -m benchmarks.bench_peer_tier --quick             # 32 MiB, 1 repeat
+    python -m benchmarks.bench_peer_tier --size-mib 512 --ranks 2 --repeats 3
+
+Writes benchmarks/results/peer_tier.json and peer_tier.png (``--quick``: peer_tier_quick.*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import (
+    REMOTE_BANDWIDTH_BPS,
+    REMOTE_LATENCY_S,
+    REPO_ROOT,
+    ProxyProcess,
+    format_table,
+    load_average,
+    machine_info,
+    pyplot,
+    results_path,
+    write_json,
+)
+
+_RANK = "benchmarks._peer_rank"
+ROWS = ("volume", "node lost, no replicas", "node lost, peer tier", "same-node local")
+
+
+def _free_port() -> int:
+    from tests.dist import free_port
+
+    return free_port()
+
+
+def run_job(root: str, work: Path, mode: str, size_mib: int, ranks: int,
+            nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One torchrun agent per entry of ``nodes`` (its BENCH_PEER); the ranks' reports."""
+    out = work / f"out-{uuid.uuid4().hex[:6]}"
+    out.mkdir(parents=True)
+    port, run_id = _free_port(), uuid.uuid4().hex[:8]
+    procs = []
+    for i, node in enumerate(nodes):
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
+               "BENCH_PEER": json.dumps(node)}
+        conf = f"is_host={'true' if i == 0 else 'false'},join_timeout=120"
+        with open(out / f"agent-{i}.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(nodes)}",
+                 f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+                 f"--rdzv-conf={conf}", "--max-restarts=0", "--monitor-interval=0.5",
+                 "-m", _RANK, root, str(out), mode, str(size_mib)],
+                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    codes = [p.wait(timeout=900) for p in procs]
+    if any(codes):
+        logs = "\n".join((out / f"agent-{i}.log").read_text()[-3000:] for i in range(len(nodes)))
+        raise RuntimeError(f"a {mode} job failed ({codes}):\n{logs}")
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+    if mode == "restore" and not all(r["exact"] for r in reports):
+        raise RuntimeError("a restore returned wrong data: the benchmark is invalid")
+    return reports
+
+
+def comparison(root: str, endpoints: list[dict[str, Any]], size_mib: int, ranks: int,
+               repeats: int) -> dict[str, Any]:
+    """Save once, then time every restore of ``ROWS`` ``repeats`` times (interleaved)."""
+    work = Path(tempfile.mkdtemp(prefix="dcpv-bench-peer-"))
+    try:
+        saved = [work / "saved-0", work / "saved-1"]
+
+        def nodes(dirs: list[Path], *, keep_local: bool = True, replicas: int = 1
+                  ) -> list[dict[str, Any]]:
+            return [{"storage_options": opts, "local_dir": str(d), "keep_local": keep_local,
+                     "local_replicas": replicas} for opts, d in zip(endpoints, dirs, strict=True)]
+
+        save = run_job(root, work, "save", size_mib, ranks, nodes(saved))
+        replica_bytes = sum(f.stat().st_size for d in saved
+                            for f in (d / "replicas").rglob("*.distcp"))
+        results: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
+        for _ in range(repeats):
+            for name in ROWS:
+                dirs = [work / "run-0", work / "run-1"]
+                for d in dirs:
+                    shutil.rmtree(d, ignore_errors=True)
+                if name != "volume":
+                    for src, d in zip(saved, dirs, strict=True):
+                        shutil.copytree(src, d)
+                if name.startswith("node lost"):
+                    shutil.rmtree(dirs[1])  # node 1 lost with its disk: the new one is empty
+                    dirs[1].mkdir()
+                if name == "node lost, no replicas":
+                    shutil.rmtree(dirs[0] / "replicas")
+                reports = run_job(root, work, "restore", size_mib, ranks,
+                                  nodes(dirs, keep_local=name != "volume",
+                                        replicas=1 if name != "volume" and
+                                        name != "node lost, no replicas" else 0))
+                results[name].append({
+                    "seconds": max(r["restore_s"] for r in reports),
+                    "sources": {k: sum(r["sources"][k] for r in reports)
+                                for k in ("local", "peer", "volume")},
+                })
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: statistics.median(r["seconds"] for r in v) for k, v in results.items()}
+    return {
+        "size_mib_per_rank": size_mib, "ranks_per_node": ranks, "nodes": 2,
+        "repeats": repeats,
+        "save": {k: max(r[k] for r in save) for k in ("blocked_s", "committed_s", "closed_s")},
+        "replica_bytes": replica_bytes,
+        "restores": results,
+        "median_seconds": med,
+        "speedup_vs_volume": {k: med["volume"] / v for k, v in med.items()},
+        "vs_same_node_local": {k: v / med["same-node local"] for k, v in med.items()},
+    }
+
+
+def table(res: dict[str, Any]) -> str:
+    med = res["median_seconds"]
+    rows = []
+    for name, runs in res["restores"].items():
+        src = runs[-1]["sources"]
+        where = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in src.items() if v)
+        rows.append([name, med[name], min(r["seconds"] for r in runs),
+                     res["speedup_vs_volume"][name], res["vs_same_node_local"][name],
+                     where or "-"])
+    return format_table(["restore after", "median s", "best s", "x faster than volume",
+                         "x same-node local", "read from (MiB)"], rows)
+
+
+def plot(res: dict[str, Any], name: str) -> Path:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    labels = list(res["median_seconds"])
+    ax.barh(labels, [res["median_seconds"][k] for k in labels], color="#4477aa")
+    ax.invert_yaxis()
+    ax.set_xlabel("restore seconds (slowest rank, median)")
+    ax.set_title(f"restore of {res['size_mib_per_rank']} MiB/rank, 2 nodes x "
+                 f"{res['ranks_per_node']} rank(s)")
+    fig.tight_layout()
+    path = results_path(name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    from tests.emulators import MotoServer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=int, default=128, help="MiB of state a rank")
+    parser.add_argument("--ranks", type=int, default=1, help="ranks a node")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--node-mbit", type=float, default=800.0,
+                        help="cap of a node's link to the store, all connections together")
+    parser.add_argument("--quick", action="store_true", help="32 MiB, 1 repeat (smoke test)")
+    args = parser.parse_args()
+    if args.quick:
+        args.size_mib, args.repeats = 32, 1
+    info = machine_info()
+    with MotoServer(mode="process") as s3, \
+            ProxyProcess(s3.host, s3.port, total_bandwidth_bps=args.node_mbit * 1e6) as p0, \
+            ProxyProcess(s3.host, s3.port, total_bandwidth_bps=args.node_mbit * 1e6) as p1:
+        root = f"{s3.create_bucket('bench-peer-tier')}/run"
+        endpoints = [s3.storage_options(p.endpoint) for p in (p0, p1)]
+        started = time.monotonic()
+        res = comparison(root, endpoints, args.size_mib, args.ranks, args.repeats)
+    print(f"\nPeer tier: restore of {args.size_mib} MiB a rank, 2 nodes x {args.ranks} rank(s); "
+          f"each node's link {REMOTE_LATENCY_S * 1000:.0f} ms/request, "
+          f"{REMOTE_BANDWIDTH_BPS / 1e6:.0f} Mbit/s a connection, {args.node_mbit:.0f} Mbit/s "
+          f"in all; {args.repeats} repeats ({time.monotonic() - started:.0f} s)")
+    save = res["save"]
+    print(f"save (keep_local, local_replicas=1): blocked {save['blocked_s']:.2f} s, committed "
+          f"after {save['committed_s']:.2f} s, replicated after {save['closed_s']:.2f} s; "
+          f"{res['replica_bytes'] / 2**20:.0f} MiB of replicas\n")
+    print(table(res))
+    stem = "peer_tier_quick" if args.quick else "peer_tier"
+    png = plot(res, f"{stem}.png")
+    doc = {
+        "benchmark": "peer_tier", **res,
+        "link": {"latency_s": REMOTE_LATENCY_S, "bandwidth_bps": REMOTE_BANDWIDTH_BPS,
+                 "node_bandwidth_bps": args.node_mbit * 1e6},
+        "machine": {**info, "load_average_end": load_average()},
+    }
+    path = write_json(f"{stem}.json", doc)
+    print(f"\nwrote {path} and {png}")
+
+
+if __name__ == "__main__":
+    main()

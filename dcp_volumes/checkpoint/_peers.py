@@ -1,0 +1,557 @@
+"""The peer tier: a copy of each node's local-tier files on another node (``local_replicas``).
+
+A lost node takes its local tier with it; with ``local_replicas=1`` another node
+holds a copy of its files, so the replacement node (or the survivors, when the
+job shrinks) restores them from there instead of from the volume.
+
+Pairing (deterministic, the same on every rank): the nodes (torchrun's
+``GROUP_RANK``) are sorted; the ``i``-th rank of the ``k``-th node sends its
+files to the ``i``-th rank (modulo that node's number of ranks) of node
+``(k + j) % nodes``, for ``j = 1 .. local_replicas`` (at most ``nodes - 1``
+replicas): never to a rank of its own node while there is more than one node.
+Two nodes of two ranks (ranks 0, 1 on node 0; 2, 3 on node 1): 0 -> 2, 1 -> 3,
+2 -> 0, 3 -> 1. One node: no replicas.
+
+The bytes travel over a private gloo group (created by every rank with the
+manager), in chunks of ``_CHUNK`` bytes, ``_WINDOW`` chunks per peer in flight:
+memory stays bounded whatever the checkpoint's size. Every operation on the group has
+``TIMEOUT_S``: a dead or hung peer fails the transfer, never the job.
+
+Call order (each call on every rank, on the peer group)::
+
+    replicate(name)   background thread, after ``name`` committed: all_gather of
+                      every rank's files (and the coordinator's copy of the
+                      manifest); then each rank sends its files to its targets and
+                      receives its sources' files; each file is checked against
+                      the manifest's size and checksum on arrival and kept in
+                      ``<local_dir>/replicas/node-<source node>/<name>`` (newest only)
+    exchange(...)     in ``VolumeReader.read_data`` (``dcp.load``): all_gather of
+                      what each node holds and what each rank needs; the holders
+                      send the files a rank lacks (checked against the manifest on
+                      arrival, as replicas are; kept in memory up to the reader's
+                      ``prefetch_bytes``, written into the local tier beyond); the
+                      rest come from the volume
+
+Only a committed checkpoint is replicated (``replicate`` runs after the commit),
+and a restore uses replicas only of the checkpoint it chose, every file checked
+against that checkpoint's manifest before use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dcp_volumes._world import World
+from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._coordination import summary
+from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, Manifest
+from dcp_volumes.checkpoint._retention import LocalTier
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TIMEOUT_S", "PeerTier", "sources_of", "targets_of"]
+
+#: Seconds any one operation on the peer group may take before the transfer is given up.
+TIMEOUT_S = 60.0
+# Bytes of one message, and messages in flight per peer and direction: the memory a
+# transfer holds per peer and direction is their product.
+_CHUNK = 8 * 2**20
+_WINDOW = 2
+
+
+# -- pairing --------------------------------------------------------------------------------
+
+
+def _by_node(nodes: Sequence[int]) -> dict[int, list[int]]:
+    """Node -> its ranks, ascending (``nodes[rank]`` is the rank's node)."""
+    ranks: dict[int, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        ranks.setdefault(node, []).append(rank)
+    return dict(sorted(ranks.items()))
+
+
+def targets_of(nodes: Sequence[int], rank: int, replicas: int) -> list[int]:
+    """The ranks that keep ``rank``'s replicas (see the module's docstring)."""
+    by_node = _by_node(nodes)
+    order = list(by_node)
+    k = order.index(nodes[rank])
+    i = by_node[nodes[rank]].index(rank)
+    targets = []
+    for j in range(1, min(replicas, len(order) - 1) + 1):
+        peers = by_node[order[(k + j) % len(order)]]
+        targets.append(peers[i % len(peers)])
+    return targets
+
+
+def sources_of(nodes: Sequence[int], rank: int, replicas: int) -> list[int]:
+    """The ranks whose replicas ``rank`` keeps."""
+    return [r for r in range(len(nodes)) if rank in targets_of(nodes, r, replicas)]
+
+
+# -- moving files over the group -------------------------------------------------------------
+
+
+class PeerTransferError(Exception):
+    """A peer died, hung past ``TIMEOUT_S`` or left the group during a transfer."""
+
+
+@dataclass
+class _Send:
+    peer: int
+    path: str | None  # None: the file is gone; zeros are sent (the receiver's check fails)
+    size: int
+    sent: int = 0
+    file: io.FileIO | None = None
+
+
+@dataclass
+class _Receive:
+    peer: int
+    rel: str
+    dest: str | None  # None: kept in ``memory`` (a restore reads it from there)
+    size: int
+    checksum: str | None  # the manifest's: checked on arrival (None: not checked here)
+    memory: bytearray | None = None
+    got: int = 0
+    file: io.BufferedWriter | None = None
+    hasher: Checksum = field(default_factory=Checksum)
+    failed: str | None = None
+
+    @property
+    def part(self) -> str:
+        return f"{self.dest}.part"
+
+
+def _chunks(items: Sequence[_Send] | Sequence[_Receive]) -> dict[int, deque[tuple[Any, int]]]:
+    """The messages of each peer's stream, in order: (file, bytes) per chunk (none for an
+    empty file: its receiver makes it)."""
+    streams: dict[int, deque[tuple[Any, int]]] = {}
+    for item in items:
+        for start in range(0, item.size, _CHUNK):
+            streams.setdefault(item.peer, deque()).append((item, min(_CHUNK, item.size - start)))
+    return streams
+
+
+def _next_chunk(send: _Send, buf: bytearray) -> int:
+    """Read the next chunk of ``send`` into ``buf``; a file that fails to read sends zeros."""
+    n = min(_CHUNK, send.size - send.sent)
+    view = memoryview(buf)[:n]
+    got = 0
+    if send.path is not None:
+        try:
+            if send.file is None:
+                send.file = open(send.path, "rb", buffering=0)  # noqa: SIM115 - closed at its end
+            while got < n and (k := send.file.readinto(view[got:])):
+                got += k
+        except OSError as exc:
+            logger.warning("peer tier: cannot read %s (%s): sending a placeholder that fails "
+                           "its checksum", send.path, summary(exc))
+            send.path = None
+    view[got:n] = bytes(n - got)
+    send.sent += n
+    return n
+
+
+def _take_chunk(item: _Receive, data: torch.Tensor) -> None:
+    """Write a received chunk (a disk error marks the file failed; its bytes are dropped)."""
+    item.got += data.numel()
+    if item.failed is not None:
+        return
+    view = data.numpy().data
+    if item.dest is None:
+        if item.memory is None:
+            item.memory = bytearray(item.size)
+        item.memory[item.got - len(view):item.got] = view
+        if item.checksum is not None:
+            item.hasher.update(view)
+        return
+    try:
+        if item.file is None:
+            os.makedirs(os.path.dirname(item.dest), exist_ok=True)
+            item.file = open(item.part, "wb")  # noqa: SIM115 - closed by _end
+        item.file.write(view)
+        if item.checksum is not None:
+            item.hasher.update(view)
+    except OSError as exc:
+        item.failed = f"cannot write {item.dest}: {summary(exc)}"
+
+
+def _end(item: _Receive, done: set[str]) -> None:
+    """Close a received file: keep it if whole and matching its checksum, else drop it."""
+    if item.dest is None:
+        if item.memory is None:
+            item.memory = bytearray(item.size)  # an empty file
+    elif item.failed is None:
+        try:
+            if item.file is None:  # an empty file
+                os.makedirs(os.path.dirname(item.dest), exist_ok=True)
+                item.file = open(item.part, "wb")  # noqa: SIM115 - closed just below
+            item.file.close()
+            item.file = None
+        except OSError as exc:
+            item.failed = f"cannot write {item.dest}: {summary(exc)}"
+    if item.failed is None and item.checksum is not None:
+        actual = item.hasher.hexdigest()
+        if actual != item.checksum:
+            item.failed = (f"{item.rel} from rank {item.peer} fails its checksum ({actual}, "
+                           f"manifest {item.checksum})")
+    if item.failed is None and item.dest is None:
+        done.add(item.rel)
+        return
+    if item.failed is None and item.dest is not None:
+        try:
+            os.replace(item.part, item.dest)
+            done.add(item.rel)
+            return
+        except OSError as exc:
+            item.failed = f"cannot write {item.dest}: {summary(exc)}"
+    logger.warning("peer tier: %s; the file is skipped (it comes from the volume if needed)",
+                   item.failed)
+    _discard(item)
+
+
+def _discard(item: _Receive) -> None:
+    item.memory = None
+    if item.dest is None:
+        return
+    if item.file is not None:
+        with contextlib.suppress(OSError):
+            item.file.close()
+        item.file = None
+    with contextlib.suppress(OSError):
+        os.unlink(item.part)
+
+
+def transfer(
+    group: dist.ProcessGroup,
+    sends: Sequence[_Send],
+    receives: Sequence[_Receive],
+    *,
+    done: set[str],
+    timeout_s: float = TIMEOUT_S,
+) -> None:
+    """Send and receive files with the peers, chunk by chunk; received files go in ``done``.
+
+    Both sides list the same files of each pair in the same order with the same
+    sizes, so every message is matched by its position: in round ``n`` each
+    stream (one per peer and direction) moves its ``n``-th chunk, and up to
+    ``_WINDOW`` rounds are in flight (a chunk is read or written while the
+    next one travels): ``_WINDOW * _CHUNK`` bytes a stream at most. A file that
+    cannot be written or fails its checksum is dropped (its bytes still drain,
+    the stream stays in step); a peer that fails raises ``PeerTransferError``.
+    """
+    outgoing = _chunks(sends)
+    incoming = _chunks(receives)
+    send_bufs = {peer: [bytearray(_CHUNK) for _ in range(_WINDOW)] for peer in outgoing}
+    recv_bufs = {peer: [torch.empty(_CHUNK, dtype=torch.uint8) for _ in range(_WINDOW)]
+                 for peer in incoming}
+    wait = timedelta(seconds=timeout_s)
+    rounds: deque[tuple[list[Any], list[tuple[_Receive, torch.Tensor]]]] = deque()
+
+    def finish_round() -> None:
+        works, arriving = rounds.popleft()
+        for work in works:
+            if work is not None:
+                work.wait(wait)
+        for item, chunk in arriving:
+            _take_chunk(item, chunk)
+            if item.got >= item.size:
+                _end(item, done)
+
+    try:
+        for item in receives:
+            if item.size == 0:
+                _end(item, done)
+        r = 0
+        while outgoing or incoming:
+            if len(rounds) >= _WINDOW:  # its buffers are the ones this round reuses
+                finish_round()
+            works = []
+            arriving: list[tuple[_Receive, torch.Tensor]] = []
+            for peer, queue in list(outgoing.items()):
+                send, _ = queue.popleft()
+                buf = send_bufs[peer][r % _WINDOW]
+                n = _next_chunk(send, buf)
+                works.append(dist.isend(torch.frombuffer(buf, dtype=torch.uint8)[:n],
+                                        dst=peer, group=group))
+                if send.sent >= send.size and send.file is not None:
+                    send.file.close()
+                    send.file = None
+                if not queue:
+                    del outgoing[peer]
+            for peer, rqueue in list(incoming.items()):
+                item, n = rqueue.popleft()
+                chunk = recv_bufs[peer][r % _WINDOW][:n]
+                works.append(dist.irecv(chunk, src=peer, group=group))
+                arriving.append((item, chunk))
+                if not rqueue:
+                    del incoming[peer]
+            rounds.append((works, arriving))
+            r += 1
+        while rounds:
+            finish_round()
+    except Exception as exc:
+        raise PeerTransferError(summary(exc)) from exc
+    finally:
+        for item in receives:
+            if item.rel not in done:
+                _discard(item)
+        for send in sends:
+            if send.file is not None:
+                with contextlib.suppress(OSError):
+                    send.file.close()
+
+
+# -- the tier ---------------------------------------------------------------------------------
+
+
+class PeerTier:
+    """This rank's part of the peer tier: what it replicates where, and restores from whom.
+
+    Made by ``connect`` (collective). ``submit`` queues a replication for a
+    background thread; ``exchange`` runs in a restore, on the calling thread.
+    """
+
+    def __init__(
+        self,
+        local_dir: str,
+        *,
+        nodes: Sequence[int],
+        rank: int,
+        replicas: int,
+        group: dist.ProcessGroup,
+        timeout_s: float = TIMEOUT_S,
+    ) -> None:
+        self.local_dir = local_dir
+        self.nodes = list(nodes)
+        self.rank = rank
+        self.group = group
+        self.timeout_s = timeout_s
+        self.targets = targets_of(self.nodes, rank, replicas)
+        self.sources = sources_of(self.nodes, rank, replicas)
+        self._by_node = _by_node(self.nodes)
+        self._queue: deque[str] = deque()
+        self._cond = threading.Condition()
+        self._busy = False
+        self._broken: str | None = None  # why the group is unusable (a peer failed)
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def connect(
+        cls,
+        local_dir: str,
+        *,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        replicas: int,
+    ) -> PeerTier | None:
+        """Every rank: learn each rank's node; a tier with its own group, or ``None`` on one node.
+
+        Collective on ``group`` (the manager's) and on the default group (a new group).
+        """
+        nodes: list[Any] = [None] * world_size
+        dist.all_gather_object(nodes, World.from_env().node, group=group)
+        count = len(set(nodes))
+        if count < 2:
+            logger.info("local_replicas: all %d ranks are on one node; no replicas are kept "
+                        "(a node loss restores from the volume)", world_size)
+            return None
+        peer_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+        tier = cls(local_dir, nodes=nodes, rank=rank, replicas=replicas, group=peer_group)
+        logger.debug("peer tier: rank %d (node %d) replicates to %s, keeps replicas of %s",
+                     rank, nodes[rank], tier.targets, tier.sources)
+        return tier
+
+    # -- replication (background) --------------------------------------------------------
+
+    def submit(self, name: str) -> None:
+        """Queue the replication of the committed checkpoint ``name`` (every rank, in order)."""
+        with self._cond:
+            self._queue.append(name)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dcpv-replicate",
+                                                 daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Until every queued replication is done (each operation is bounded by the timeout)."""
+        with self._cond:
+            while self._queue or self._busy:
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                name = self._queue.popleft()
+                self._busy = True
+            try:
+                self.replicate(name)
+            except Exception as exc:  # never let the thread die: later saves still queue
+                logger.warning("peer tier: replication of %s failed: %s", name, summary(exc))
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def replicate(self, name: str) -> None:
+        """Send this rank's files of ``name`` to its targets, keep its sources' files."""
+        if self._broken is not None:
+            logger.warning("peer tier: no replica of %s (the peer group failed earlier: %s); a "
+                           "node loss restores from the volume", name, self._broken)
+            return
+        own = os.path.join(self.local_dir, name)
+        start = _layout.rank_name_start(self.rank)
+        mine = {rel: size for rel, size in _layout.local_files(own).items()
+                if rel.rsplit("/", 1)[-1].startswith(start)}
+        manifest_json: bytes | None = None
+        if self.rank == 0:
+            with contextlib.suppress(OSError), open(
+                os.path.join(own, _layout.MANIFEST_NAME), "rb"
+            ) as f:
+                manifest_json = f.read()
+        gathered: list[Any] = [None] * len(self.nodes)
+        try:
+            dist.all_gather_object(gathered, (mine, manifest_json), group=self.group)
+        except Exception as exc:
+            self._fail(name, exc)
+            return
+        coordinator_manifest = gathered[0][1]
+        if coordinator_manifest is None:
+            logger.warning("peer tier: rank 0 has no local copy of the manifest of %s; it is "
+                           "not replicated", name)
+            return
+        manifest = Manifest.from_json(coordinator_manifest, where=f"local copy of {name}")
+
+        def expected(rank: int) -> list[tuple[str, int]]:
+            files: Mapping[str, int] = gathered[rank][0]
+            return [(rel, size) for rel, size in sorted(files.items())
+                    if (rec := manifest.files.get(rel)) is not None and rec.size == size]
+
+        sends = [_Send(t, os.path.join(own, *rel.split("/")), size)
+                 for t in self.targets for rel, size in expected(self.rank)]
+        receives = []
+        for source in self.sources:
+            base = os.path.join(_layout.replica_dir(self.local_dir, self.nodes[source]), name)
+            for rel, size in expected(source):
+                _layout.inside(rel, f"the replica of {name} from rank {source}")
+                receives.append(_Receive(source, rel, os.path.join(base, *rel.split("/")),
+                                         size, manifest.files[rel].checksum))
+        done: set[str] = set()
+        try:
+            transfer(self.group, sends, receives, done=done, timeout_s=self.timeout_s)
+        except PeerTransferError as exc:
+            self._fail(name, exc)
+            return
+        kept = len(done) == len(receives)
+        if kept:
+            for source in self.sources:
+                LocalTier(_layout.replica_dir(self.local_dir, self.nodes[source]),
+                          owner=True).keep_only(name)
+        sent = sum(s.size for s in sends)
+        logger.info("peer tier: %s replicated: %d files (%.1f MiB) to rank(s) %s; kept %d of "
+                    "%d files from rank(s) %s", name, len(sends), sent / 2**20, self.targets,
+                    len(done), len(receives), self.sources)
+
+    def _fail(self, name: str, exc: BaseException) -> None:
+        self._broken = summary(exc)
+        logger.warning("peer tier: the replica of %s is missing (a peer failed: %s); the save "
+                       "itself is committed; a node loss restores its files from the volume",
+                       name, self._broken)
+
+    # -- restore --------------------------------------------------------------------------
+
+    def exchange(
+        self, name: str, needs: Mapping[str, FileRecord], dest: str, *, memory_bytes: int = 0
+    ) -> dict[str, bytearray | None]:
+        """Every rank, in a load: get the files in ``needs`` (rel -> its manifest record)
+        that another node holds; returns those received whole, with the manifest's
+        checksum (a file that fails it is dropped with a warning): in memory, the first
+        ``memory_bytes`` of them (in name order), and the rest written into ``dest``
+        (``None``).
+
+        A failure returns what arrived whole so far: the rest comes from the volume.
+        """
+        if self._broken is not None:
+            logger.warning("peer tier: not asking peers for %s (the peer group failed earlier: "
+                           "%s)", name, self._broken)
+            return {}
+        mine_node = self.nodes[self.rank]
+        first_of_node = self._by_node[mine_node][0] == self.rank
+        dirs = self.held_dirs(name)
+        held: dict[str, int] | None = None
+        if first_of_node:
+            held = {}
+            for directory in reversed(dirs):  # the node's own copy wins
+                held.update(_layout.local_files(directory))
+        gathered: list[Any] = [None] * len(self.nodes)
+        try:
+            wanted = {rel: record.size for rel, record in needs.items()}
+            dist.all_gather_object(gathered, (held, wanted), group=self.group)
+        except Exception as exc:
+            self._broken = summary(exc)
+            logger.warning("peer tier: could not ask peers for the files of %s (%s): they come "
+                           "from the volume", name, self._broken)
+            return {}
+        holdings = {self.nodes[r]: h for r, (h, _) in enumerate(gathered) if h is not None}
+        sends: list[_Send] = []
+        receives: list[_Receive] = []
+        for rank, (_, wanted) in enumerate(gathered):
+            for rel, size in sorted(wanted.items()):
+                nodes = [n for n, files in holdings.items()
+                         if n != self.nodes[rank] and files.get(rel) == size]
+                if not nodes:
+                    continue
+                node = nodes[rank % len(nodes)]
+                ranks = self._by_node[node]
+                holder = ranks[rank % len(ranks)]
+                if holder == self.rank:
+                    sends.append(_Send(rank, _find(dirs, rel, size), size))
+                if rank == self.rank:
+                    _layout.inside(rel, f"a peer's listing of {name}")
+                    in_memory = size <= memory_bytes
+                    memory_bytes -= size if in_memory else 0
+                    path = None if in_memory else os.path.join(dest, *rel.split("/"))
+                    receives.append(_Receive(holder, rel, path, size, needs[rel].checksum))
+        done: set[str] = set()
+        try:
+            transfer(self.group, sends, receives, done=done, timeout_s=self.timeout_s)
+        except PeerTransferError as exc:
+            self._broken = str(exc)
+            logger.warning("peer tier: a transfer of %s's files failed (%s): %d of %d files "
+                           "arrived, the rest come from the volume", name, exc, len(done),
+                           len(receives))
+        if receives or sends:
+            logger.info("peer tier: %s: received %d files (%.1f MiB) from peers, sent %d",
+                        name, len(done), sum(r.size for r in receives if r.rel in done) / 2**20,
+                        len(sends))
+        return {r.rel: r.memory for r in receives if r.rel in done}
+
+    def held_dirs(self, name: str) -> list[str]:
+        """This node's directories that may hold files of ``name``: its own copy, then replicas."""
+        return _layout.local_copy_paths(self.local_dir, name)
+
+
+def _find(dirs: Sequence[str], rel: str, size: int) -> str | None:
+    for directory in dirs:
+        path = os.path.join(directory, *rel.split("/"))
+        with contextlib.suppress(OSError):
+            if os.path.getsize(path) == size:
+                return path
+    return None
+
