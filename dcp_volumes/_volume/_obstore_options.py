@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,6 +22,7 @@ from urllib.parse import urlsplit
 from dcp_volumes import _env
 from dcp_volumes._exceptions import ConfigurationError, VolumeAccessError
 from dcp_volumes._volume._retry import RetryPolicy
+from dcp_volumes._volume._stall import StallGuard
 
 logger = logging.getLogger("dcp_volumes._volume")
 
@@ -182,6 +184,11 @@ class StoreSettings:
     # Where ``config["endpoint"]`` came from, for messages: "storage_options" or the
     # environment variable that gave it ("" when no endpoint is configured).
     endpoint_source: str = ""
+    # The stall detector's deadlines (``_stall.py``); None where the user set the
+    # client's read timeout, or the policy turned stall detection off.
+    stall: StallGuard | None = None
+    # Whether retry_config is the policy's (True) or the user's own.
+    own_retry_config: bool = True
 
     def __repr__(self) -> str:
         # The config holds credentials: name its keys, never its values.
@@ -191,9 +198,29 @@ class StoreSettings:
             f"endpoint_source={self.endpoint_source!r})"
         )
 
-    def kwargs(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"config": self.config, "client_options": self.client_options}
-        out["retry_config"] = self.retry_config
+    def kwargs(self, upload_deadline_s: float | None = None) -> dict[str, Any]:
+        """The store's keyword arguments; ``upload_deadline_s``: those of a store for
+        uploads that may take that long before they count as stalled (``_stall.py``),
+        ``math.inf`` for requests the server works on before it answers."""
+        client_options = dict(self.client_options)
+        retry = dict(self.retry_config)
+        if upload_deadline_s == math.inf:
+            # Work the server does before it answers (a copy, a batch delete): no
+            # read timeout of ours, the request timeout alone.
+            if self.stall is not None:
+                client_options.pop("read_timeout", None)
+        elif upload_deadline_s is not None:
+            client_options["read_timeout"] = timedelta(seconds=upload_deadline_s)
+            # The client's own 30 s would cut an upload the learnt deadline allows.
+            client_options.setdefault(
+                "timeout", timedelta(seconds=max(_CLIENT_DEFAULT_TIMEOUT_S, 2 * upload_deadline_s))
+            )
+            if self.own_retry_config:
+                # One try more inside the client (a 503 on one part does not restart the
+                # file), then the volume's loop: its next try gets the longer deadline.
+                retry["max_retries"] = min(1, int(retry.get("max_retries", 1)))
+        out: dict[str, Any] = {"config": self.config, "client_options": client_options}
+        out["retry_config"] = retry
         if self.credential_provider is not None:
             out["credential_provider"] = self.credential_provider
         return out
@@ -266,7 +293,17 @@ def s3_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSetting
     if "region" not in out.config and "default_region" not in out.config:
         out.config["region"] = "us-east-1"  # requests must be signed for some region
     _check_aws_credentials(out)
+    _stall_detection(out, policy)
     return out
+
+
+def _stall_detection(out: StoreSettings, policy: RetryPolicy) -> None:
+    """Reads wait ``policy.stall_s`` for each next piece of an answer (``_stall.py``);
+    a ``read_timeout`` of the user's own wins, and turns the learnt deadlines off."""
+    if policy.stall_s is None or "read_timeout" in out.client_options:
+        return
+    out.client_options["read_timeout"] = timedelta(seconds=policy.stall_s)
+    out.stall = StallGuard(stall_s=policy.stall_s, min_rate=policy.min_rate)
 
 
 def _is_plain_http(endpoint: object) -> bool:
@@ -348,6 +385,7 @@ def azure_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSett
     if out.config.get("endpoint"):
         out.endpoint_source = "storage_options"
     _allow_plain_http(out)
+    _stall_detection(out, policy)
     return out
 
 
@@ -371,6 +409,7 @@ def _start(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSettings:
     out.client_options.update(dict(options.get("client_options") or {}))
     if options.get("retry_config"):
         out.retry_config = dict(options["retry_config"])
+        out.own_retry_config = False
     out.credential_provider = options.get("credential_provider")
     return out
 
