@@ -134,18 +134,25 @@ def test_reads_wait_stall_s_per_piece_and_uploads_get_their_size_over_the_floor(
     assert out.stall.upload_deadline_s(32 * 2**20) == 6.0
     assert out.stall.upload_deadline_s(20 * 2**20) == 6.0
     assert out.stall.upload_deadline_s(10) == 2.125  # the smallest class: 1 MiB
-    upload = out.kwargs(6.0)
+    upload = out.kwargs(("upload", 6.0))
     assert upload["client_options"]["read_timeout"] == timedelta(seconds=6)
     assert upload["client_options"]["timeout"] == timedelta(seconds=30)  # >= 2 x deadline
     assert upload["retry_config"]["max_retries"] == 1  # then the volume's loop, longer
-    # Work the server does before it answers (copy, batch delete): no read timeout.
-    assert "read_timeout" not in out.kwargs(math.inf)["client_options"]
-    # A timed-out upload doubles every later upload's deadline (bounded).
-    out.stall.saw_upload_timeout()
+    # Work the server does before it answers (a listing, a copy): no read timeout.
+    assert "read_timeout" not in out.kwargs(("server", math.inf))["client_options"]
+    # A timed-out request doubles every later request's time (bounded).
+    assert out.stall.read_timeout_s() == 2.0
+    out.stall.saw_timeout()
     assert out.stall.upload_deadline_s(32 * 2**20) == 10.0
+    assert out.stall.read_timeout_s() == 4.0
     for _ in range(20):
-        out.stall.saw_upload_timeout()
+        out.stall.saw_timeout()
     assert out.stall.upload_deadline_s(32 * 2**20) == 2.0 + 4.0 * 2**6
+    # Requests that succeed, many in a row, bring it down again (random stalls do
+    # not ratchet it up for good).
+    for _ in range(32 * 6):
+        out.stall.saw_success()
+    assert out.stall.read_timeout_s() == 2.0 and out.stall.level == 0
 
 
 def test_the_users_read_timeout_wins_and_stall_s_none_turns_detection_off() -> None:

@@ -49,14 +49,15 @@ from dcp_volumes._volume._errors import (
     map_exceptions,
 )
 from dcp_volumes._volume._mapped import mapped, mapped_parts
-from dcp_volumes._volume._obstore_options import StoreSettings
+from dcp_volumes._volume._obstore_options import RequestClass, StoreSettings
 from dcp_volumes._volume._retry import redact_url
 
 logger = logging.getLogger("dcp_volumes._volume")
 
-# The store class of requests the server works on before it answers (a server-side
-# copy, a batch delete): the request timeout alone, no stall detection.
-_SERVER_WORK = math.inf
+# The store class of requests the server works on, in proportion to what they ask,
+# before it answers (a listing page, a server-side copy, a batch delete): the request
+# timeout alone, no stall detection (there are few of them).
+_SERVER_WORK = ("server", math.inf)
 
 # The pid of this process once it did I/O through obstore; True in a child
 # forked after that (its inherited runtime cannot run there).
@@ -108,15 +109,18 @@ class ObstoreBackend:
     def __init__(self, kind: str, settings: StoreSettings) -> None:
         self._kind = kind  # "s3" or "azure"
         self._settings = settings
-        self._stores: dict[tuple[str, float | None], Any] = {}
+        self._stores: dict[tuple[str, RequestClass | None], Any] = {}
         self._lock = threading.Lock()
         self._obs = require()
 
     # -- stores ---------------------------------------------------------------------------
 
-    def _store(self, bucket: str, upload_deadline_s: float | None = None) -> Any:
-        """The bucket's store; ``upload_deadline_s``: the one for uploads of that class."""
-        key = (bucket, upload_deadline_s)
+    def _store(self, bucket: str, request: RequestClass | None = None) -> Any:
+        """The bucket's store for a class of requests (``_stall.py``); by default reads."""
+        stall = self._settings.stall
+        if request is None and stall is not None:
+            request = ("read", stall.read_timeout_s())
+        key = (bucket, request)
         store = self._stores.get(key)
         if store is None:
             with self._lock:
@@ -126,7 +130,7 @@ class ObstoreBackend:
 
                     cls = S3Store if self._kind == "s3" else AzureStore
                     with watch_client_start(self._kind.upper()):
-                        store = cls(bucket, **self._settings.kwargs(upload_deadline_s))
+                        store = cls(bucket, **self._settings.kwargs(request))
                     self._stores[key] = store
         global _io_pid
         _io_pid = os.getpid()
@@ -142,29 +146,29 @@ class ObstoreBackend:
         if stall is None:
             return self._split(path)
         bucket, _, key = path.partition("/")
-        return self._store(bucket, stall.upload_deadline_s(request_bytes)), key
-
-    @contextlib.contextmanager
-    def _learning_uploads(self) -> Iterator[None]:
-        """An upload that timed out lengthens later uploads' deadlines (``_stall.py``)."""
-        try:
-            yield
-        except self._obs.exceptions.GenericError as exc:
-            stall = self._settings.stall
-            if stall is not None and read_failure(exc).timed_out:
-                stall.saw_upload_timeout()
-                logger.info(
-                    "an upload got no answer within its deadline: later uploads get %dx the "
-                    "time (a slow link, or a stalled request)",
-                    2**stall.level,
-                )
-            raise
+        return self._store(bucket, ("upload", stall.upload_deadline_s(request_bytes))), key
 
     # -- errors ---------------------------------------------------------------------------
 
-    def _client_errors(self) -> contextlib.AbstractContextManager[None]:
-        """Raise obstore's exceptions as the neutral kinds (``_errors.py``)."""
-        return map_exceptions(self._neutral)
+    @contextlib.contextmanager
+    def _client_errors(self) -> Iterator[None]:
+        """Raise obstore's exceptions as the neutral kinds (``_errors.py``); a request
+        that timed out lengthens later requests' deadlines (``_stall.py``)."""
+        with map_exceptions(self._neutral):
+            stall = self._settings.stall
+            try:
+                yield
+            except self._obs.exceptions.GenericError as exc:
+                if stall is not None and read_failure(exc).timed_out:
+                    stall.saw_timeout()
+                    logger.info(
+                        "a request got no answer within its deadline (a stall, or a slow "
+                        "store or link): later requests wait %dx as long",
+                        2**stall.level,
+                    )
+                raise
+            if stall is not None:
+                stall.saw_success()
 
     def _neutral(self, exc: Exception) -> BackendError | None:
         """The neutral kind of one of obstore's exceptions (by its type), or ``None``."""
@@ -292,8 +296,8 @@ class ObstoreBackend:
 
     def list(self, prefix: str, *, recursive: bool) -> Listing:
         with self._client_errors():
-            store, key = self._split(prefix)
-            bucket = prefix.partition("/")[0]
+            bucket, _, key = prefix.partition("/")
+            store = self._store(bucket, _SERVER_WORK)
             try:
                 if recursive:
                     files = [
@@ -354,7 +358,7 @@ class ObstoreBackend:
         # fresh allocation in one of its runtime's threads, and glibc keeps such
         # memory in per-thread arenas (an async save's peak RSS grew to 2.1x
         # the state that way instead of 1.1x).
-        with self._client_errors(), self._learning_uploads(), open(local_path, "rb") as f:
+        with self._client_errors(), open(local_path, "rb") as f:
             store, key = self._upload_split(path, min(size, part_size))
             if size > part_size:
                 self._obs.put(
@@ -372,7 +376,7 @@ class ObstoreBackend:
             os.remove(local_path)
 
     def put(self, path: str, data: Data, *, create_only: bool) -> None:
-        with self._client_errors(), self._learning_uploads():
+        with self._client_errors():
             store, key = self._upload_split(path, _nbytes(data))
             self._obs.put(store, key, data, mode="create" if create_only else "overwrite")
 

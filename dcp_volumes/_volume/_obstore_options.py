@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -173,6 +172,11 @@ _AZURE_NAMES = frozenset(
 )
 
 
+# A class of requests that share a store (``_stall.py``): ("read" | "upload" | "server",
+# seconds).
+RequestClass = tuple[str, float]
+
+
 @dataclass
 class StoreSettings:
     """Keyword arguments for one ``S3Store`` / ``AzureStore`` (the bucket comes later)."""
@@ -198,26 +202,27 @@ class StoreSettings:
             f"endpoint_source={self.endpoint_source!r})"
         )
 
-    def kwargs(self, upload_deadline_s: float | None = None) -> dict[str, Any]:
-        """The store's keyword arguments; ``upload_deadline_s``: those of a store for
-        uploads that may take that long before they count as stalled (``_stall.py``),
-        ``math.inf`` for requests the server works on before it answers."""
+    def kwargs(self, request: RequestClass | None = None) -> dict[str, Any]:
+        """The keyword arguments of a store for one class of requests (``_stall.py``):
+        ``("read", s)``: wait ``s`` for each next piece of an answer; ``("upload", s)``:
+        ``s`` from the start to the answer; ``("server", inf)``: the request timeout
+        alone; ``None``: the settings as they are."""
         client_options = dict(self.client_options)
         retry = dict(self.retry_config)
-        if upload_deadline_s == math.inf:
-            # Work the server does before it answers (a copy, a batch delete): no
-            # read timeout of ours, the request timeout alone.
-            if self.stall is not None:
-                client_options.pop("read_timeout", None)
-        elif upload_deadline_s is not None:
-            client_options["read_timeout"] = timedelta(seconds=upload_deadline_s)
-            # The client's own 30 s would cut an upload the learnt deadline allows.
+        if request is None or self.stall is None:
+            pass
+        elif request[0] == "server":
+            client_options.pop("read_timeout", None)
+        else:
+            seconds = request[1]
+            client_options["read_timeout"] = timedelta(seconds=seconds)
+            # The client's own 30 s would cut a request the learnt deadline allows.
             client_options.setdefault(
-                "timeout", timedelta(seconds=max(_CLIENT_DEFAULT_TIMEOUT_S, 2 * upload_deadline_s))
+                "timeout", timedelta(seconds=max(_CLIENT_DEFAULT_TIMEOUT_S, 2 * seconds))
             )
             if self.own_retry_config:
                 # One try more inside the client (a 503 on one part does not restart the
-                # file), then the volume's loop: its next try gets the longer deadline.
+                # file), then the volume's loop: its next try waits longer, if learnt.
                 retry["max_retries"] = min(1, int(retry.get("max_retries", 1)))
         out: dict[str, Any] = {"config": self.config, "client_options": client_options}
         out["retry_config"] = retry

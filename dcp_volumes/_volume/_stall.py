@@ -8,12 +8,12 @@ one such stall anywhere stalled everyone for half a minute.
 
 Design (obstore; its client is reqwest):
 
-- **Reads and every request without a body** (GET, HEAD, LIST, DELETE, COPY)
-  get an idle timeout: reqwest's ``read_timeout``, which waits ``stall_s``
-  for the response headers and then ``stall_s`` for each next piece of the
-  body, restarting on every piece. A GET sends no body, so the first wait is
-  the server's first-byte time alone; a slow download that moves is never
-  cut, however long it takes, and a stall costs ``stall_s`` plus one retry.
+- **Reads** (GET, HEAD) get an idle timeout: reqwest's ``read_timeout``,
+  which waits ``stall_s`` for the response headers and then ``stall_s`` for
+  each next piece of the body, restarting on every piece. A GET sends no
+  body, so the first wait is the server's first-byte time alone; a slow
+  download that moves is never cut, however long it takes, and a stall costs
+  ``stall_s`` plus one retry.
 - **Uploads** cannot use the idle timeout alone: reqwest's read timer runs
   from the request's start, while the body is still being sent
   (reqwest#2784), so a body that takes longer than ``stall_s`` to send would
@@ -23,16 +23,24 @@ Design (obstore; its client is reqwest):
   control files), and sizes are rounded up to a power of two, so a few
   request classes cover them, each with its own store (reqwest fixes its
   timeouts per client).
-- **A slow link is learnt, not cut forever**: an upload that timed out
-  doubles every later upload's deadline in this process (up to 2**6 times):
-  what its peers get is the best guide to what the next one gets. A stall
-  costs one deadline; a link slower than the floor costs one cut, after which
-  the floor is lower for everyone.
+- **Work the server does before it answers**, in proportion to what was
+  asked (a listing page, a server-side copy, a batch delete), keeps the
+  request timeout alone: such requests are few (one listing per commit or
+  restore), and an idle timeout would cut a slow store's honest answer.
+- **A slow store or link is learnt, not cut forever**: a request that timed
+  out doubles every later request's time in this process (up to 2**6
+  times): what its peers get is the best guide to what the next one gets;
+  after ``_SETTLE`` requests in a row that succeed, the time halves again, so
+  random stalls do not ratchet it up for good. A stall costs one deadline; a
+  store slower than the guess costs a cut or two, after which everyone waits
+  longer.
 - **No retry storm**: the retried request is the client's own retry
-  (``retry_config``: bounded tries, exponential backoff with full jitter)
-  beneath the volume's bounded retries; upload stores retry once inside the
-  client, so a cut upload soon comes back to the volume's loop and the next
-  try gets the longer deadline. Nothing is sent twice at once.
+  (``retry_config``: exponential backoff with full jitter) beneath the
+  volume's bounded retries (``RetryPolicy.attempts``, the same backoff). The
+  stores of reads and uploads retry once inside the client (a 503 on one
+  part does not restart the file), so a request that keeps timing out soon
+  comes back to the volume's loop, whose next try gets the learnt, longer
+  time. Nothing is sent twice at once.
 
 Hedged reads (a second GET after a deadline, the first answer wins) were the
 alternative for reads: they cost a second request on every slow read, run
@@ -57,8 +65,10 @@ from dataclasses import dataclass, field
 
 # Uploads below this size get this size's deadline (a few classes for small files).
 _SMALLEST_CLASS = 2**20
-# How far the upload deadline may grow after timeouts (2**6 = 64 times the first).
+# How far the deadlines may grow after timeouts (2**6 = 64 times the first).
 _MAX_LEVEL = 6
+# Requests in a row that succeed before a grown deadline halves again.
+_SETTLE = 32
 
 
 @dataclass
@@ -74,7 +84,12 @@ class StallGuard:
     stall_s: float
     min_rate: float
     _level: int = 0
+    _successes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def read_timeout_s(self) -> float:
+        """Seconds a read waits for each next piece of its answer."""
+        return float(self.stall_s * 2**self._level)
 
     def upload_deadline_s(self, nbytes: int) -> float:
         """Seconds an upload request of ``nbytes`` may take before it counts as stalled.
@@ -84,10 +99,21 @@ class StallGuard:
         size = max(_SMALLEST_CLASS, 1 << max(0, math.ceil(math.log2(max(1, nbytes)))))
         return float(self.stall_s + size / self.min_rate * (2**self._level))
 
-    def saw_upload_timeout(self) -> None:
-        """An upload timed out: give every later upload twice the time (bounded)."""
+    def saw_timeout(self) -> None:
+        """A request timed out: give every later one twice the time (bounded)."""
         with self._lock:
             self._level = min(_MAX_LEVEL, self._level + 1)
+            self._successes = 0
+
+    def saw_success(self) -> None:
+        """A request succeeded: after ``_SETTLE`` in a row, a grown deadline halves."""
+        if not self._level:
+            return
+        with self._lock:
+            self._successes += 1
+            if self._successes >= _SETTLE and self._level:
+                self._level -= 1
+                self._successes = 0
 
     @property
     def level(self) -> int:
