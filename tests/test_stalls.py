@@ -19,6 +19,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from dcp_volumes import ConfigurationError, RetryPolicy, VolumeReader, VolumeWriter
+from dcp_volumes._volume import _stall
 from tests.checkpoint_helpers import assert_same, blank_like, sample_state
 from tests.emulators import LatencyProxy, MotoServer
 
@@ -126,7 +127,9 @@ def _settings(options: dict[str, Any], policy: RetryPolicy) -> Any:
                         **options}, policy)
 
 
-def test_reads_wait_stall_s_per_piece_and_uploads_get_their_size_over_the_floor() -> None:
+def test_reads_wait_stall_s_per_piece_and_uploads_get_their_size_over_the_floor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     out = _settings({}, RetryPolicy(stall_s=2.0, min_rate=8 * 2**20))
     assert out.client_options["read_timeout"] == timedelta(seconds=2)
     assert out.stall is not None
@@ -140,19 +143,22 @@ def test_reads_wait_stall_s_per_piece_and_uploads_get_their_size_over_the_floor(
     assert upload["retry_config"]["max_retries"] == 1  # then the volume's loop, longer
     # Work the server does before it answers (a listing, a copy): no read timeout.
     assert "read_timeout" not in out.kwargs(("server", math.inf))["client_options"]
-    # A timed-out request doubles every later request's time (bounded).
+    # A timed-out request doubles every later request's time (bounded), once per wave.
     assert out.stall.read_timeout_s() == 2.0
-    out.stall.saw_timeout()
+    out.stall.saw_timeout(0)
+    out.stall.saw_timeout(0)  # sent before the first doubling: no second one
     assert out.stall.upload_deadline_s(32 * 2**20) == 10.0
     assert out.stall.read_timeout_s() == 4.0
-    for _ in range(20):
-        out.stall.saw_timeout()
+    for level in range(1, 20):
+        out.stall.saw_timeout(level)
     assert out.stall.upload_deadline_s(32 * 2**20) == 2.0 + 4.0 * 2**6
-    # Requests that succeed, many in a row, bring it down again (random stalls do
-    # not ratchet it up for good).
-    for _ in range(32 * 6):
-        out.stall.saw_success()
-    assert out.stall.read_timeout_s() == 2.0 and out.stall.level == 0
+    # A success long after the last timeout halves it again (random stalls do not
+    # ratchet it up for good); one soon after does not.
+    out.stall.saw_success()
+    assert out.stall.level == 6
+    monkeypatch.setattr(_stall, "_SETTLE_S", 0.0)
+    out.stall.saw_success()
+    assert out.stall.level == 5
 
 
 def test_the_users_read_timeout_wins_and_stall_s_none_turns_detection_off() -> None:

@@ -156,11 +156,12 @@ class ObstoreBackend:
         that timed out lengthens later requests' deadlines (``_stall.py``)."""
         with map_exceptions(self._neutral):
             stall = self._settings.stall
+            level = stall.level if stall is not None else 0
             try:
                 yield
             except self._obs.exceptions.GenericError as exc:
                 if stall is not None and read_failure(exc).timed_out:
-                    stall.saw_timeout()
+                    stall.saw_timeout(level)
                     logger.info(
                         "a request got no answer within its deadline (a stall, or a slow "
                         "store or link): later requests wait %dx as long",

@@ -29,11 +29,13 @@ Design (obstore; its client is reqwest):
   restore), and an idle timeout would cut a slow store's honest answer.
 - **A slow store or link is learnt, not cut forever**: a request that timed
   out doubles every later request's time in this process (up to 2**6
-  times): what its peers get is the best guide to what the next one gets;
-  after ``_SETTLE`` requests in a row that succeed, the time halves again, so
-  random stalls do not ratchet it up for good. A stall costs one deadline; a
-  store slower than the guess costs a cut or two, after which everyone waits
-  longer.
+  times): what its peers get is the best guide to what the next one gets.
+  Once per wave: requests sent under the time that is already doubled do
+  not double it again (hundreds in flight time out together on an
+  overloaded store). When no request timed out for ``_SETTLE_S``, the time
+  halves again, so random stalls do not ratchet it up for good. A stall
+  costs one deadline; a store slower than the guess costs a cut or two,
+  after which everyone waits longer.
 - **No retry storm**: the retried request is the client's own retry
   (``retry_config``: exponential backoff with full jitter) beneath the
   volume's bounded retries (``RetryPolicy.attempts``, the same backoff). The
@@ -61,14 +63,15 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 
 # Uploads below this size get this size's deadline (a few classes for small files).
 _SMALLEST_CLASS = 2**20
 # How far the deadlines may grow after timeouts (2**6 = 64 times the first).
 _MAX_LEVEL = 6
-# Requests in a row that succeed before a grown deadline halves again.
-_SETTLE = 32
+# Seconds without a timeout after which a grown deadline halves again.
+_SETTLE_S = 30.0
 
 
 @dataclass
@@ -84,7 +87,7 @@ class StallGuard:
     stall_s: float
     min_rate: float
     _level: int = 0
-    _successes: int = 0
+    _changed: float = 0.0  # time.monotonic() of the last change of the level
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def read_timeout_s(self) -> float:
@@ -99,23 +102,24 @@ class StallGuard:
         size = max(_SMALLEST_CLASS, 1 << max(0, math.ceil(math.log2(max(1, nbytes)))))
         return float(self.stall_s + size / self.min_rate * (2**self._level))
 
-    def saw_timeout(self) -> None:
-        """A request timed out: give every later one twice the time (bounded)."""
+    def saw_timeout(self, level: int) -> None:
+        """A request sent at ``level`` (``level`` then) timed out: unless the time
+        was doubled since it was sent, give every later request twice the time."""
         with self._lock:
-            self._level = min(_MAX_LEVEL, self._level + 1)
-            self._successes = 0
+            if level == self._level < _MAX_LEVEL:
+                self._level += 1
+                self._changed = time.monotonic()
 
     def saw_success(self) -> None:
-        """A request succeeded: after ``_SETTLE`` in a row, a grown deadline halves."""
-        if not self._level:
+        """A request succeeded: with no timeout for ``_SETTLE_S``, a grown time halves."""
+        if not self._level or time.monotonic() - self._changed < _SETTLE_S:
             return
         with self._lock:
-            self._successes += 1
-            if self._successes >= _SETTLE and self._level:
+            if self._level and time.monotonic() - self._changed >= _SETTLE_S:
                 self._level -= 1
-                self._successes = 0
+                self._changed = time.monotonic()
 
     @property
     def level(self) -> int:
-        """How often the upload deadline was doubled so far."""
+        """How often the time was doubled (net): 0 at first."""
         return self._level
