@@ -303,13 +303,13 @@ def table(result: dict[str, Any]) -> str:
     """The side-by-side table (our and stock DCP's costs per N)."""
     headers = ["method", "ranks", "plan_dcp s", "plan_storage s", "commit s", "commit MiB peak",
                "commit requests", "metadata KiB", "manifest KiB", "load GET .metadata",
-               "load GET manifest", "load LIST", "load plan s"]
+               "load GET manifest", "load LIST", "load HEAD", "load plan s",
+               "dcp.load GET .metadata"]
     rows = []
     for row in result["rows"]:
         s, ld, z = row["save"], row["load"], row["sizes"]
-        load_reqs: collections.Counter[str] = collections.Counter()
-        for phase in ld.values():
-            load_reqs.update(phase["requests"])
+        load_reqs = _totals(ld)
+        plain = _totals(row.get("load_dcp") or ld)  # every rank reads for itself
         rows.append([
             row["method"], row["ranks"], f"{s['plan_dcp']['seconds']:.3f}",
             f"{s['plan_storage']['seconds']:.3f}", f"{s['commit']['seconds']:.3f}",
@@ -317,9 +317,18 @@ def table(result: dict[str, Any]) -> str:
             " ".join(f"{k}:{v}" for k, v in s["commit"]["requests"].items()),
             f"{z.get('metadata_bytes', 0) / 1024:.0f}", f"{z.get('manifest_bytes', 0) / 1024:.0f}",
             load_reqs.get("GET .metadata", 0), load_reqs.get("GET manifest", 0),
-            load_reqs.get("GET list", 0), f"{ld['plan']['seconds']:.3f}",
+            load_reqs.get("GET list", 0),
+            sum(v for k, v in load_reqs.items() if k.startswith("HEAD")),
+            f"{ld['plan']['seconds']:.3f}", plain.get("GET .metadata", 0),
         ])
     return format_table(headers, rows)
+
+
+def _totals(phases: dict[str, Any]) -> collections.Counter[str]:
+    out: collections.Counter[str] = collections.Counter()
+    for phase in phases.values():
+        out.update(phase["requests"])
+    return out
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
