@@ -16,7 +16,7 @@ INSTALL_STAMP := $(VENV)/.dcp-volumes-installed
 RADOSGW := /usr/bin/radosgw
 PYTEST_ARGS ?=
 
-.PHONY: test lint demo setup constraints
+.PHONY: test test-gpu lint demo setup constraints
 
 setup: $(INSTALL_STAMP) $(AZURITE) $(RADOSGW)
 
@@ -51,6 +51,12 @@ $(RADOSGW):
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# The GPU path (tests/test_gpu.py and the other `gpu` tests), on a machine with a
+# CUDA device; without one they are skipped, with the reason. `make test` runs
+# them too, so CI skips them there.
+test-gpu: setup
+	$(PY) -m pytest tests -m gpu $(PYTEST_ARGS)
 
 lint: $(INSTALL_STAMP)
 	$(VENV)/bin/ruff check .

@@ -9,6 +9,7 @@
         --storage-option key=... --storage-option secret=...
     python -m benchmarks checkpoint --link tbf --tbf-rate 800mbit   # kernel-shaped lo
     python -m benchmarks replot [benchmarks/results/checkpoint.json ...]  # redraw the PNGs
+    python -m benchmarks scale --ranks 8,64,256,1024     # N simulated ranks, ours and stock
 
 This module only parses and dispatches; the benchmarks are ``bench_*.py``.
 Heavy imports (torch, the clients) happen once a benchmark runs, so building
@@ -32,7 +33,7 @@ from benchmarks._common import LINKS, RESULTS_DIR, TBF_ENV, results_path, write_
 from benchmarks._goodput import DEFAULT_FAILURES_PER_DAY, DEFAULT_RESTART_S
 from benchmarks._targets import TargetError, add_target_arguments, resolve
 
-SUITES = ("checkpoint", "data", "all", "replot")
+SUITES = ("checkpoint", "data", "all", "replot", "scale")
 QUICK = {"sizes": (8,), "ranks": (2,), "repeats": 2, "load_repeats": 1, "local_tier_repeats": 1}
 
 
@@ -67,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sizes", type=_ints, default=None, metavar="MIB,...",
                    help="state per rank in MiB (default 32,128,512; quick 8)")
     g.add_argument("--ranks", type=_ints, default=None, metavar="N,...",
-                   help="rank counts (default 1,2,4; quick 2)")
+                   help="rank counts (default 1,2,4; quick 2; scale: 8,64,256,1024)")
     g.add_argument("--repeats", type=int, default=None,
                    help="saves per method, >= 2: the first and the steady state (default 3)")
     g.add_argument("--load-repeats", type=int, default=None, help="loads per reader (default 2)")
@@ -82,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-reshard", action="store_true",
                    help="skip the load on another world size")
     g.add_argument("--no-local-tier", action="store_true", help="skip the local-tier restore")
+    g.add_argument("--files-per-rank", type=int, default=8,
+                   help="scale: files (tensors) of each simulated rank (default 8)")
+    g.add_argument("--parallel", type=int, default=16,
+                   help="scale: simulated ranks writing or reading at once (default 16)")
     g.add_argument("--failures-per-day", type=float, default=DEFAULT_FAILURES_PER_DAY,
                    help=f"goodput model: interruptions per day (default "
                         f"{DEFAULT_FAILURES_PER_DAY}, Llama 3)")
@@ -280,6 +285,22 @@ def replot(names: Sequence[str], out: Any = None) -> int:
     return 0
 
 
+def run_scale(args: argparse.Namespace, out: Any = None) -> int:
+    """The simulation of N ranks (``bench_scale``); moto only, ours and stock side by side."""
+    if args.target != "moto":
+        raise ValueError("scale runs against moto only (it counts requests through a proxy)")
+    from benchmarks import bench_scale
+
+    methods = tuple(args.methods.split(",")) if args.methods else bench_scale.METHODS
+    unknown = set(methods) - set(bench_scale.METHODS)
+    if unknown:
+        raise ValueError(f"scale --methods: {sorted(unknown)}; choose from {bench_scale.METHODS}")
+    if args.files_per_rank < 1 or args.parallel < 1:
+        raise ValueError("--files-per-rank and --parallel must be >= 1")
+    return bench_scale.main(args.ranks or bench_scale.DEFAULT_RANKS, files=args.files_per_rank,
+                            parallel=args.parallel, methods=methods, out=out or sys.stdout)
+
+
 def run(args: argparse.Namespace, argv: Sequence[str], out: Any = None) -> int:
     """Run what ``args`` asks for; ``argv`` is the command line (for the reports and tbf)."""
     if args.suite == "replot":
@@ -293,6 +314,8 @@ def run(args: argparse.Namespace, argv: Sequence[str], out: Any = None) -> int:
     if args.link == "tbf" and not _in_tbf_namespace():
         return reexec_in_tbf_namespace(argv, args.tbf_rate)
     command = "python -m benchmarks " + " ".join(argv)
+    if args.suite == "scale":
+        return run_scale(args, out)
     code = 0
     if args.suite in ("checkpoint", "all"):
         code = run_checkpoint(args, command, out) or code

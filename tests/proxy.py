@@ -96,7 +96,7 @@ class _Answer(Exception):
         self.status = status
 
 
-_FAULT_KINDS = ("503", "500", "reset", "cut", "stall")
+_FAULT_KINDS = ("503", "500", "reset", "cut", "stall", "hold")
 # Error bodies in S3's format (Azure and GCS clients go by the status alone).
 _STATUS_TEXT = {500: ("Internal Server Error", "InternalError"),
                 503: ("Slow Down", "SlowDown"), 429: ("Too Many Requests", "SlowDown")}
@@ -122,8 +122,10 @@ class LatencyProxy:
             ``seed``: a 503 SlowDown or a 500 answer, a reset before the request
             reaches the server, a response cut part-way, or a stall: the request
             is read and never answered (``fault_kinds`` chooses among "503",
-            "500", "reset", "cut", "stall"; the default leaves stalls out, as
-            each costs the client its full timeout). ``faults`` counts them.
+            "500", "reset", "cut", "stall", "hold": the response is forwarded
+            part-way, then nothing more comes and the connection stays open; the
+            default leaves stalls out). ``faults`` counts them, ``stalled`` counts
+            both stalling kinds by request.
 
     ``requests`` counts every request seen, dropped ones included, by
     ``(method, path)`` with the path percent-decoded and the query removed:
@@ -176,7 +178,7 @@ class LatencyProxy:
         self._seq = 0
         self._drops: collections.deque[tuple[int, str | None]] = collections.deque()
         self._answers: collections.deque[tuple[int, str | None]] = collections.deque()
-        self._stalls: collections.deque[str | None] = collections.deque()
+        self._stalls: collections.deque[tuple[str | None, int]] = collections.deque()
         self._hooks: collections.deque[tuple[Callable[[], None], str | None]] = (
             collections.deque()
         )
@@ -272,14 +274,18 @@ class LatencyProxy:
         with self._lock:
             self._answers.extend([(status, method)] * n)
 
-    def stall_next(self, n: int = 1, *, method: str | None = None) -> None:
+    def stall_next(
+        self, n: int = 1, *, method: str | None = None, after_bytes: int = 0
+    ) -> None:
         """Stall each of the next ``n`` requests: read it (body included) and never answer
         nor forward it, as a hung server or proxy does; the connection stays open until
-        the client gives up or the proxy stops. ``stalled`` counts them."""
-        if n < 0:
-            raise ValueError("n must be >= 0")
+        the client gives up or the proxy stops. ``after_bytes=k`` forwards it and holds
+        the response after ``k`` bytes (headers included) instead. ``stalled`` counts
+        them."""
+        if n < 0 or after_bytes < 0:
+            raise ValueError("n and after_bytes must be >= 0")
         with self._lock:
-            self._stalls.extend([method] * n)
+            self._stalls.extend([(method, after_bytes)] * n)
 
     def call_next(self, fn: Callable[[], None], *, method: str | None = None) -> None:
         """Run ``fn()`` when the next request (of ``method``) arrives, before it is forwarded:
@@ -318,8 +324,9 @@ class LatencyProxy:
         with self._lock:
             return self.requests[(method, path)]
 
-    def _on_request(self, method: str, target: str) -> int | None:
-        """Record a request; returns bytes of response to pass before a reset, or None."""
+    def _on_request(self, method: str, target: str) -> tuple[int | None, bool]:
+        """Record a request; returns the bytes of response to pass before a reset (or
+        None), and whether the connection is then held open instead of reset."""
         path = urllib.parse.unquote(urllib.parse.urlsplit(target).path)
         key = (method, path)
         hook = None
@@ -337,10 +344,12 @@ class LatencyProxy:
                 status = self._answers.popleft()[0]
                 self.answered[status] += 1
                 raise _Answer(status)
-            if self._stalls and self._stalls[0] in (None, method):
-                self._stalls.popleft()
+            if self._stalls and self._stalls[0][0] in (None, method):
+                after = self._stalls.popleft()[1]
                 self.stalled[key] += 1
-                raise _Stall
+                if not after:
+                    raise _Stall
+                return after, True
             if self._drops and self._drops[0][1] in (None, method):
                 drop = self._drops.popleft()[0]
             elif self.fail_every and self._seq % self.fail_every == 0:
@@ -355,9 +364,12 @@ class LatencyProxy:
                     raise _Stall
                 # A cut lands after the headers and a little of the body.
                 drop = 0 if kind == "reset" else self._rng.randint(200, 4096)
+                if kind == "hold":
+                    self.stalled[key] += 1
+                    return drop, True
             if drop is not None:
                 self.dropped[key] += 1
-        return drop
+        return drop, False
 
     # -- plumbing ------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -429,6 +441,7 @@ class LatencyProxy:
         expect_request = True  # next client bytes may start a request
         pending = b""
         cut_after: int | None = None  # response bytes left before a mid-stream reset
+        hold = False  # at cut_after, hold the connection open instead of resetting it
         open_ = {client: True, upstream: True}
         while not self._stopping.is_set():
             readable = [s for s, is_open in open_.items() if is_open]
@@ -451,7 +464,9 @@ class LatencyProxy:
                         m = _REQUEST_LINE.match(data)
                         if m:
                             expect_request = False
-                            drop = self._on_request(m.group(1).decode(), m.group(2).decode())
+                            drop, hold = self._on_request(
+                                m.group(1).decode(), m.group(2).decode()
+                            )
                             if drop == 0:
                                 raise _Drop
                             cut_after = drop
@@ -472,7 +487,7 @@ class LatencyProxy:
                     if cut_after is not None:
                         if len(data) >= cut_after:
                             client.sendall(data[:cut_after])
-                            raise _Drop
+                            raise _Stall if hold else _Drop
                         cut_after -= len(data)
                     if down_bucket:
                         down_bucket.take(len(data))

@@ -56,7 +56,8 @@ def test_obstore_keys_pass_through_and_a_custom_endpoint_uses_path_style() -> No
     )
     assert out.config["endpoint"] == "https://minio:9000"
     assert out.config["virtual_hosted_style_request"] is False
-    assert out.client_options == {"timeout": "30s"}
+    # The user's timeout, and the stall detector's read timeout (RetryPolicy.stall_s).
+    assert out.client_options == {"timeout": "30s", "read_timeout": timedelta(seconds=3)}
     assert "allow_http" not in out.client_options
 
 

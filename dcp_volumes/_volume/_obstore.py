@@ -4,7 +4,9 @@ One client library for the bulk bytes of both stores: multipart uploads read
 straight from the staged file, ranged reads, HEAD, listings, batch deletes,
 create-only puts and server-side copies, all with the GIL released and retried
 by the client itself (``retry_config``, set from the volume's ``RetryPolicy``).
-Stores are created lazily, one per bucket, in the process that uses them.
+Stores are created lazily, one per bucket, in the process that uses them;
+uploads go through stores of their own, one per deadline class (``_stall.py``:
+a stalled request is found in seconds, a slow one that moves is never cut).
 
 Fork: obstore's runtime threads do not exist in a child forked after the
 parent did I/O through it, and the child hangs on its first call (tokio does
@@ -17,10 +19,12 @@ starts its workers with forkserver for that reason).
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import os
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -45,8 +49,15 @@ from dcp_volumes._volume._errors import (
     map_exceptions,
 )
 from dcp_volumes._volume._mapped import mapped, mapped_parts
-from dcp_volumes._volume._obstore_options import StoreSettings
+from dcp_volumes._volume._obstore_options import RequestClass, StoreSettings
 from dcp_volumes._volume._retry import redact_url
+
+logger = logging.getLogger("dcp_volumes._volume")
+
+# The store class of requests the server works on, in proportion to what they ask,
+# before it answers (a listing page, a server-side copy, a batch delete): the request
+# timeout alone, no stall detection (there are few of them).
+_SERVER_WORK = ("server", math.inf)
 
 # The pid of this process once it did I/O through obstore; True in a child
 # forked after that (its inherited runtime cannot run there).
@@ -98,24 +109,29 @@ class ObstoreBackend:
     def __init__(self, kind: str, settings: StoreSettings) -> None:
         self._kind = kind  # "s3" or "azure"
         self._settings = settings
-        self._stores: dict[str, Any] = {}
+        self._stores: dict[tuple[str, RequestClass | None], Any] = {}
         self._lock = threading.Lock()
         self._obs = require()
 
     # -- stores ---------------------------------------------------------------------------
 
-    def _store(self, bucket: str) -> Any:
-        store = self._stores.get(bucket)
+    def _store(self, bucket: str, request: RequestClass | None = None) -> Any:
+        """The bucket's store for a class of requests (``_stall.py``); by default reads."""
+        stall = self._settings.stall
+        if request is None and stall is not None:
+            request = ("read", stall.read_timeout_s())
+        key = (bucket, request)
+        store = self._stores.get(key)
         if store is None:
             with self._lock:
-                store = self._stores.get(bucket)
+                store = self._stores.get(key)
                 if store is None:
                     from obstore.store import AzureStore, S3Store
 
                     cls = S3Store if self._kind == "s3" else AzureStore
                     with watch_client_start(self._kind.upper()):
-                        store = cls(bucket, **self._settings.kwargs())
-                    self._stores[bucket] = store
+                        store = cls(bucket, **self._settings.kwargs(request))
+                    self._stores[key] = store
         global _io_pid
         _io_pid = os.getpid()
         return store
@@ -124,11 +140,36 @@ class ObstoreBackend:
         bucket, _, key = path.partition("/")
         return self._store(bucket), key
 
+    def _upload_split(self, path: str, request_bytes: int) -> tuple[Any, str]:
+        """The store for uploads of ``request_bytes`` per request, and the key."""
+        stall = self._settings.stall
+        if stall is None:
+            return self._split(path)
+        bucket, _, key = path.partition("/")
+        return self._store(bucket, ("upload", stall.upload_deadline_s(request_bytes))), key
+
     # -- errors ---------------------------------------------------------------------------
 
-    def _client_errors(self) -> contextlib.AbstractContextManager[None]:
-        """Raise obstore's exceptions as the neutral kinds (``_errors.py``)."""
-        return map_exceptions(self._neutral)
+    @contextlib.contextmanager
+    def _client_errors(self) -> Iterator[None]:
+        """Raise obstore's exceptions as the neutral kinds (``_errors.py``); a request
+        that timed out lengthens later requests' deadlines (``_stall.py``)."""
+        with map_exceptions(self._neutral):
+            stall = self._settings.stall
+            level = stall.level if stall is not None else 0
+            try:
+                yield
+            except self._obs.exceptions.GenericError as exc:
+                if stall is not None and read_failure(exc).timed_out:
+                    stall.saw_timeout(level)
+                    logger.info(
+                        "a request got no answer within its deadline (a stall, or a slow "
+                        "store or link): later requests wait %dx as long",
+                        2**stall.level,
+                    )
+                raise
+            if stall is not None:
+                stall.saw_success()
 
     def _neutral(self, exc: Exception) -> BackendError | None:
         """The neutral kind of one of obstore's exceptions (by its type), or ``None``."""
@@ -256,8 +297,8 @@ class ObstoreBackend:
 
     def list(self, prefix: str, *, recursive: bool) -> Listing:
         with self._client_errors():
-            store, key = self._split(prefix)
-            bucket = prefix.partition("/")[0]
+            bucket, _, key = prefix.partition("/")
+            store = self._store(bucket, _SERVER_WORK)
             try:
                 if recursive:
                     files = [
@@ -319,7 +360,7 @@ class ObstoreBackend:
         # memory in per-thread arenas (an async save's peak RSS grew to 2.1x
         # the state that way instead of 1.1x).
         with self._client_errors(), open(local_path, "rb") as f:
-            store, key = self._split(path)
+            store, key = self._upload_split(path, min(size, part_size))
             if size > part_size:
                 self._obs.put(
                     store,
@@ -337,7 +378,7 @@ class ObstoreBackend:
 
     def put(self, path: str, data: Data, *, create_only: bool) -> None:
         with self._client_errors():
-            store, key = self._split(path)
+            store, key = self._upload_split(path, _nbytes(data))
             self._obs.put(store, key, data, mode="create" if create_only else "overwrite")
 
     def delete(self, paths: Sequence[str]) -> None:
@@ -347,7 +388,7 @@ class ObstoreBackend:
             by_bucket.setdefault(bucket, []).append(key)
         for bucket, keys in by_bucket.items():
             with self._client_errors():
-                store = self._store(bucket)
+                store = self._store(bucket, _SERVER_WORK)
                 try:
                     self._obs.delete(store, keys)
                 except FileNotFoundError:
@@ -361,7 +402,7 @@ class ObstoreBackend:
         if dst_bucket != src.partition("/")[0]:
             raise ValueError(f"copy across buckets ({src} -> {dst}) is not supported")
         with self._client_errors():
-            store, src_key = self._split(src)
+            store, src_key = self._store(dst_bucket, _SERVER_WORK), src.partition("/")[2]
             self._obs.copy(store, src_key, dst_key, overwrite=True)
 
 
@@ -370,6 +411,7 @@ class _Failure:
     """What obstore's client says about a request that failed (see ``read_failure``)."""
 
     connect: bool  # the connection was never made (refused, no route, DNS): retried already
+    timed_out: bool  # the client gave up waiting (its timeout or read timeout)
     unsendable: bool  # the request could not be built from the settings: never sent
     cause: str  # the innermost reason the client names: "ConnectionRefused", "dns error", ...
     retries: int  # how often the client retried the request
@@ -389,6 +431,7 @@ _URI = re.compile(r"\buri: Some\(\s*([^\s,()]+)")
 # The status the server answered, and the code and message of an XML error body
 # (obstore's first line names its own reading of the status, not the server's).
 _STATUS = re.compile(r"status code: (\d{3})\b")
+_TIMED_OUT = re.compile(r"\bTimedOut\b|operation timed out")
 _BODY_FIELDS = {tag: re.compile(rf"<{tag}>([^<\n]*)") for tag in ("Code", "Message")}
 
 
@@ -428,6 +471,8 @@ def read_failure(exc: BaseException) -> _Failure:
         cause = "unknown"
     return _Failure(
         connect=http_kind is not None and http_kind.group(1) == "Connect",
+        timed_out=(http_kind is not None and http_kind.group(1) == "Timeout")
+        or _TIMED_OUT.search(text) is not None,
         unsendable=unsendable,
         cause=cause,
         retries=int(retries.group(1)) if retries else 0,
@@ -435,6 +480,16 @@ def read_failure(exc: BaseException) -> _Failure:
         status=status,
         server_said=": ".join(said) if said else None,
     )
+
+
+def _nbytes(data: Data) -> int:
+    """The size of a body ``put`` sends (bytes-like, or a sequence of them)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return memoryview(data).nbytes
+    try:
+        return sum(memoryview(part).nbytes for part in data)
+    except TypeError:
+        return len(data)
 
 
 def _info(path: str, meta: Mapping[str, Any]) -> FileInfo:

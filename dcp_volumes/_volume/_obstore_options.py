@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from dcp_volumes import _env
 from dcp_volumes._exceptions import ConfigurationError, VolumeAccessError
 from dcp_volumes._volume._retry import RetryPolicy
+from dcp_volumes._volume._stall import StallGuard
 
 logger = logging.getLogger("dcp_volumes._volume")
 
@@ -171,6 +172,11 @@ _AZURE_NAMES = frozenset(
 )
 
 
+# A class of requests that share a store (``_stall.py``): ("read" | "upload" | "server",
+# seconds).
+RequestClass = tuple[str, float]
+
+
 @dataclass
 class StoreSettings:
     """Keyword arguments for one ``S3Store`` / ``AzureStore`` (the bucket comes later)."""
@@ -182,6 +188,11 @@ class StoreSettings:
     # Where ``config["endpoint"]`` came from, for messages: "storage_options" or the
     # environment variable that gave it ("" when no endpoint is configured).
     endpoint_source: str = ""
+    # The stall detector's deadlines (``_stall.py``); None where the user set the
+    # client's read timeout, or the policy turned stall detection off.
+    stall: StallGuard | None = None
+    # Whether retry_config is the policy's (True) or the user's own.
+    own_retry_config: bool = True
 
     def __repr__(self) -> str:
         # The config holds credentials: name its keys, never its values.
@@ -191,9 +202,30 @@ class StoreSettings:
             f"endpoint_source={self.endpoint_source!r})"
         )
 
-    def kwargs(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"config": self.config, "client_options": self.client_options}
-        out["retry_config"] = self.retry_config
+    def kwargs(self, request: RequestClass | None = None) -> dict[str, Any]:
+        """The keyword arguments of a store for one class of requests (``_stall.py``):
+        ``("read", s)``: wait ``s`` for each next piece of an answer; ``("upload", s)``:
+        ``s`` from the start to the answer; ``("server", inf)``: the request timeout
+        alone; ``None``: the settings as they are."""
+        client_options = dict(self.client_options)
+        retry = dict(self.retry_config)
+        if request is None or self.stall is None:
+            pass
+        elif request[0] == "server":
+            client_options.pop("read_timeout", None)
+        else:
+            seconds = request[1]
+            client_options["read_timeout"] = timedelta(seconds=seconds)
+            # The client's own 30 s would cut a request the learnt deadline allows.
+            client_options.setdefault(
+                "timeout", timedelta(seconds=max(_CLIENT_DEFAULT_TIMEOUT_S, 2 * seconds))
+            )
+            if self.own_retry_config:
+                # One try more inside the client (a 503 on one part does not restart the
+                # file), then the volume's loop: its next try waits longer, if learnt.
+                retry["max_retries"] = min(1, int(retry.get("max_retries", 1)))
+        out: dict[str, Any] = {"config": self.config, "client_options": client_options}
+        out["retry_config"] = retry
         if self.credential_provider is not None:
             out["credential_provider"] = self.credential_provider
         return out
@@ -266,7 +298,17 @@ def s3_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSetting
     if "region" not in out.config and "default_region" not in out.config:
         out.config["region"] = "us-east-1"  # requests must be signed for some region
     _check_aws_credentials(out)
+    _stall_detection(out, policy)
     return out
+
+
+def _stall_detection(out: StoreSettings, policy: RetryPolicy) -> None:
+    """Reads wait ``policy.stall_s`` for each next piece of an answer (``_stall.py``);
+    a ``read_timeout`` of the user's own wins, and turns the learnt deadlines off."""
+    if policy.stall_s is None or "read_timeout" in out.client_options:
+        return
+    out.client_options["read_timeout"] = timedelta(seconds=policy.stall_s)
+    out.stall = StallGuard(stall_s=policy.stall_s, min_rate=policy.min_rate)
 
 
 def _is_plain_http(endpoint: object) -> bool:
@@ -348,6 +390,7 @@ def azure_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSett
     if out.config.get("endpoint"):
         out.endpoint_source = "storage_options"
     _allow_plain_http(out)
+    _stall_detection(out, policy)
     return out
 
 
@@ -371,6 +414,7 @@ def _start(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSettings:
     out.client_options.update(dict(options.get("client_options") or {}))
     if options.get("retry_config"):
         out.retry_config = dict(options["retry_config"])
+        out.own_retry_config = False
     out.credential_provider = options.get("credential_provider")
     return out
 

@@ -85,12 +85,22 @@ class RetryPolicy:
             S3 and Azure (obstore's client; ``storage_options={"timeout": ...}``
             overrides it); ``None``: the client's default (30 s). fsspec clients
             take their own timeout options in ``storage_options``.
+        stall_s: a request that receives nothing for this long is stalled, and
+            abandoned and tried again (S3 and Azure): a read waits this long for
+            each next piece of its answer, so a slow read that moves is never
+            cut; an upload waits this long beyond its sending time at
+            ``min_rate`` (``_stall.py``). ``None``: only ``timeout_s`` applies.
+        min_rate: bytes per second per stream an upload is given before it
+            counts as stalled; a timed-out upload doubles the time given to later
+            ones (a slow link is learnt, not cut forever).
     """
 
     attempts: int = 5
     base_delay_s: float = 0.1
     max_delay_s: float = 8.0
     timeout_s: float | None = None
+    stall_s: float | None = 3.0
+    min_rate: float = 16 * 2**20
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -101,6 +111,15 @@ class RetryPolicy:
             raise ConfigurationError(
                 f"RetryPolicy.timeout_s={self.timeout_s} must be > 0 seconds (or None for the "
                 "client's default)."
+            )
+        if self.stall_s is not None and not self.stall_s > 0:
+            raise ConfigurationError(
+                f"RetryPolicy.stall_s={self.stall_s} must be > 0 seconds (or None to detect "
+                "stalls by timeout_s alone)."
+            )
+        if not self.min_rate > 0:
+            raise ConfigurationError(
+                f"RetryPolicy.min_rate={self.min_rate} must be > 0 bytes per second."
             )
 
     def delay(self, attempt: int) -> float:

@@ -568,7 +568,10 @@ class CheckpointManager:
             # Read .metadata here first: where DCP fails on it, it keeps only the
             # message (its AssertionError joins the texts), not our typed error.
             # A rank-local checkpoint: each rank loads its own __<rank>.metadata.
-            reader.read_metadata_ahead(rank=self.rank if rank_local else None)
+            if rank_local:
+                reader.read_metadata_ahead(rank=self.rank)
+            else:
+                self._read_once(reader)
             with self._coord.quiet():
                 state_dict_loader.load(
                     state, checkpoint_id=url, storage_reader=reader, planner=planner,
@@ -581,6 +584,29 @@ class CheckpointManager:
                         "%.1f MiB from the volume", chosen_step, mib["local"], mib["peer"],
                         mib["volume"])
         return chosen_step
+
+    def _read_once(self, reader: VolumeReader) -> None:
+        """The coordinator reads ``.metadata`` and the manifest and broadcasts them: one
+        GET of each per restore, where every rank asking the store for the same two
+        objects made 2 x ranks (all ranks)."""
+        read: Any = None
+        if self.is_coordinator:
+            try:
+                reader.read_metadata_ahead()
+                read = reader.shared_read_ahead()
+            except Exception as exc:
+                # The same typed error on every rank, as when each read for itself.
+                shared = exc if isinstance(exc, DcpVolumesError) else CheckpointError(
+                    f"Could not read the .metadata of {reader.volume.display_url}: "
+                    f"{summary(exc)}"
+                )
+                self._coord.broadcast(shared)
+                raise
+        read = self._coord.broadcast(read)
+        if isinstance(read, BaseException):
+            raise read
+        if not self.is_coordinator:
+            reader.use_shared_read_ahead(read)
 
     def _check_loadable(self, info: CheckpointInfo) -> None:
         """Refuse a rank-local checkpoint saved by another number of ranks (coordinator)."""

@@ -80,6 +80,8 @@ _DECODE_AHEAD_BYTES = 256 * 2**20
 _MIN_SPLIT = 4 * 2**20
 #: Where a load's bytes came from (``VolumeReader.sources``).
 SOURCES = ("local", "peer", "volume")
+# Keys per page of a listing (S3, GCS and Azure alike).
+_LISTING_PAGE = 1000
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,23 @@ class VolumeReader(AtLocation, StorageReader):
         self._read_ahead = (self.volume.url, rank, metadata, self._manifest_ahead)
         return metadata
 
+    def shared_read_ahead(self) -> tuple[Metadata, Manifest | None]:
+        """What ``read_metadata_ahead`` read (``.metadata`` and the manifest), for the
+        other ranks of a load: one rank reads them and broadcasts, instead of every rank
+        asking the store for the same two objects (``CheckpointManager.restore``)."""
+        if self._read_ahead is None:
+            raise RuntimeError("shared_read_ahead() needs read_metadata_ahead() first")
+        ahead = self._read_ahead[3]
+        return self._read_ahead[2], ahead.result() if ahead is not None else None
+
+    def use_shared_read_ahead(self, read: tuple[Metadata, Manifest | None]) -> None:
+        """Load with what another rank read (``shared_read_ahead``), asking the store
+        nothing."""
+        metadata, manifest = read
+        done: futures.Future[Manifest | None] = futures.Future()
+        done.set_result(manifest)
+        self._read_ahead = (self.volume.url, None, metadata, done)
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Unpickle ``.metadata`` (``__{rank}.metadata`` when DCP passes ``rank=``)."""
         rank = kwargs.get("rank")
@@ -336,7 +355,7 @@ class VolumeReader(AtLocation, StorageReader):
                 # (one that fails falls back to a fetch, checked the same way):
                 # a restore from local files alone asks the volume nothing more.
                 remote = [job for job in jobs if not job.from_local]
-                listing = pool.submit(self.volume.list) if self._manifest and remote else None
+                listing = pool.submit(self._listing, remote) if self._manifest and remote else None
                 submitted = 0
                 in_flight = 0
                 direct = 0
@@ -501,6 +520,27 @@ class VolumeReader(AtLocation, StorageReader):
         workers = max(1, min(8, os.cpu_count() or 1))
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcpv-decode")
         return Decoders(pool, window=2 * workers, budget=_DECODE_AHEAD_BYTES)
+
+    def _listing(self, jobs: Sequence[FileJob]) -> list[FileInfo]:
+        """What the size check compares with: a listing of the checkpoint, or a HEAD of
+        each file ``jobs`` read where that is fewer requests than the listing's pages.
+
+        On many ranks each reads a few of many ranks' files: every rank listing the
+        whole checkpoint would make the load's requests grow with ranks squared.
+        """
+        pages = -(-len(self._manifest.files if self._manifest else ()) // _LISTING_PAGE)
+        if len(jobs) >= pages:
+            return self.volume.list()
+
+        def head(job: FileJob) -> FileInfo | None:
+            try:
+                return self.volume.info(job.rel)
+            except VolumeNotFoundError:
+                return None  # missing: the check says so (after the store's lag)
+
+        with ThreadPoolExecutor(max_workers=min(len(jobs), self.options.read_concurrency),
+                                thread_name_prefix="dcpv-head") as pool:
+            return [info for info in pool.map(head, jobs) if info is not None]
 
     def _check_sizes(self, jobs: Sequence[FileJob], listing: Sequence[FileInfo]) -> None:
         """Every file the plan reads exists with the manifest's size (before any is used)."""
