@@ -80,6 +80,26 @@ def test_missing_s3_bucket(moto_server: MotoServer) -> None:
 
 
 @pytest.mark.emulator
+def test_a_bucket_deleted_under_a_running_job_is_named_as_the_bucket(
+    moto_server: MotoServer, tmp_path: Path
+) -> None:
+    # A write's 404 is the bucket's, whether or not the answer's body says NoSuchBucket:
+    # never "not found" for a file that was being created.
+    bucket = f"gone-{uuid.uuid4().hex[:8]}"
+    moto_server.boto3_client().create_bucket(Bucket=bucket)
+    vol = Volume(f"s3://{bucket}/run", storage_options=moto_server.storage_options())
+    vol.publish("first", b"x")
+    moto_server.boto3_client().delete_object(Bucket=bucket, Key="run/first")
+    moto_server.boto3_client().delete_bucket(Bucket=bucket)
+    staged = tmp_path / "shard"
+    staged.write_bytes(b"y" * 1024)
+    with pytest.raises(BucketNotFoundError, match=bucket):
+        vol.put_file(staged, "shard")
+    with pytest.raises(BucketNotFoundError, match=bucket):
+        vol.publish("marker", b"z", exclusive=True)
+
+
+@pytest.mark.emulator
 def test_missing_azure_container(azurite: Azurite) -> None:
     url = f"az://no-such-container-{uuid.uuid4().hex[:8]}/ck"
     err = _save_error(VolumeWriter(url, storage_options=azurite.storage_options()))

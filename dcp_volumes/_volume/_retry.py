@@ -242,7 +242,11 @@ def translate_error(
             f"Cannot {op} {where}: the object-store client refused its settings ({detail}). "
             "Fix: correct storage_options (the message names the setting)."
         )
-    if isinstance(kind, BucketNotFound):
+    # A write names a key that need not exist: its "not found" is the bucket's (S3's
+    # NoSuchBucket, Azure's ContainerNotFound), whether or not the answer says which.
+    if isinstance(kind, BucketNotFound) or (
+        isinstance(kind, NotFound) and op in ("upload", "publish")
+    ):
         return BucketNotFoundError(
             f"Cannot {op} {where}: the bucket or container does not exist ({detail}). "
             "Fix: create it first, or correct the URL."
