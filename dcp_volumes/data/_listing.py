@@ -35,9 +35,14 @@ def _ends(lengths: list[int], total: int) -> np.ndarray:
 
 
 def _blob(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The UTF-8 of ``strings`` back to back, and where each ends."""
+    joined = "".join(strings)
+    if joined.isascii():  # one byte a character: the lengths without encoding each
+        blob = bytearray(joined, "ascii")  # writable: torch shares it without a warning
+        return np.frombuffer(blob, dtype=np.uint8), _ends(list(map(len, strings)), len(blob))
     encoded = [s.encode() for s in strings]
-    joined = bytearray().join(encoded)  # writable: torch shares it without a warning
-    return np.frombuffer(joined, dtype=np.uint8), _ends([len(e) for e in encoded], len(joined))
+    blob = bytearray().join(encoded)
+    return np.frombuffer(blob, dtype=np.uint8), _ends([len(e) for e in encoded], len(blob))
 
 
 class FileTable:
@@ -191,21 +196,15 @@ def _digest(
     etags: Sequence[str | None] | None,
     mtimes: Sequence[float | None],
 ) -> str:
-    def version(i: int) -> str:
-        etag = etags[i] if etags is not None else None
-        if etag:
-            return etag
-        mtime = mtimes[i]
-        return repr(mtime) if mtime is not None else ""
-
     h = hashlib.sha256()
-    for i in range(0, len(paths), 65536):  # one update a slice: fewer, bigger calls
-        h.update(
-            "".join(
-                f"{paths[j]}\t{sizes[j]}\t{version(j)}\n"
-                for j in range(i, min(len(paths), i + 65536))
-            ).encode()
-        )
+    if etags is None and None not in mtimes:  # a directory's walk: the mtime is the version
+        for path, size, mtime in zip(paths, sizes, mtimes, strict=True):
+            h.update(f"{path}\t{size}\t{mtime!r}\n".encode())
+        return h.hexdigest()
+    tags = etags if etags is not None else [None] * len(paths)
+    for path, size, etag, mtime in zip(paths, sizes, tags, mtimes, strict=True):
+        version = etag if etag else (repr(mtime) if mtime is not None else "")
+        h.update(f"{path}\t{size}\t{version}\n".encode())
     return h.hexdigest()
 
 
