@@ -178,7 +178,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="warm epochs per side in each paired warm round (default 3, quick 1)",
     )
+    p.add_argument(
+        "--files",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the scale run instead (benchmarks/_data_scale.py): one dataset of N small files",
+    )
+    p.add_argument("--file-bytes", type=int, default=1024, help="with --files: bytes a file")
     args = p.parse_args(argv)
+    if args.files is not None and args.files < 1:
+        p.error("--files must be >= 1")
     try:
         args.target = resolve(args.target, endpoint=args.endpoint, options=args.storage_option)
     except TargetError as exc:
@@ -622,7 +632,9 @@ def worker_startup(
     if cache is None:
         raise RuntimeError("the dataset has no cache")
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda f: cache.fetch_from(ds.volume, f.path, expected=f), ds.manifest.files))
+        table = ds.manifest
+        infos = [table.info(i) for i in range(len(table))]
+        list(pool.map(lambda f: cache.fetch_from(ds.volume, f.path, expected=f), infos))
 
     def first_batch(context: str | None) -> tuple[float, str]:
         with make_loader(
@@ -844,6 +856,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     target: Target = args.target
     command = "python -m benchmarks data " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.files:
+        from benchmarks import _data_scale
+
+        args.command = command.strip()
+        return _data_scale.main(args, target)
     report: dict[str, Any] = {
         "benchmark": "data",
         "command": command.strip(),

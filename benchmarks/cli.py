@@ -92,6 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_FAILURES_PER_DAY}, Llama 3)")
     g.add_argument("--restart-s", type=float, default=DEFAULT_RESTART_S,
                    help=f"goodput model: seconds a restart costs (default {DEFAULT_RESTART_S:g})")
+    d = p.add_argument_group("data")
+    d.add_argument("--files", type=int, default=None, metavar="N",
+                   help="the data benchmark at scale: one dataset of N small files (listing, "
+                        "memory, cache inodes, epochs, resume; e.g. 1000000 with --target dir)")
+    d.add_argument("--file-bytes", type=int, default=None,
+                   help="with --files: bytes a file (default 1024)")
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:
@@ -241,6 +247,10 @@ def run_data(args: argparse.Namespace) -> int:
         argv += ["--storage-option", opt]
     if args.quick:
         argv.append("--quick")
+    if args.files:
+        argv += ["--files", str(args.files)]
+    if args.file_bytes:
+        argv += ["--file-bytes", str(args.file_bytes)]
     return int(bench_data.main(argv))
 
 

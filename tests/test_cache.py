@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -20,6 +21,7 @@ import pytest
 from dcp_volumes import CacheError, ConfigurationError
 from dcp_volumes._volume import FileInfo, Volume
 from dcp_volumes.data._cache import FileCache
+from dcp_volumes.data._entry import RECORD_XATTR
 from dcp_volumes.data._hot import SharedHot
 from tests.emulators import LatencyProxy, MotoServer
 from tests.test_data_support import disk_bytes, payload, write_samples
@@ -30,8 +32,8 @@ _FORK = mp.get_context("fork")
 
 
 def _reserved(ref: Any) -> bool:
-    """A fill of this entry is in progress (or was killed): its lock file holds the bytes."""
-    return os.path.exists(ref.lock) and os.path.getsize(ref.lock) > 0
+    """A fill of this entry is in progress (or was killed): its .fill file holds the bytes."""
+    return os.path.exists(ref.fill)
 
 
 @pytest.fixture
@@ -334,11 +336,11 @@ def test_restart_reconciles_the_directory(tmp_path: Path) -> None:
     refs = [cache._entry(Volume(os.path.dirname(u)), os.path.basename(u)) for u in urls]
     for u in urls:
         cache.fetch(u)
-    Path(refs[0].fill).write_bytes(b"half")            # a killed fill
-    Path(refs[0].lock).write_text("500")              # ... and its reservation
-    os.remove(refs[1].meta)                            # a file without its sidecar
-    os.remove(refs[2].data)                            # a sidecar without its file
-    legacy = Path(refs[3].lock[: -len(".lock")] + ".resv")
+    Path(refs[0].fill).write_bytes(b"half")            # a killed fill (its reservation)
+    os.removexattr(refs[1].data, RECORD_XATTR)         # a file without its record
+    os.remove(refs[2].data)                            # no file
+    Path(refs[2].meta).write_bytes(b"stray")           # ... and a stray record file
+    legacy = Path(refs[3].fill[: -len(".fill")] + ".resv")
     legacy.write_text("7")                             # an older version's reservation file
     foreign = tmp_path / "cache" / "objects" / "notes.txt"
     foreign.write_text("not the cache's")
@@ -423,3 +425,125 @@ def test_a_limit_beyond_the_disk_warns_only_when_the_caller_chose_it(
     levels = [(r.levelname, "chosen" in r.getMessage()) for r in caplog.records
               if "exceeds the size of the disk" in r.getMessage()]
     assert levels == [("INFO", False), ("WARNING", True)]
+
+
+def _cache_inodes(cache_dir: str) -> tuple[int, int]:
+    """(files, folders) below ``cache_dir``."""
+    files = folders = 0
+    for _, dirs, names in os.walk(cache_dir):
+        files += len(names)
+        folders += len(dirs)
+    return files, folders
+
+
+def test_one_inode_per_cached_file(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    files = write_samples(str(src), None, 300, size=100)
+    cache = FileCache(tmp_path / "cache")
+    pins = [cache.pin(str(src / rel)) for rel in list(files)[:20]]  # pins cost no file
+    for rel in files:
+        cache.fetch(str(src / rel))
+    names, folders = _cache_inodes(cache.cache_dir)
+    # The data files, the byte counter and the entries' lock file; the folders are
+    # objects/ and at most 256 of objects/<k2>/.
+    assert names == len(files) + 2 and folders <= 257
+    for pin in pins:
+        pin.release()
+    restarted = FileCache(tmp_path / "cache")
+    assert restarted.reconcile().entries == len(files)
+    assert all(Path(restarted.fetch(str(src / rel))).read_bytes() == data
+               for rel, data in files.items())
+    assert restarted.counters.misses == 0
+
+
+def test_a_cache_of_the_previous_layout_is_never_served(tmp_path: Path) -> None:
+    """Entries written by the JSON-sidecar layout (data, .meta, .lock per file) are not
+    trusted: a fetch downloads again, and reconcile removes their files."""
+    src = tmp_path / "src"
+    files = write_samples(str(src), None, 2, size=500)
+    (first, data0), (second, data1) = files.items()
+    cache = FileCache(tmp_path / "cache")
+    refs = [cache._entry(Volume(str((src / rel).parent)), os.path.basename(rel))
+            for rel in (first, second)]
+    for ref, data in zip(refs, (data0, data1), strict=True):
+        os.makedirs(os.path.dirname(ref.data), exist_ok=True)
+        Path(ref.data).write_bytes(b"y" * len(data))  # same size, stale bytes
+        Path(ref.meta).write_text(json.dumps({"v": 1, "url": "", "size": len(data),
+                                              "etag": None, "mtime": None, "fetched": 0}))
+        Path(ref.fill[: -len(".fill")] + ".lock").write_text("")
+    assert not cache.contains(str(src / first))
+    assert Path(cache.fetch(str(src / first), size=len(data0))).read_bytes() == data0
+    assert cache.counters.misses == 1
+    FileCache(tmp_path / "cache")  # reconcile at start-up
+    folder = os.path.dirname(refs[1].data)
+    assert not os.path.exists(refs[1].data) and not os.path.exists(refs[1].meta)
+    assert not any(n.endswith((".lock", ".meta")) for n in os.listdir(folder))
+    assert Path(cache.fetch(str(src / second))).read_bytes() == data1
+
+
+def test_without_xattrs_records_are_meta_files(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the filesystem takes no user xattrs the record is a .meta file; both kinds
+    of records are read, so processes that disagree still share the cache."""
+    from dcp_volumes.data import _entry
+
+    src = tmp_path / "src"
+    files = write_samples(str(src), None, 6, size=1000)
+    urls = [str(src / rel) for rel in files]
+    data = list(files.values())
+    with_xattrs = FileCache(tmp_path / "cache", limit=4000, headroom=0)
+    with_xattrs.fetch(urls[0])
+    monkeypatch.setattr(_entry, "xattrs_supported", lambda folder: False)
+    cache = FileCache(tmp_path / "cache", limit=4000, headroom=0)
+    for u, d in zip(urls[:4], data, strict=False):
+        assert Path(cache.fetch(u)).read_bytes() == d
+    assert cache.counters.misses == 3  # urls[0]'s xattr record was read
+    ref = cache._entry(Volume(os.path.dirname(urls[1])), os.path.basename(urls[1]))
+    assert os.path.exists(ref.meta)
+    with pytest.raises(OSError):
+        os.getxattr(ref.data, RECORD_XATTR)
+    assert _cache_inodes(cache.cache_dir)[0] == 3 * 2 + 1 + 2
+    with cache.pin(urls[1]):
+        for u in urls[4:]:
+            cache.fetch(u)  # evicts, never the pinned one
+        assert cache.contains(urls[1])
+    assert disk_bytes(cache.cache_dir) <= 4000
+    os.remove(ref.meta)
+    assert not cache.contains(urls[1])  # a file without its record
+    assert Path(cache.fetch(urls[1])).read_bytes() == data[1]
+
+
+def _hold_lock(path: str, key: str, ready: Any) -> None:
+    from dcp_volumes.data._locks import ByteLock
+
+    lock = ByteLock(path, key)
+    lock.acquire(exclusive=True)
+    ready.set()
+    time.sleep(60)
+    lock.release()
+
+
+def test_entry_locks_are_bytes_of_one_file(tmp_path: Path) -> None:
+    from dcp_volumes.data._locks import ByteLock
+
+    path = str(tmp_path / "entries.lock")
+    a, b = "a" * 32, "b" * 32
+    first = ByteLock(path, a)
+    assert first.acquire(exclusive=True)
+    assert ByteLock(path, b).acquire(exclusive=True, blocking=False)  # another entry
+    assert not ByteLock(path, a).acquire(exclusive=False, blocking=False)  # same entry
+    first.release()
+    pins = [ByteLock(path, a), ByteLock(path, a)]
+    assert all(p.acquire(exclusive=False, blocking=False) for p in pins)  # shared
+    assert not ByteLock(path, a).acquire(exclusive=True, blocking=False)
+    for p in pins:
+        p.release()
+    # A holder killed with SIGKILL leaves no lock behind.
+    ready = _FORK.Event()
+    holder = _FORK.Process(target=_hold_lock, args=(path, a, ready))
+    holder.start()
+    assert ready.wait(20)
+    assert not ByteLock(path, a).acquire(exclusive=True, blocking=False)
+    os.kill(holder.pid or 0, signal.SIGKILL)
+    holder.join()
+    assert ByteLock(path, a).acquire(exclusive=True, blocking=False)

@@ -3,6 +3,7 @@ augmentation, changed-data detection, cache limits and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -172,12 +173,17 @@ def test_cache_limit_held_under_a_dataset_three_times_larger(s3_bucket: tuple[st
         seen = [tuple(s) for batch in loader for s in zip(*batch, strict=True)]
         assert sorted(int(i) for i, _ in seen) == list(range(60))
         assert max(int(b) for _, b in seen) <= limit
-    assert disk_bytes(cache) <= limit
+    assert disk_bytes(cache) <= limit  # at rest: the count above was the truth
     assert loader.metrics.totals["hits"] > 0  # Belady kept files the next epoch used
 
 
 def _id_and_cache_bytes(cache_dir: str, path: str) -> tuple[int, int]:
-    return read_id(path), disk_bytes(cache_dir)
+    """The sample's id and the bytes the cache holds then: its byte count (data files and
+    reservations of fills in flight). Not a walk of the directory: while other workers
+    evict and fill, a walk counts files removed after it passed their folder as well as
+    files added in folders it reaches later."""
+    with open(os.path.join(cache_dir, "usage.lock"), "rb") as f:
+        return read_id(path), int(f.read().strip() or 0)
 
 
 def test_mount_path_cached_or_read_in_place(tmp_path: Path) -> None:
@@ -224,7 +230,7 @@ def test_a_list_of_file_urls(s3_data: tuple[str, Any], tmp_path: Path) -> None:
     many = [f"{url}/{name_of(i)}" for i in (19, *range(10), 18, 17)]
     ds = VolumeDataset(many, storage_options=opts, cache_dir=tmp_path / "c", shuffle=False,
                        transform=read_id)
-    assert [f.size for f in ds.manifest.files] == [64] * 13
+    assert ds.manifest.sizes.tolist() == [64] * 13
     assert [i for b in DataLoader(ds, batch_size=13, num_workers=0) for i in to_list(b)] == [
         19, *range(10), 18, 17]
     with pytest.raises(VolumeNotFoundError):
@@ -313,3 +319,85 @@ def test_prefetcher_counts_ready_items_and_shares_repeats() -> None:
     assert released == ["b"]
     assert [t.key for t in it] == ["c"]
     assert sorted(released) == ["a", "b", "c"] and fetched == ["b"]
+
+
+def _imagenet_like(n: int) -> list[Any]:
+    """Listing entries shaped like ImageNet's on S3: class folders, quoted md5 etags."""
+    from dcp_volumes._volume import FileInfo
+
+    return [FileInfo(f"train/n{i // 1300:08d}/n{i // 1300:08d}_{i:06d}.JPEG", 110_000 + i,
+                     f'"{i:032x}"', 1.7e9 + i) for i in range(n)]
+
+
+def test_the_file_table_costs_bytes_not_objects() -> None:
+    """At most 100 bytes a file (ImageNet-like paths and S3 etags), every entry as listed,
+    the digest of the listing unchanged, and a pickle to a DataLoader worker (torch's
+    multiprocessing) carries shared-memory handles, not the table."""
+    import pickle
+    import tracemalloc
+    from multiprocessing.reduction import ForkingPickler
+
+    from dcp_volumes.data._listing import FileTable, listing_digest
+
+    files = _imagenet_like(20_000)
+    tracemalloc.start()
+    table = FileTable.of(files)
+    kept = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert table.nbytes / len(files) <= 100 and kept / len(files) <= 100
+    # (An etag is the version: the mtime is only kept for files without one.)
+    files = [dataclasses.replace(f, mtime=None) for f in files]
+    assert [table.info(i) for i in (0, 1, 12_345, 19_999)] == [files[i] for i in
+                                                               (0, 1, 12_345, 19_999)]
+    assert table.digest == listing_digest(files)
+    local = FileTable.of([dataclasses.replace(f, etag=None, mtime=7.5) for f in files[:5]])
+    assert local.info(3) == dataclasses.replace(files[3], etag=None, mtime=7.5)
+    table.share()
+    assert len(bytes(ForkingPickler.dumps(table))) < 10_000  # handles only
+    copy = pickle.loads(pickle.dumps(table))  # by value (a broadcast to other ranks)
+    assert copy.info(777) == files[777] and copy.digest == table.digest
+
+
+def test_dataset_memory_per_file_and_loader_state(tmp_path: Path) -> None:
+    """What a constructed dataset keeps is columns (tracemalloc: under 100 bytes a file),
+    and the loader's state stays the same few hundred bytes."""
+    import tracemalloc
+
+    write_samples(str(tmp_path / "src"), None, 3000, size=8)
+    write_samples(str(tmp_path / "warm-up"), None, 3, size=8)
+    VolumeDataset(str(tmp_path / "warm-up"), cache_dir=tmp_path / "c0")  # lazy imports
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    ds = VolumeDataset(str(tmp_path / "src"), cache_dir=tmp_path / "c", transform=read_id)
+    kept = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert kept / ds.num_files <= 100, kept / ds.num_files
+    loader = DataLoader(ds, batch_size=10, num_workers=0)
+    assert len(repr(loader.state_dict())) < 400
+
+
+def test_a_directory_is_walked_into_the_table_the_listing_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The walk straight into columns (local directories) gives the listing's files, order
+    and digest (a state saved before it still resumes), with hidden files and suffixes."""
+    from dcp_volumes.data import _listing
+
+    names = ["a/b.bin", "a-1.bin", "a.txt", "a/c/d.bin", "ab/x.bin", ".hidden/y.bin",
+             "z/.h.bin", "Z.bin", "a0.bin", "a/c.bin", "a!/q.BIN"]
+    for i, name in enumerate(names):
+        (tmp_path / "d" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "d" / name).write_bytes(b"x" * i)
+
+    def tables(**kw: Any) -> list[Any]:
+        return [_listing.build_file_table(str(tmp_path / "d"), storage_options=None, **kw)[1]]
+
+    walked = tables() + tables(suffixes=[".bin"])
+    monkeypatch.setattr(_listing, "_walk_local", lambda root, wanted: ([], [], []))
+    listed = tables() + tables(suffixes=[".bin"])
+    for fast, slow in zip(walked, listed, strict=True):
+        assert [fast.info(i) for i in range(len(fast))] == [slow.info(i) for i in
+                                                              range(len(slow))]
+        assert fast.digest == slow.digest
+    assert [walked[1].path(i) for i in range(len(walked[1]))] == sorted(
+        n for n in names if n.lower().endswith(".bin") and "/." not in "/" + n)

@@ -186,10 +186,10 @@ def s3_proxy(moto_server: MotoServer, s3_bucket: tuple[str, Any]
 
 
 def _no_torn_entries(cache_dir: Path) -> None:
-    """Nothing a later run could serve or count: only lock files of entries (empty: no
-    reservation), the byte counter and the other job's file."""
-    for rel, size in files_below(cache_dir).items():
-        assert rel in ("filler", "usage.lock") or (rel.endswith(".lock") and size == 0), rel
+    """Nothing a later run could serve or count: only the entries' lock file, the byte
+    counter and the other job's file."""
+    for rel in files_below(cache_dir):
+        assert rel in ("filler", "usage.lock", "entries.lock"), rel
 
 
 @pytest.mark.emulator

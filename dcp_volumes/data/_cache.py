@@ -185,7 +185,7 @@ class FileCache:
     def _entry(self, volume: Volume, relpath: str) -> Entry:
         url = volume.url_of(relpath)
         name = _sanitize(relpath.rstrip("/").rsplit("/", 1)[-1])
-        return Entry.named(self._store.objects, _key(volume, url), name, redact_url(url))
+        return Entry.named(self._store.layout, _key(volume, url), name, redact_url(url))
 
     # -- public API -----------------------------------------------------------------------
 
@@ -259,11 +259,11 @@ class FileCache:
     def reconcile(self) -> ReconcileReport:
         """Bring the directory and the byte count back in line (run at start-up).
 
-        Removes temp files of killed fills, entries whose sidecar or file is
-        missing or inconsistent (a file without its sidecar cannot be trusted
-        and is removed), and lock files of gone entries. Entries in use by
-        live processes are left alone; files the cache did not create are
-        never touched.
+        Removes temp files of killed fills, entries whose record or file is
+        missing or inconsistent (a file without its record cannot be trusted
+        and is removed, as are entries of an earlier layout), and lock files of
+        gone entries. Entries in use by live processes are left alone; files
+        the cache did not create are never touched.
         """
         return self._store.reconcile()
 
@@ -285,7 +285,7 @@ class FileCache:
     ) -> CachedFile | None:
         """The fast path of ``fetch_from``: a copy already verified, or None.
 
-        Costs one ``stat`` (plus the pin's shared lock): no sidecar read, no
+        Costs one ``stat`` (plus the pin's shared lock): no record read, no
         hashing, no thread. None means "take the full path" (never seen here,
         listed differently now, or the file was replaced, evicted or repaired).
         With ``shared`` (a dataset's ``SharedHot``) and ``slot`` (the file's

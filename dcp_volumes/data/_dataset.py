@@ -83,10 +83,27 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+class KeyIndex:
+    """Cache key -> file index: two sorted arrays of 64-bit key prefixes (16 bytes a
+    file, where a dict of key strings costs ten times that)."""
+
+    def __init__(self, keys: Iterator[str], n: int) -> None:
+        prefixes = np.fromiter((int(k[:16], 16) for k in keys), dtype=np.uint64, count=n)
+        self._order = np.argsort(prefixes, kind="stable")
+        self._sorted = prefixes[self._order]
+
+    def get(self, key: str) -> int | None:
+        prefix = np.uint64(int(key[:16], 16))
+        at = int(np.searchsorted(self._sorted, prefix))
+        if at < len(self._sorted) and self._sorted[at] == prefix:
+            return int(self._order[at])
+        return None
+
+
 class _Schedule:
     """The cache's view of this worker's future (``CacheSchedule``): Belady by next use."""
 
-    def __init__(self, next_use: NextUse, index_of: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, next_use: NextUse, index_of: Callable[[], KeyIndex]) -> None:
         self.next_use = next_use
         self._index_of = index_of
 
@@ -185,10 +202,12 @@ class VolumeDataset(IterableDataset[Any]):
         self.volume, self.manifest = self._list(
             url_or_file_list, storage_options, suffixes, share=share_listing
         )
+        # Workers map the table instead of copying it (see FileTable.share).
+        self.manifest.share()
         if self.cache is not None and self.volume.capabilities.local_files and not cache_local:
             self.cache = None  # a list of local files, read in place
         if self.cache is not None and self.cache.limit is not None:
-            largest = max(f.size for f in self.manifest.files)
+            largest = int(self.manifest.sizes.max())
             if largest > self.cache.limit:
                 raise CacheError(
                     f"cache_limit={self.cache.limit} bytes is smaller than the largest file of "
@@ -201,14 +220,14 @@ class VolumeDataset(IterableDataset[Any]):
         # The plan the workers read at each epoch start (see _shared_plan.py).
         self._plan = SharedPlan()
         self.set_cursor(epoch=0, start=0)
-        self._key_index: dict[str, int] | None = None
+        self._key_index: KeyIndex | None = None
         # Copies verified by any worker of this dataset are hits in all of them.
         self._shared_hot = SharedHot(len(self.manifest)) if self.cache is not None else None
         logger.info(
             "dataset %s: %d files, %.1f MiB, manifest %s",
             self.volume.display_url,
             len(self.manifest),
-            sum(f.size for f in self.manifest.files) / 2**20,
+            self.manifest.total_bytes / 2**20,
             self.manifest.digest[:12],
         )
 
@@ -354,10 +373,10 @@ class VolumeDataset(IterableDataset[Any]):
         self, plan: Plan, positions: np.ndarray, file_ids: np.ndarray
     ) -> Iterator[Any]:
         stats = worker_stats(self._id)
-        files = self.manifest.files
+        files = self.manifest
         seeds = self._seeds(plan, positions)
         for k, fid in enumerate(file_ids.tolist()):
-            path = self.volume.full_path(files[fid].path)
+            path = self.volume.full_path(files.path(fid))
             sample = self._transform(path, seeds[k] if seeds else 0)
             stats.samples += 1
             yield sample
@@ -368,14 +387,78 @@ class VolumeDataset(IterableDataset[Any]):
             return None
         return sample_seeds(plan.seed, plan.epoch, positions)
 
-    def _key_index_map(self) -> dict[str, int]:
+    def _key_index_map(self) -> KeyIndex:
         # Built on first eviction only: one hash per file.
-        cache = self.cache
-        if self._key_index is None and cache is not None:
-            self._key_index = {
-                cache.key_of(self.volume, f.path): i for i, f in enumerate(self.manifest.files)
-            }
-        return self._key_index or {}
+        if self._key_index is None:
+            cache, volume = self.cache, self.volume
+            keys = (cache.key_of(volume, p) for p in self.manifest.paths()) if cache else iter(())
+            self._key_index = KeyIndex(keys, len(self.manifest) if cache else 0)
+        return self._key_index
+
+    def _schedule_evictions(
+        self, cache: FileCache, plan: Plan, workers: int, prefetch_factor: int, local_world: int
+    ) -> NextUse | None:
+        """Tell the cache this node's future reads (Belady eviction); the schedule's
+        ``NextUse``, whose ``current`` the reader moves, or None without a limit."""
+        if cache.limit is None:
+            return None
+        opts = self.options
+        g = plan.global_batch_size
+        # Never evict what the node's workers are about to prefetch (their next
+        # `prefetch` samples span that many of their batches, W*G positions apart),
+        # nor, with the default transform, the paths of batches handed out but
+        # maybe not read yet (queued in the DataLoader or in the current step).
+        ahead = (-(-opts.prefetch // plan.batch_size) * workers + 1) * g
+        behind = (workers * prefetch_factor + 2) * g if self.transform is None else g
+        node = plan.rank // local_world
+        ranks = range(node * local_world, min(plan.world_size, (node + 1) * local_world))
+        next_use = NextUse(plan, ranks=ranks, ahead=ahead, behind=behind)
+        cache.set_schedule(_Schedule(next_use, self._key_index_map))
+        return next_use
+
+    def _prefetcher(self, cache: FileCache, file_ids: np.ndarray) -> Prefetcher[int, int, Any]:
+        """The worker's files, fetched ahead on a thread pool; each taken item is pinned
+        (a miss) or a verified hit (unpinned)."""
+        files, volume, shared = self.manifest, self.volume, self._shared_hot
+
+        def fetch(fid: int) -> Any:
+            info = files.info(fid)  # the listing's entry: the expected size/etag
+            return cache.fetch_from(
+                volume, info.path, expected=info, pin=True, shared=shared, slot=fid
+            )
+
+        # Hits skip the pin (a shared lock costs as much as reading a small file):
+        # this job's own workers never evict inside their prefetch window (the
+        # schedule), and a copy that another job evicts meanwhile is fetched
+        # again, pinned, when the transform finds it gone (``_transform_cached``).
+        def fast(fid: int) -> Any:
+            info = files.info(fid)
+            return cache.fetch_hot(
+                volume, info.path, expected=info, pin=False, shared=shared, slot=fid
+            )
+
+        return Prefetcher(
+            ((fid, fid) for fid in file_ids.tolist()),
+            fetch,
+            lambda cached: cached.release(),
+            depth=self.options.prefetch,
+            threads=self.options.prefetch_threads,
+            fast=fast,
+        )
+
+    def _transform_cached(self, cache: FileCache, fid: int, cached: Any, seed: int) -> Any:
+        """The sample of a cached file; a hit evicted by another job before the transform
+        read it is fetched again, pinned this time."""
+        try:
+            return self._transform(cached.path, seed)
+        except FileNotFoundError:
+            if cached.pinned or os.path.exists(cached.path):
+                raise
+        info = self.manifest.info(fid)
+        with cache.fetch_from(
+            self.volume, info.path, expected=info, pin=True, shared=self._shared_hot, slot=fid
+        ) as again:
+            return self._transform(again.path, seed)
 
     def _read_cached(
         self,
@@ -389,52 +472,9 @@ class VolumeDataset(IterableDataset[Any]):
         cache = self.cache
         if cache is None:
             raise RuntimeError("unreachable: no cache")
-        opts = self.options
         stats = worker_stats(self._id)
-        files = self.manifest.files
-        volume = self.volume
-        next_use = None
-        if cache.limit is not None:
-            g = plan.global_batch_size
-            # Never evict what the node's workers are about to prefetch (their next
-            # `prefetch` samples span that many of their batches, W*G positions apart),
-            # nor, with the default transform, the paths of batches handed out but
-            # maybe not read yet (queued in the DataLoader or in the current step).
-            ahead = (-(-opts.prefetch // plan.batch_size) * workers + 1) * g
-            behind = (workers * prefetch_factor + 2) * g if self.transform is None else g
-            node = plan.rank // local_world
-            ranks = range(node * local_world, min(plan.world_size, (node + 1) * local_world))
-            next_use = NextUse(plan, ranks=ranks, ahead=ahead, behind=behind)
-            cache.set_schedule(_Schedule(next_use, self._key_index_map))
-
-        # The listing's FileInfo is the expected size/etag: no per-sample allocation.
-        shared = self._shared_hot
-
-        def fetch(fid: int) -> Any:
-            info = files[fid]
-            return cache.fetch_from(
-                volume, info.path, expected=info, pin=True, shared=shared, slot=fid
-            )
-
-        # Hits skip the pin (a shared flock costs as much as reading a small file):
-        # this job's own workers never evict inside their prefetch window (the
-        # schedule above), and a copy that another job evicts meanwhile is fetched
-        # again, pinned, when the transform finds it gone (see below).
-        def fast(fid: int) -> Any:
-            info = files[fid]
-            return cache.fetch_hot(
-                volume, info.path, expected=info, pin=False, shared=shared, slot=fid
-            )
-
-        ids = file_ids.tolist()
-        prefetcher: Prefetcher[int, int, Any] = Prefetcher(
-            ((fid, fid) for fid in ids),
-            fetch,
-            lambda cached: cached.release(),
-            depth=opts.prefetch,
-            threads=opts.prefetch_threads,
-            fast=fast,
-        )
+        next_use = self._schedule_evictions(cache, plan, workers, prefetch_factor, local_world)
+        prefetcher = self._prefetcher(cache, file_ids)
         pos_list = positions.tolist()
         seeds = self._seeds(plan, positions)
         try:
@@ -442,17 +482,7 @@ class VolumeDataset(IterableDataset[Any]):
                 if next_use is not None:
                     next_use.current = pos_list[k]
                 cached = taken.value
-                seed = seeds[k] if seeds else 0
-                try:
-                    sample = self._transform(cached.path, seed)
-                except FileNotFoundError:
-                    if cached.pinned or os.path.exists(cached.path):
-                        raise
-                    info = files[taken.key]
-                    with cache.fetch_from(
-                        volume, info.path, expected=info, pin=True, shared=shared, slot=taken.key
-                    ) as again:
-                        sample = self._transform(again.path, seed)
+                sample = self._transform_cached(cache, taken.key, cached, seeds[k] if seeds else 0)
                 stats.samples += 1
                 stats.wait_seconds += taken.wait_seconds
                 stats.ready_ahead += taken.ready_ahead

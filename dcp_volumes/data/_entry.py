@@ -1,33 +1,47 @@
-"""One cache entry: its files on disk, its sidecar record, and the lock protocol that fills it.
+"""One cache entry: its data file, its record, and the lock protocol that fills it.
 
-An entry lives below ``objects/<k2>/`` as (``<key>``: 128-bit hash of source + URL)::
+An entry lives below ``objects/<k2>/`` (``<key>``: 128-bit hash of source + URL)::
 
-    <key>-<name>   the cached file
-    <key>.meta     its sidecar (``Sidecar``): URL, size, etag/mtime; published last
-    <key>.lock     its lock: exclusive to fill/evict, shared to pin (``_locks.py``);
-                   while a fill runs it holds the bytes reserved for it (else empty)
-    <key>.fill     the download in progress (renamed into place when done)
+    <key>-<name>   the cached file; its record (``Sidecar``: size, etag/mtime) in
+                   its ``user.dcpv`` xattr, set before the file is renamed into place
+    <key>.fill     the download in progress; created at the fill's full size (sparse)
+                   when the bytes are reserved, so a killed fill's count is its size
+    <key>.meta     the record as a file, only where the filesystem has no user xattrs
 
-Read path (``Entry.serve``): take the lock shared and check the copy (sidecar
+One inode per cached file: the record rides on the data file (xattrs; a small
+value lives inside the inode on ext4/xfs/tmpfs), and the entry's lock is a
+byte of the cache's one lock file (``_locks.ByteLock``). Where user xattrs are
+unsupported (probed once per directory and logged) the record is a ``.meta``
+file: two inodes per file. Records carry a format version; a copy without a
+valid record of this version (a cache written by an earlier layout: JSON
+``.meta`` files, ``.lock`` files) is never served, and is removed by the next
+fill of its entry or by ``FileCache.reconcile``.
+
+Read path (``Entry.serve``): take the lock shared and check the copy (record
 present, file size as recorded, size/etag as listed); on a miss, re-take it
 exclusive and, if still missing, fill it. Exactly one process fills an entry
 however many ask at once (DataLoader workers, ranks, other jobs on the node):
 the others block on the lock and then find the finished copy.
 
-A reader never sees a partial file: a fill lands under a temporary name and
-is renamed into place, then its sidecar is published the same way (the entry
-becomes valid in that one step). A killed filler's ``flock`` is released by
-the kernel; the next filler, holding the lock, deletes the leftovers first, so
-they are never served. The byte count and eviction are the store's
-(``_store.py``); the entry only asks it to reserve and give back bytes.
+A reader never sees a partial file: a fill lands under the temporary name and
+is renamed into place with its record already on it (the entry becomes valid
+in that one step; with a ``.meta`` file, when that file is renamed in after
+it). A killed filler's lock is released by the kernel; the next filler,
+holding the lock, deletes the leftovers first, so they are never served. The
+byte count and eviction are the store's (``_store.py``); the entry only asks
+it to reserve and give back bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import errno
+import functools
+import logging
+import math
 import os
 import re
+import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -42,13 +56,15 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._sizes import format_size
 from dcp_volumes._staging import disk_full_error
 from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, Volume, despite_lag, write_all
-from dcp_volumes.data._locks import EntryLock
+from dcp_volumes.data._locks import ByteLock, EntryLock, byte_locks_supported
 
 if TYPE_CHECKING:
     from dcp_volumes.data._store import Store
 
-# Names below objects/<k2>/: the key, then a suffix (.meta, .lock, .fill; .resv of
-# earlier versions) or "-" and the file's sanitised name.
+logger = logging.getLogger(__name__)
+
+# Names below objects/<k2>/: the key, then a suffix (.meta, .fill; .lock and .resv of
+# earlier layouts) or "-" and the file's sanitised name.
 NAME_RE = re.compile(r"^([0-9a-f]{32})(?:(\.meta|\.lock|\.resv|\.fill)|-(.+))$")
 TEMP_MARKERS = (".part-", ".tmp-", ".fill")
 # Files up to this size are fetched with one GET whose length checks the listing
@@ -56,7 +72,56 @@ TEMP_MARKERS = (".part-", ".tmp-", ".fill")
 _SINGLE_GET_BYTES = 16 * 2**20
 # Hits refresh the file's mtime (the LRU clock) at most this often.
 TOUCH_INTERVAL_S = 60.0
-_SIDECAR_VERSION = 1
+# The record: a magic that carries the format version, size, mtime (NaN: none), then
+# the etag's UTF-8. Small enough to stay inside the inode as an xattr.
+RECORD_XATTR = "user.dcpv"
+_RECORD = struct.Struct("<4sqd")
+_RECORD_MAGIC = b"dcv2"
+
+
+@functools.cache
+def xattrs_supported(folder: str) -> bool:
+    """Whether files in ``folder`` take ``user.*`` xattrs (probed once per process)."""
+    setxattr = getattr(os, "setxattr", None)
+    if setxattr is None:
+        logger.info("no xattrs on this platform: cache records go to .meta files")
+        return False
+    probe = os.path.join(folder, f".xattr-probe-{uuid.uuid4().hex[:8]}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644))
+        setxattr(probe, RECORD_XATTR, b"1")
+        return True
+    except OSError as exc:
+        logger.info(
+            "the filesystem of %s takes no user xattrs (%s): each cached file keeps its "
+            "record in a .meta file beside it (two inodes per file instead of one)",
+            folder,
+            exc.strerror or exc,
+        )
+        return False
+    finally:
+        remove(probe)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a store keeps its entries: ``objects`` dir, lock file, where records go.
+
+    ``locks``: the cache's one lock file (``ByteLock``), or None for a lock file per
+    entry (``EntryLock``, where OFD locks are missing). ``xattrs``: records are
+    written as xattrs (else as ``.meta`` files; both are read).
+    """
+
+    objects: str
+    locks: str | None
+    xattrs: bool
+
+    @classmethod
+    def probe(cls, cache_dir: str) -> Layout:
+        objects = os.path.join(cache_dir, "objects")
+        locks = os.path.join(cache_dir, "entries.lock") if byte_locks_supported() else None
+        return cls(objects, locks, xattrs_supported(cache_dir))
 
 
 def entry_base(objects: str, key: str) -> str:
@@ -65,14 +130,15 @@ def entry_base(objects: str, key: str) -> str:
     return f"{objects}{os.sep}{key[:2]}{os.sep}{key}"
 
 
-def write_file(path: str, data: bytes | memoryview) -> None:
+def write_file(path: str, data: bytes | memoryview, *, truncate: bool = True) -> None:
     """Create (or truncate) ``path`` holding ``data``: raw system calls, no buffered file.
 
     Cache fills run on several threads that share one GIL; each system call
     hands the GIL over, and ``open()``'s extra calls (fstat, ioctl, lseek) made
     a small fill's bookkeeping cost more than its download.
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_TRUNC if truncate else 0)
+    fd = os.open(path, flags, 0o644)
     try:
         write_all(fd, data)
     finally:
@@ -88,56 +154,49 @@ def remove(path: str) -> bool:
         return False
 
 
+def file_size(path: str) -> int | None:
+    """The size of ``path``, or None if it is not there."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+
+
 @dataclass(frozen=True)
 class Sidecar:
-    """What the cache knows of a complete copy (the ``.meta`` file, JSON on disk).
+    """What the cache knows of a complete copy: its record (see the module docstring).
 
     ``size``/``etag``/``mtime`` are the source file's as listed or asked when
-    it was fetched; ``fetched`` is when (seconds since the epoch).
+    it was fetched; ``url`` is the entry's (not stored).
     """
 
     url: str
     size: int
     etag: str | None = None
     mtime: float | None = None
-    fetched: float = 0.0
 
     @classmethod
     def of(cls, info: FileInfo, url: str) -> Sidecar:
-        """The record of a copy of ``info`` fetched now."""
-        return cls(url=url, size=info.size, etag=info.etag, mtime=info.mtime, fetched=time.time())
+        """The record of a copy of ``info``."""
+        return cls(url=url, size=info.size, etag=info.etag, mtime=info.mtime)
 
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "v": _SIDECAR_VERSION,
-                "url": self.url,
-                "size": self.size,
-                "etag": self.etag,
-                "mtime": self.mtime,
-                "fetched": self.fetched,
-            }
-        ).encode()
+    def to_bytes(self) -> bytes:
+        mtime = math.nan if self.mtime is None else float(self.mtime)
+        return _RECORD.pack(_RECORD_MAGIC, self.size, mtime) + (self.etag or "").encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> Sidecar | None:
-        """The record in ``raw``, or None for anything that is not one."""
+    def from_bytes(cls, raw: bytes, url: str = "") -> Sidecar | None:
+        """The record in ``raw``, or None for anything that is not one of this version."""
+        if len(raw) < _RECORD.size:
+            return None
+        magic, size, mtime = _RECORD.unpack_from(raw)
+        if magic != _RECORD_MAGIC or size < 0:
+            return None
         try:
-            doc = json.loads(raw)
-        except ValueError:
+            etag = raw[_RECORD.size :].decode()
+        except UnicodeDecodeError:
             return None
-        if not isinstance(doc, dict):
-            return None
-        size, etag, mtime = doc.get("size"), doc.get("etag"), doc.get("mtime")
-        if isinstance(size, bool) or not isinstance(size, int):
-            return None
-        return cls(
-            url=str(doc.get("url", "")),
-            size=size,
-            etag=etag if isinstance(etag, str) else None,
-            mtime=float(mtime) if isinstance(mtime, (int, float)) else None,
-            fetched=float(doc.get("fetched") or 0.0),
-        )
+        return cls(url, size, etag or None, None if math.isnan(mtime) else mtime)
 
     def describes(self, listed: FileInfo | None) -> bool:
         """Whether this copy is the file ``listed`` says (None: any complete copy is)."""
@@ -170,7 +229,7 @@ class CachedFile:
         size: int,
         hit: bool,
         download_seconds: float,
-        pin: EntryLock | None,
+        pin: ByteLock | EntryLock | None,
     ) -> None:
         self.path = path
         self.url = url
@@ -214,72 +273,101 @@ class Served:
 
 
 class Entry:
-    """One entry of the cache: paths, sidecar, read / verify / fill / pin, the lock upgrade.
+    """One entry of the cache: paths, record, read / verify / fill / pin, the lock upgrade.
 
     Built once per file a process first sees (a few string operations), so it
     holds paths only; everything it knows of the copy is read from disk. ``url``
     is the file's URL as it may appear in messages (redacted).
     """
 
-    __slots__ = ("data", "fill", "key", "lock", "meta", "url")
+    __slots__ = ("data", "fill", "key", "layout", "meta", "url")
 
-    def __init__(self, base: str, key: str, data: str, url: str = "") -> None:
+    def __init__(self, layout: Layout, key: str, data: str, url: str = "") -> None:
+        base = entry_base(layout.objects, key)
+        self.layout = layout
         self.key = key
         self.url = url
         self.data = data
         self.meta = f"{base}.meta"
-        self.lock = f"{base}.lock"
         self.fill = f"{base}.fill"
 
     @classmethod
-    def named(cls, objects: str, key: str, name: str, url: str) -> Entry:
+    def named(cls, layout: Layout, key: str, name: str, url: str) -> Entry:
         """The entry of ``url`` (key ``key``), its data file ending in ``-name``."""
-        base = entry_base(objects, key)
-        return cls(base, key, f"{base}-{name}", url)
+        return cls(layout, key, f"{entry_base(layout.objects, key)}-{name}", url)
+
+    @property
+    def lock_file(self) -> str:
+        """The file whose lock (or one byte of it) is this entry's."""
+        if self.layout.locks is not None:
+            return self.layout.locks
+        return f"{self.fill[: -len('.fill')]}.lock"
+
+    def new_lock(self) -> ByteLock | EntryLock:
+        """A lock object for this entry (not acquired)."""
+        if self.layout.locks is not None:
+            return ByteLock(self.layout.locks, self.key)
+        return EntryLock(self.lock_file)
 
     # -- reading --------------------------------------------------------------------------
 
-    def read(self) -> tuple[Sidecar, os.stat_result] | None:
-        """The sidecar of a complete copy (data file present with the recorded size) and the
-        data file's ``stat``, else None."""
+    def record(self) -> Sidecar | None:
+        """The record on the data file (xattr) or in its ``.meta`` file, if any."""
+        raw: bytes | None = None
         try:
-            with open(self.meta, "rb") as f:
-                raw = f.read()
+            raw = os.getxattr(self.data, RECORD_XATTR)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return None  # no data file
+        except AttributeError:  # a platform without xattrs
+            pass
+        if raw is None:
+            try:
+                with open(self.meta, "rb") as f:
+                    raw = f.read(4096)
+            except OSError:
+                return None
+        return Sidecar.from_bytes(raw, self.url)
+
+    def read(self) -> tuple[Sidecar, os.stat_result] | None:
+        """The record of a complete copy (data file present with the recorded size) and the
+        data file's ``stat``, else None."""
+        sidecar = self.record()
+        if sidecar is None:
+            return None
+        try:
             st = os.stat(self.data)
         except OSError:
             return None
-        sidecar = Sidecar.from_json(raw)
-        if sidecar is None or st.st_size != sidecar.size:
+        if st.st_size != sidecar.size:
             return None
         return sidecar, st
 
     def reserved(self) -> int:
-        """Bytes a fill reserved, as written into the lock file (0: none)."""
-        try:
-            if not os.stat(self.lock).st_size:
-                return 0  # the usual case: one system call
-            with open(self.lock, "rb") as f:
-                return int(f.read().strip() or 0)
-        except (OSError, ValueError):
-            return 0
+        """Bytes a fill in progress (or a killed one) holds: its ``.fill`` file's size."""
+        return file_size(self.fill) or 0
 
     def reserve(self, size: int) -> None:
-        """Record a fill's reservation in the lock file the filler holds (no new inode:
-        creating and deleting one per fill is what ext4's allocator is slowest at)."""
-        write_file(self.lock, str(size).encode())
+        """Create the fill's temp file at its full size (sparse): the reservation is on disk
+        for whoever cleans up after a killed fill."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        try:
+            fd = os.open(self.fill, flags, 0o644)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(self.fill), exist_ok=True)
+            fd = os.open(self.fill, flags, 0o644)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
 
-    def clear_reservation(self) -> None:
-        """The fill's bytes are on disk now (or given back): the lock file empties in place."""
-        with contextlib.suppress(FileNotFoundError):
-            os.truncate(self.lock, 0)
-
-    # -- the read path --------------------------------------------------------------------
-
-    def pin(self) -> EntryLock:
+    def pin(self) -> ByteLock | EntryLock:
         """Take the entry's lock shared: no process evicts or refills it until released."""
-        lock = EntryLock(self.lock)
+        lock = self.new_lock()
         lock.acquire(exclusive=False)
         return lock
+
+    # -- the read path --------------------------------------------------------------------
 
     def serve(
         self, volume: Volume, relpath: str, listed: FileInfo | None, *, pin: bool, store: Store
@@ -288,7 +376,7 @@ class Entry:
 
         With ``pin`` the returned file holds the shared lock until released.
         """
-        lock = EntryLock(self.lock)
+        lock = self.new_lock()
         mine: Sidecar | None = None  # the sidecar this call published, if it filled
         seconds = 0.0
         while True:
@@ -323,7 +411,11 @@ class Entry:
             return served
 
     def _file(
-        self, sidecar: Sidecar, mine: Sidecar | None, seconds: float, pin: EntryLock | None
+        self,
+        sidecar: Sidecar,
+        mine: Sidecar | None,
+        seconds: float,
+        pin: ByteLock | EntryLock | None,
     ) -> CachedFile:
         return CachedFile(
             path=self.data,
@@ -350,27 +442,25 @@ class Entry:
     def clear_leftovers(self) -> int:
         """Remove what a previous (maybe killed) filler or a broken copy left behind;
         returns the bytes the store counted for them."""
-        reserved = self.reserved()
-        if reserved:
-            # A filler died mid-download: its reservation is still counted, and a
-            # ranged download may have left <fill>.part-* files.
-            self.clear_reservation()
+        freed = 0
+        reserved = file_size(self.fill)
+        if reserved is not None:
+            # A filler died mid-download: its reservation (the .fill at full size) is
+            # still counted, and a ranged download may have left <fill>.part-* files.
             folder, prefix = os.path.split(self.fill)
             with contextlib.suppress(FileNotFoundError):
                 for name in os.listdir(folder):
                     if name.startswith(prefix):
                         remove(os.path.join(folder, name))
-        remove(self.fill)
-        size = 0
-        try:
-            size = os.stat(self.data).st_size
+            freed += reserved
+        # A killed fill's data file (renamed in before its record was published) is
+        # counted by its size, as is a copy that no longer matches the listing.
+        size = file_size(self.data)
+        if size is not None:
             remove(self.data)
-        except FileNotFoundError:
-            pass
+            freed += size
         remove(self.meta)
-        # A killed fill's data file (renamed in before its death) is counted by its
-        # reservation only.
-        return reserved or size
+        return freed
 
     def _fill(
         self, volume: Volume, relpath: str, listed: FileInfo | None, store: Store
@@ -396,26 +486,29 @@ class Entry:
             self._download(volume, relpath, size, listed=listed is not None)
             seconds = time.perf_counter() - started
             sidecar = Sidecar.of(info, self.url)
-            write_file(tmp, sidecar.to_json())
+            self._publish(sidecar, tmp)
         except BaseException as exc:
             # Nothing of a failed fill stays: no torn copy, and its space and
             # reservation are given back (the data file may be renamed in already).
             remove(self.fill)
             remove(self.data)
             remove(tmp)
-            self.clear_reservation()
             store.give_back(size)
             self._raise_if_disk_full(exc, store, size)
-            raise
-        try:
-            self.clear_reservation()  # the reservation is now the file itself
-            os.replace(tmp, self.meta)  # the entry becomes valid here, in one step
-        except BaseException:
-            remove(tmp)
             raise
         store.count_fill(self, size, seconds)
         return sidecar, seconds
 
+    def _publish(self, sidecar: Sidecar, tmp: str) -> None:
+        """Rename the complete download into place with its record: the entry becomes valid
+        in one step (the rename; with a .meta file, that file's rename after it)."""
+        if self.layout.xattrs:
+            os.setxattr(self.fill, RECORD_XATTR, sidecar.to_bytes())
+            os.replace(self.fill, self.data)
+            return
+        os.replace(self.fill, self.data)
+        write_file(tmp, sidecar.to_bytes())
+        os.replace(tmp, self.meta)
     def _raise_if_disk_full(self, exc: BaseException, store: Store, size: int) -> None:
         """Raise ``exc`` as a ``DiskFullError`` if the cache's disk ran out of space."""
         full = disk_full_error(
@@ -465,25 +558,22 @@ class Entry:
                     "file changed on the volume. Fix: re-create the dataset (it re-lists the "
                     "files) or retry."
                 )
-            write_file(self.fill, data)
-        os.replace(self.fill, self.data)
+            # Into the reservation: the .fill keeps its full size all along.
+            write_file(self.fill, data, truncate=False)
 
     # -- eviction and repair (the store's, under a non-blocking exclusive lock) -----------
 
     def evict(self) -> int | None:
         """Delete the entry unless it is pinned or being filled; returns the bytes freed."""
-        lock = EntryLock(self.lock)
+        lock = self.new_lock()
         if not lock.acquire(exclusive=True, blocking=False):
             return None  # pinned (shared lock) or being filled
         try:
-            if lock.fd is not None and os.fstat(lock.fd).st_size:
+            if os.path.exists(self.fill):
                 return None  # a killed filler's reservation: the next fill cleans it up
-            try:
-                size = os.stat(self.data).st_size
-            except FileNotFoundError:
-                size = 0
-            remove(self.meta)  # first: the entry stops being valid
-            remove(self.data)
+            size = file_size(self.data) or 0
+            remove(self.meta)  # first: a .meta entry stops being valid
+            remove(self.data)  # (an xattr entry, here)
             lock.release_and_delete()
         finally:
             lock.release()
@@ -491,21 +581,18 @@ class Entry:
 
     def repair(self, temps: list[str]) -> tuple[int, int | None, bool] | None:
         """Bring the entry at rest back in line (``FileCache.reconcile``): remove ``temps``
-        (temp files of killed fills found beside it) and a killed fill's reservation,
-        then keep a complete copy or remove what is left of it.
+        (temp files of killed fills found beside it, a killed fill's reservation, lock
+        files of an earlier layout), then keep a complete copy or remove what is left of it.
 
         Returns None when a live process holds the lock (filling or pinned: left
         alone), else (temp files removed, bytes of the complete copy kept or None,
         whether a broken copy was removed).
         """
-        lock = EntryLock(self.lock)
+        lock = self.new_lock()
         if not lock.acquire(exclusive=True, blocking=False):
             return None
         try:
             removed = sum(remove(path) for path in temps)
-            if self.reserved():
-                removed += 1  # a killed fill's reservation
-                self.clear_reservation()
             found = self.read() if self.data else None
             if found is not None:
                 return removed, found[0].size, False
@@ -519,11 +606,9 @@ class Entry:
             lock.release()
 
     def held_bytes(self) -> int:
-        """Bytes the entry holds on disk now: its data file, or a fill's reservation."""
-        try:
-            return os.stat(self.data).st_size if self.data else self.reserved()
-        except FileNotFoundError:
-            return 0
+        """Bytes the entry holds on disk now: its data file and a fill's reservation."""
+        held = (file_size(self.data) or 0) if self.data else 0
+        return held + self.reserved()
 
 
 def _stat(path: str) -> os.stat_result | None:

@@ -1,6 +1,6 @@
 """The hit path: a memo of the cache copies this process verified, and its shared twin.
 
-A copy verified under its entry lock (sidecar present, sizes and listing
+A copy verified under its entry lock (record present, sizes and listing
 agree) stays that copy while its data file keeps the same identity (inode,
 device, size, ctime): every fill publishes a new inode by rename, eviction
 and repair unlink it, and a touch (``utime``) moves the ctime. So a hit
@@ -26,14 +26,15 @@ import time
 
 from dcp_volumes._volume import FileInfo, Volume
 from dcp_volumes.data._entry import TOUCH_INTERVAL_S, CachedFile, Entry, Sidecar
-from dcp_volumes.data._locks import EntryLock
+from dcp_volumes.data._locks import ByteLock, EntryLock
 from dcp_volumes.data._shared_words import SharedWords
 
 _U64 = (1 << 64) - 1
 _PACK = struct.Struct("<4Q")
 # Copies in one process's memo; past this it starts over (it only saves work, it
-# is never the source of truth).
-_HOT_MAX = 1 << 20
+# is never the source of truth). Bounded so that a worker's memory does not grow with
+# the dataset: a dataset's copies past it are hits through ``SharedHot`` (8 bytes a file).
+_HOT_MAX = 1 << 16
 
 
 def identity(st: os.stat_result) -> int:
@@ -91,7 +92,7 @@ class HotCopy:
         self.listed = listed
         return True
 
-    def hit(self, pin: EntryLock | None) -> CachedFile:
+    def hit(self, pin: ByteLock | EntryLock | None) -> CachedFile:
         if pin is None and self.file is not None:
             return self.file  # unpinned hits hand out one immutable object per copy
         found = CachedFile(

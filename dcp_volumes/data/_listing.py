@@ -3,22 +3,48 @@
 The digest goes into the loader's saved state; a resume whose listing differs
 (files added, removed, resized or rewritten) is refused or warned about,
 never silently misaligned.
+
+The table is columns, not a Python object per file: the paths' UTF-8 in one
+byte array with their end offsets, sizes, etags the same way, mtimes only
+where a file has no etag. A file costs its path and etag bytes plus 12 to 28
+bytes, and ``share()`` moves the columns into shared memory, so DataLoader
+workers map them (fork, forkserver or spawn) instead of each holding a copy;
+a fork touches no per-file object's reference count.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import torch
 
 from dcp_volumes._exceptions import ConfigurationError, VolumeNotFoundError
 from dcp_volumes._volume import FileInfo, Volume, common_root
 
 
-@dataclass(frozen=True)
+def _ends(lengths: list[int], total: int) -> np.ndarray:
+    """End offsets of consecutive byte strings (uint32 while they fit)."""
+    dtype = np.uint32 if total < 2**32 else np.int64
+    return np.cumsum(np.asarray(lengths, dtype=np.int64)).astype(dtype)
+
+
+def _blob(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The UTF-8 of ``strings`` back to back, and where each ends."""
+    joined = "".join(strings)
+    if joined.isascii():  # one byte a character: the lengths without encoding each
+        blob = bytearray(joined, "ascii")  # writable: torch shares it without a warning
+        return np.frombuffer(blob, dtype=np.uint8), _ends(list(map(len, strings)), len(blob))
+    encoded = [s.encode() for s in strings]
+    blob = bytearray().join(encoded)
+    return np.frombuffer(blob, dtype=np.uint8), _ends([len(e) for e in encoded], len(blob))
+
+
 class FileTable:
     """The files of a dataset, in table order, with the digest of the listing.
 
@@ -26,20 +52,213 @@ class FileTable:
     is another thing, ``checkpoint/_manifest.py``.)
     """
 
-    files: tuple[FileInfo, ...]
-    digest: str
+    def __init__(self, columns: dict[str, np.ndarray | None], digest: str) -> None:
+        self.digest = digest
+        self._columns = columns
+        # The byte tensors behind the columns once shared (they pickle as handles).
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._bind()
+
+    def _bind(self) -> None:
+        c = self._columns
+        names, name_ends, sizes = c["names"], c["name_ends"], c["sizes"]
+        if names is None or name_ends is None or sizes is None:
+            raise ValueError("a file table needs names, name_ends and sizes")
+        self._names = memoryview(names.data)
+        self._name_ends: np.ndarray = name_ends
+        self.sizes: np.ndarray = sizes
+        self._etags = memoryview(c["etags"].data) if c["etags"] is not None else None
+        self._etag_ends = c["etag_ends"]
+        self._mtimes = c["mtimes"]
+
+    @classmethod
+    def of(cls, files: Sequence[FileInfo]) -> FileTable:
+        """The table of ``files`` (in this order)."""
+        return cls.from_columns(
+            [f.path for f in files],
+            [f.size for f in files],
+            [f.etag for f in files],
+            [f.mtime for f in files],
+        )
+
+    @classmethod
+    def from_columns(
+        cls,
+        paths: Sequence[str],
+        sizes: Sequence[int],
+        etags: Sequence[str | None] | None,
+        mtimes: Sequence[float | None],
+    ) -> FileTable:
+        """The table of the files ``paths[i]`` (``etags``: None where the store has none)."""
+        digest = _digest(paths, sizes, etags, mtimes)
+        names, name_ends = _blob(paths)
+        etag_blob = etag_ends = mtime_column = None
+        if etags is not None and any(etags):
+            etag_blob, etag_ends = _blob([e or "" for e in etags])
+        if etags is None or not all(etags):
+            mtime_column = np.array(
+                [math.nan if m is None else m for m in mtimes], dtype=np.float64
+            )
+        columns: dict[str, np.ndarray | None] = {
+            "names": names,
+            "name_ends": name_ends,
+            "sizes": np.asarray(sizes, dtype=np.int64),
+            "etags": etag_blob,
+            "etag_ends": etag_ends,
+            "mtimes": mtime_column,
+        }
+        return cls(columns, digest)
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.sizes)
+
+    def path(self, i: int) -> str:
+        """The path (relative to the volume) of file ``i``."""
+        ends = self._name_ends
+        start = int(ends[i - 1]) if i else 0
+        return str(self._names[start : int(ends[i])], "utf-8")
+
+    def info(self, i: int) -> FileInfo:
+        """File ``i`` as a listing entry."""
+        etag = mtime = None
+        etags, ends = self._etags, self._etag_ends
+        if etags is not None and ends is not None:
+            start = int(ends[i - 1]) if i else 0
+            etag = str(etags[start : int(ends[i])], "utf-8") or None
+        if self._mtimes is not None:
+            m = float(self._mtimes[i])
+            mtime = None if math.isnan(m) else m
+        return FileInfo(self.path(i), int(self.sizes[i]), etag, mtime)
+
+    def paths(self) -> Iterator[str]:
+        return (self.path(i) for i in range(len(self)))
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.sizes.sum())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the columns hold."""
+        return sum(c.nbytes for c in self._columns.values() if c is not None)
+
+    def share(self) -> None:
+        """Move the columns into shared memory: processes the table is pickled to (by
+        torch's multiprocessing, as DataLoader workers are) map them instead of copying."""
+        for name, column in self._columns.items():
+            if column is not None and column.nbytes and name not in self._tensors:
+                tensor = self._as_bytes(name, column)
+                tensor.share_memory_()  # type: ignore[no-untyped-call]
+                self._tensors[name] = tensor
+                self._columns[name] = tensor.numpy().view(column.dtype)
+        self._bind()
+
+    def _as_bytes(self, name: str, column: np.ndarray) -> torch.Tensor:
+        shared = self._tensors.get(name)
+        if shared is not None:
+            return shared
+        return torch.from_numpy(np.ascontiguousarray(column).view(np.uint8))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # As byte tensors: shared memory pickles as a handle through torch's
+        # multiprocessing, and by value through plain pickle (a broadcast to other ranks).
+        columns = {
+            name: None if column is None else (self._as_bytes(name, column), column.dtype.str)
+            for name, column in self._columns.items()
+        }
+        return {"columns": columns, "digest": self.digest}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.digest = state["digest"]
+        self._columns, self._tensors = {}, {}
+        for name, packed in state["columns"].items():
+            if packed is None:
+                self._columns[name] = None
+                continue
+            tensor, dtype = packed
+            if tensor.is_shared():
+                self._tensors[name] = tensor
+            self._columns[name] = tensor.numpy().view(np.dtype(dtype))
+        self._bind()
 
 
 def listing_digest(files: Sequence[FileInfo]) -> str:
     """sha256 over (path, size, etag — or mtime where the store has no etag), in order."""
+    return _digest(
+        [f.path for f in files], [f.size for f in files], [f.etag for f in files],
+        [f.mtime for f in files],
+    )
+
+
+def _digest(
+    paths: Sequence[str],
+    sizes: Sequence[int],
+    etags: Sequence[str | None] | None,
+    mtimes: Sequence[float | None],
+) -> str:
     h = hashlib.sha256()
-    for f in files:
-        version = f.etag if f.etag else (repr(f.mtime) if f.mtime is not None else "")
-        h.update(f"{f.path}\t{f.size}\t{version}\n".encode())
+    if etags is None and None not in mtimes:  # a directory's walk: the mtime is the version
+        for path, size, mtime in zip(paths, sizes, mtimes, strict=True):
+            h.update(f"{path}\t{size}\t{mtime!r}\n".encode())
+        return h.hexdigest()
+    tags = etags if etags is not None else [None] * len(paths)
+    for path, size, etag, mtime in zip(paths, sizes, tags, mtimes, strict=True):
+        version = etag if etag else (repr(mtime) if mtime is not None else "")
+        h.update(f"{path}\t{size}\t{version}\n".encode())
     return h.hexdigest()
+
+
+def _walk_local(
+    root: str, wanted: tuple[str, ...] | None
+) -> tuple[list[str], list[int], list[float]]:
+    """Every visible file below the directory ``root``, sorted by path: (paths, sizes,
+    mtimes), without a listing entry object per file.
+
+    Siblings are visited in the order of their names (a folder's with ``/``), which is
+    the order of the full paths. Hidden files and folders are skipped.
+    """
+    found: tuple[list[str], list[int], list[float]] = ([], [], [])
+    _visit(root, "", wanted, found)  # (not a closure: a recursive one is a cycle that
+    return found  # keeps the lists alive until the garbage collector runs)
+
+
+def _visit(
+    folder: str,
+    rel: str,
+    wanted: tuple[str, ...] | None,
+    found: tuple[list[str], list[int], list[float]],
+) -> None:
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return  # a missing prefix lists as empty
+    named: list[tuple[str, os.DirEntry[str], bool]] = []
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue  # hidden: not training data
+        try:
+            if entry.is_dir():
+                named.append((entry.name + "/", entry, True))
+            elif entry.is_file():
+                named.append((entry.name, entry, False))
+        except FileNotFoundError:
+            continue  # removed meanwhile: not there, as a store's listing would say
+    named.sort(key=lambda t: t[0])
+    paths, sizes, mtimes = found
+    for key, entry, is_dir in named:
+        path = rel + key
+        if is_dir:
+            _visit(entry.path, path, wanted, found)
+            continue
+        if wanted is not None and not path.lower().endswith(wanted):
+            continue
+        try:
+            st = entry.stat()
+        except FileNotFoundError:
+            continue
+        paths.append(path)
+        sizes.append(st.st_size)
+        mtimes.append(st.st_mtime)
 
 
 def _visible(path: str, suffixes: tuple[str, ...] | None) -> bool:
@@ -96,9 +315,18 @@ def build_file_table(
     wanted = tuple(s.lower() for s in suffixes) if suffixes else None
     if isinstance(source, (str, os.PathLike)):
         volume = Volume(os.fspath(source), storage_options=storage_options)
+        where = volume.display_url
+        if volume.capabilities.local_files and os.path.isdir(volume.root):
+            # A directory: walked straight into columns (a listing entry object per
+            # file would cost more than the walk's own stat).
+            try:
+                paths, sizes, mtimes = _walk_local(volume.root, wanted)
+            except OSError:
+                paths = []  # (the volume's own listing says what went wrong)
+            if paths:
+                return volume, FileTable.from_columns(paths, sizes, None, mtimes)
         listed = _list_prefix(volume, concurrency)
         files = [f for f in listed if f.path and _visible(f.path, wanted)]
-        where = volume.display_url
     else:
         urls = [os.fspath(u) for u in source]
         if not urls:
@@ -113,4 +341,4 @@ def build_file_table(
             + (f", or no file ends with {list(wanted)}" if wanted else "")
             + ". Fix: check the URL and storage_options, or upload the data first."
         )
-    return volume, FileTable(files=tuple(files), digest=listing_digest(files))
+    return volume, FileTable.of(files)

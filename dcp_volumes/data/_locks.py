@@ -1,18 +1,26 @@
-"""File locks for the cache: per-entry ``flock`` locks whose files may be deleted safely.
+"""File locks for the cache: per-entry locks, a count of inodes that does not grow.
 
-``flock`` locks belong to an open file description and the kernel drops them
-when the holder dies (even on SIGKILL), so a killed filler never leaves a lock
-behind. Two roles share one lock file per cache entry:
+Every entry has a lock with two roles:
 
 * exclusive: held while the entry is filled, repaired or evicted;
 * shared: a *pin*, held while a process uses the cached file, so that no
   other process (or job) on the node evicts it meanwhile.
 
-Lock files of evicted entries are deleted, or they would pile up one per file
-ever cached. Deleting a lock file is only safe with the classic protocol used
-here: only the exclusive holder unlinks it, and every locker checks after
-acquiring that the inode it locked is still the one at the path; if not, it
-locked a deleted file and tries again on the new one.
+``ByteLock`` (Linux): one byte of one lock file per entry, the byte at an
+offset drawn from the entry's key, locked with an open-file-description
+(``F_OFD_SETLKW``) record lock. Like ``flock`` it belongs to its open file
+description (threads of one process exclude each other; closing releases
+it) and the kernel drops it when the holder dies, even on SIGKILL; unlike a
+lock file per entry it costs no inode. Chosen over a fixed set of striped
+lock files: a stripe shared by two entries would let a pin held on one
+block the fill of the other, and a prefetcher that holds pins while it
+waits for a fill would deadlock on itself.
+
+``EntryLock`` (where OFD locks are missing): a ``flock`` on a lock file per
+entry, deleted with the entry by the classic protocol: only the exclusive
+holder unlinks it, and every locker checks after acquiring that the inode it
+locked is still the one at the path; if not, it locked a deleted file and
+tries again on the new one.
 """
 
 from __future__ import annotations
@@ -20,6 +28,19 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import struct
+
+# ``struct flock`` (l_type, l_whence, l_start, l_len, l_pid) as the kernel reads it.
+_FLOCK = struct.Struct("hhqqi")
+_OFD_SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
+_OFD_SETLKW: int | None = getattr(fcntl, "F_OFD_SETLKW", None)
+# Lock offsets are drawn below this (a lock needs no file bytes there).
+_OFFSET_SPAN = 1 << 62
+
+
+def byte_locks_supported() -> bool:
+    """Whether this platform has open-file-description record locks (Linux)."""
+    return _OFD_SETLK is not None and _OFD_SETLKW is not None
 
 
 class EntryLock:
@@ -90,6 +111,69 @@ class EntryLock:
         self.release()
 
     def __enter__(self) -> EntryLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        # A forgotten pin must not outlive its owner object.
+        self.release()
+
+
+class ByteLock:
+    """An OFD record lock on one byte (``offset``) of the shared lock file ``path``.
+
+    The same interface as ``EntryLock``; the lock file is never deleted, so
+    ``release_and_delete`` only releases.
+    """
+
+    __slots__ = ("exclusive", "fd", "offset", "path")
+
+    def __init__(self, path: str, key: str) -> None:
+        self.path = path
+        self.offset = int(key[:16], 16) % _OFFSET_SPAN
+        self.fd: int | None = None
+        self.exclusive = False
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the lock now."""
+        return self.fd is not None
+
+    def acquire(self, *, exclusive: bool, blocking: bool = True) -> bool:
+        """Take the lock; returns False only when ``blocking`` is False and it is busy."""
+        if self.fd is not None:
+            raise RuntimeError(f"lock {self.path}@{self.offset} is already held by this object")
+        cmd = _OFD_SETLKW if blocking else _OFD_SETLK
+        if cmd is None:
+            raise RuntimeError("ByteLock needs open-file-description locks (Linux)")
+        kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.fcntl(fd, cmd, _FLOCK.pack(kind, os.SEEK_SET, self.offset, 1, 0))
+        except BaseException as exc:
+            os.close(fd)
+            if not blocking and isinstance(exc, (BlockingIOError, PermissionError)):
+                return False  # EAGAIN / EACCES: someone else holds it
+            raise
+        self.fd = fd
+        self.exclusive = exclusive
+        return True
+
+    def release(self) -> None:
+        """Drop the lock (closing the descriptor releases it); a no-op when not held."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def release_and_delete(self) -> None:
+        """Release (the shared lock file stays); only valid while holding it exclusively."""
+        if self.fd is None or not self.exclusive:
+            raise RuntimeError("only the exclusive holder may delete an entry's lock")
+        self.release()
+
+    def __enter__(self) -> ByteLock:
         return self
 
     def __exit__(self, *exc: object) -> None:

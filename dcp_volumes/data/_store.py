@@ -3,9 +3,10 @@
 Layout below ``cache_dir`` (one directory may serve many processes and jobs)::
 
     usage.lock                 flock'ed by writers; holds the byte count of the cache
-    objects/<k2>/<key>...      the entries (``_entry.py``: data file, sidecar, lock)
+    entries.lock               the entries' locks, one byte each (``_locks.ByteLock``)
+    objects/<k2>/<key>...      the entries (``_entry.py``: data file with its record)
 
-There is no shared index: an entry is its data file plus its sidecar, each
+There is no shared index: an entry is its data file carrying its record,
 published with one atomic rename, so concurrent processes cannot lose each
 other's entries (fsspec's filecache rewrites one shared index and does). The
 one shared mutable value, the byte count, only changes under an exclusive
@@ -28,7 +29,7 @@ from typing import Protocol
 
 from dcp_volumes._exceptions import CacheError
 from dcp_volumes._sizes import format_size
-from dcp_volumes.data._entry import NAME_RE, TEMP_MARKERS, Entry, entry_base
+from dcp_volumes.data._entry import NAME_RE, TEMP_MARKERS, Entry, Layout
 from dcp_volumes.data._locks import CounterLock
 from dcp_volumes.data._metrics import Counters
 
@@ -53,7 +54,7 @@ class _Known:
     data: str
     size: int
     mtime: float
-    has_meta: bool
+    has_record: bool
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,8 @@ class Store:
 
     def __init__(self, cache_dir: str, *, limit: int | None, headroom: int) -> None:
         self.cache_dir = cache_dir
-        self.objects = os.path.join(cache_dir, "objects")
+        self.layout = Layout.probe(cache_dir)
+        self.objects = self.layout.objects
         self.counter_path = os.path.join(cache_dir, "usage.lock")
         self.limit = limit
         self.headroom = headroom
@@ -86,7 +88,7 @@ class Store:
 
     def _at(self, key: str, data: str) -> Entry:
         """The entry ``key`` whose data file a scan found at ``data`` ("": none)."""
-        return Entry(entry_base(self.objects, key), key, data)
+        return Entry(self.layout, key, data)
 
     # -- this process's counters and view ------------------------------------------------
 
@@ -195,7 +197,7 @@ class Store:
         for key, known in items:
             if key == exclude:
                 continue
-            if not known.has_meta:
+            if not known.has_record:
                 ranked.append((float("inf"), key, known))  # broken or half-done: first to go
                 continue
             # Without a schedule: least recently used first.
@@ -281,7 +283,9 @@ class Store:
                 st = os.stat(data)
             except FileNotFoundError:
                 continue
-            known[key] = _Known(data, st.st_size, st.st_mtime, ".meta" in kinds)
+            # (An xattr record is only read when the entry is: a scan stats the files.)
+            has_record = self.layout.xattrs or ".meta" in kinds
+            known[key] = _Known(data, st.st_size, st.st_mtime, has_record)
         with self._mu:
             self._known = known
             self._known_at = time.monotonic()
@@ -293,7 +297,7 @@ class Store:
         with self._mu:
             total = sum(k.size for k in self._known.values())
         for key, kinds in found.items():
-            if key and ".lock" in kinds and "data" not in kinds:
+            if key and ".fill" in kinds:
                 total += self._at(key, "").reserved()
         return total
 
@@ -311,11 +315,13 @@ class Store:
                 )
             for key, kinds in found.items():
                 entry = self._at(key, kinds.get("data", ""))
-                # (.resv: reservation files of earlier versions)
+                # (.resv: reservation files of earlier versions; .lock: lock files of
+                # earlier layouts, where the entries' locks are bytes of one file now)
+                stale = (".fill", ".resv", ".lock") if self.layout.locks else (".fill", ".resv")
                 temps = [
                     path
                     for kind, path in kinds.items()
-                    if kind.startswith("temp:") or kind in (".fill", ".resv")
+                    if kind.startswith("temp:") or kind in stale
                 ]
                 done = entry.repair(temps)
                 if done is None:
