@@ -29,6 +29,7 @@ import contextlib
 import fcntl
 import os
 import struct
+from typing import TypeVar
 
 # ``struct flock`` (l_type, l_whence, l_start, l_len, l_pid) as the kernel reads it.
 _FLOCK = struct.Struct("hhqqi")
@@ -36,6 +37,7 @@ _OFD_SETLK: int | None = getattr(fcntl, "F_OFD_SETLK", None)
 _OFD_SETLKW: int | None = getattr(fcntl, "F_OFD_SETLKW", None)
 # Lock offsets are drawn below this (a lock needs no file bytes there).
 _OFFSET_SPAN = 1 << 62
+_L = TypeVar("_L", bound="_HeldLock")
 
 
 def byte_locks_supported() -> bool:
@@ -43,13 +45,12 @@ def byte_locks_supported() -> bool:
     return _OFD_SETLK is not None and _OFD_SETLKW is not None
 
 
-class EntryLock:
-    """A ``flock`` on ``path``, created on demand, robust to the file being deleted."""
+class _HeldLock:
+    """What both kinds of lock share: a descriptor while held; closing it releases."""
 
-    __slots__ = ("exclusive", "fd", "path")
+    __slots__ = ("exclusive", "fd")
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self) -> None:
         self.fd: int | None = None
         self.exclusive = False
 
@@ -57,6 +58,32 @@ class EntryLock:
     def held(self) -> bool:
         """Whether this object holds the lock now."""
         return self.fd is not None
+
+    def release(self) -> None:
+        """Drop the lock (closing the descriptor releases it); a no-op when not held."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def __enter__(self: _L) -> _L:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        # A forgotten pin must not outlive its owner object.
+        self.release()
+
+
+class EntryLock(_HeldLock):
+    """A ``flock`` on ``path``, created on demand, robust to the file being deleted."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
 
     def acquire(self, *, exclusive: bool, blocking: bool = True) -> bool:
         """Take the lock; returns False only when ``blocking`` is False and it is busy."""
@@ -96,12 +123,6 @@ class EntryLock:
             # We waited on a lock file that its exclusive holder deleted: retry on the new one.
             os.close(fd)
 
-    def release(self) -> None:
-        """Drop the lock (closing the descriptor releases it); a no-op when not held."""
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-
     def release_and_delete(self) -> None:
         """Delete the lock file, then release; only valid while holding it exclusively."""
         if self.fd is None or not self.exclusive:
@@ -110,36 +131,20 @@ class EntryLock:
             os.unlink(self.path)
         self.release()
 
-    def __enter__(self) -> EntryLock:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        # A forgotten pin must not outlive its owner object.
-        self.release()
-
-
-class ByteLock:
+class ByteLock(_HeldLock):
     """An OFD record lock on one byte (``offset``) of the shared lock file ``path``.
 
     The same interface as ``EntryLock``; the lock file is never deleted, so
     ``release_and_delete`` only releases.
     """
 
-    __slots__ = ("exclusive", "fd", "offset", "path")
+    __slots__ = ("offset", "path")
 
     def __init__(self, path: str, key: str) -> None:
+        super().__init__()
         self.path = path
         self.offset = int(key[:16], 16) % _OFFSET_SPAN
-        self.fd: int | None = None
-        self.exclusive = False
-
-    @property
-    def held(self) -> bool:
-        """Whether this object holds the lock now."""
-        return self.fd is not None
 
     def acquire(self, *, exclusive: bool, blocking: bool = True) -> bool:
         """Take the lock; returns False only when ``blocking`` is False and it is busy."""
@@ -161,26 +166,10 @@ class ByteLock:
         self.exclusive = exclusive
         return True
 
-    def release(self) -> None:
-        """Drop the lock (closing the descriptor releases it); a no-op when not held."""
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-
     def release_and_delete(self) -> None:
         """Release (the shared lock file stays); only valid while holding it exclusively."""
         if self.fd is None or not self.exclusive:
             raise RuntimeError("only the exclusive holder may delete an entry's lock")
-        self.release()
-
-    def __enter__(self) -> ByteLock:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        # A forgotten pin must not outlive its owner object.
         self.release()
 
 
