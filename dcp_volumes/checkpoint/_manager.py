@@ -533,6 +533,16 @@ class CheckpointManager:
         self._drain()
         if self._peers is not None:
             self._peers.wait()  # its group serves the restore next
+        choice = self._agree_on_checkpoint(step)
+        if choice is None:
+            logger.info("no complete checkpoint under %s: starting fresh", self._volume.display_url)
+            return None
+        self._load(state, *choice, planner=planner)
+        return choice[0]
+
+    def _agree_on_checkpoint(self, step: int | None) -> tuple[int, str, bool] | None:
+        """(step, name, rank-local) of the checkpoint to restore, as the coordinator
+        chose it (the newest complete one, or ``step``), on every rank; None: none."""
         error = self._take_error()
         choice: tuple[int, str, bool] | None = None
         if error is None and self.is_coordinator:
@@ -545,11 +555,15 @@ class CheckpointManager:
             except Exception as exc:
                 error = exc
         self._coord.agree("choose a checkpoint to restore", error)
-        choice = self._coord.broadcast(choice)
-        if choice is None:
-            logger.info("no complete checkpoint under %s: starting fresh", self._volume.display_url)
-            return None
-        chosen_step, name, rank_local = choice
+        agreed: tuple[int, str, bool] | None = self._coord.broadcast(choice)
+        return agreed
+
+    def _load(
+        self, state: dict[str, Any], chosen_step: int, name: str, rank_local: bool, *,
+        planner: LoadPlanner | None,
+    ) -> None:
+        """Load checkpoint ``name`` into ``state``: local and peer copies first, where the
+        local tier holds them, the rest from the volume."""
         url = self._volume.url_of(name)
         local = self.local_dir if self._local is not None and (
             self._peers is not None or self._local.has(name) or self._local.has_replicas()
@@ -583,7 +597,6 @@ class CheckpointManager:
             logger.info("restored step %d: %.1f MiB from local files, %.1f MiB from peers, "
                         "%.1f MiB from the volume", chosen_step, mib["local"], mib["peer"],
                         mib["volume"])
-        return chosen_step
 
     def _read_once(self, reader: VolumeReader) -> None:
         """The coordinator reads ``.metadata`` and the manifest and broadcasts them: one
