@@ -243,6 +243,11 @@ def test_a_cold_epoch_on_a_stale_listing_delivers_each_listed_sample_once(
     with capsys.disabled():
         _report("cold epoch, stale first listing", faults,
                 f"{len(seen)} samples, {len(set(seen))} distinct")
+    if not root.startswith("s3://"):
+        # A directory is walked, not listed through the store: it cannot lag its writes,
+        # and the walk sees the late files too (each once).
+        assert sorted(seen) == list(range(30)) + list(range(100, 110))
+        return
     assert faults.faults["objects hidden"] + faults.faults["prefixes hidden"] > 0
     assert sorted(seen) == list(range(30))  # each listed sample once, none of the unlisted
 
