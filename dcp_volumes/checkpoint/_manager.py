@@ -537,7 +537,7 @@ class CheckpointManager:
         if choice is None:
             logger.info("no complete checkpoint under %s: starting fresh", self._volume.display_url)
             return None
-        self._load(state, *choice, planner=planner)
+        self._load_checkpoint(state, *choice, planner=planner)
         return choice[0]
 
     def _agree_on_checkpoint(self, step: int | None) -> tuple[int, str, bool] | None:
@@ -558,7 +558,7 @@ class CheckpointManager:
         agreed: tuple[int, str, bool] | None = self._coord.broadcast(choice)
         return agreed
 
-    def _load(
+    def _load_checkpoint(
         self, state: dict[str, Any], chosen_step: int, name: str, rank_local: bool, *,
         planner: LoadPlanner | None,
     ) -> None:
