@@ -418,6 +418,18 @@ def test_the_fork_server_starts_with_the_loader_and_its_workers_share_one_manage
     assert found["managers"] == 1, found  # the server's, not one per worker (3)
 
 
+def test_the_fork_server_preload_does_not_import_checkpoint_code() -> None:
+    """Every worker comes from the fork server after its preload (torch, the loader,
+    ``_forkserver_preload``): importing torch.distributed.checkpoint there as well
+    (DTensor, sympy) added about a second to every loader's first batch."""
+    code = (
+        "import sys, torch, dcp_volumes.data._loader, dcp_volumes.data._forkserver_preload\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True, cwd=Path(__file__).parent.parent)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
 @pytest.mark.timeout(180)
 def test_an_unpicklable_transform_keeps_fork_and_falls_back_to_fsspec(
     moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: Path,

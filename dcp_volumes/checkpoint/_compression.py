@@ -24,7 +24,7 @@ from dcp_volumes._exceptions import BackendNotInstalledError, ConfigurationError
 
 # Torch's extension API appeared in 2.7 (experimental): without it compression
 # is refused with a message, not an ImportError at import time.
-from dcp_volumes._torch import EXTENSIONS_AVAILABLE, StreamTransformExtension, ZStandard
+from dcp_volumes._torch.checkpoint import EXTENSIONS_AVAILABLE, StreamTransformExtension, ZStandard
 
 REGISTRY_NAME = "stream.zstd"
 DESCRIPTOR = f"{REGISTRY_NAME}/1"

@@ -19,7 +19,7 @@ from typing import IO, Any
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_volumes._exceptions import CheckpointCorruptError, ConfigurationError
-from dcp_volumes._torch import (
+from dcp_volumes._torch.checkpoint import (
     ExtensionRegistry,
     SerializationFormat,
     StreamTransformExtension,

@@ -36,7 +36,7 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._streams import FileSlice, MemoryReader
-from dcp_volumes._torch import load_tensor_in_place
+from dcp_volumes._torch.checkpoint import load_tensor_in_place
 from dcp_volumes._volume import LAG_TOTAL_S, Volume, despite_lag, redact_url
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, checksum_file

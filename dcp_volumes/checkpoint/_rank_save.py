@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_volumes._exceptions import DiskFullError
 from dcp_volumes._exit_safe import submit
 from dcp_volumes._staging import StagingArea, disk_full_error
-from dcp_volumes._torch import StorageInfo, StreamTransforms
+from dcp_volumes._torch.checkpoint import StorageInfo, StreamTransforms
 from dcp_volumes._volume import Volume, redact_url
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._manifest import FileRecord

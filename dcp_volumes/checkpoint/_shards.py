@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
-from dcp_volumes._torch import StreamTransforms
+from dcp_volumes._torch.checkpoint import StreamTransforms
 from dcp_volumes._volume import pieces
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
 

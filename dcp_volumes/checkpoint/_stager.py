@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.tensor import DTensor
 
-from dcp_volumes._torch import copy_state_dict, create_cpu_state_dict
+from dcp_volumes._torch.checkpoint import copy_state_dict, create_cpu_state_dict
 
 # A state dict as DCP's stagers take and return it (DCP's STATE_DICT_TYPE, parametrised).
 StateDict = dict[str, Any]

@@ -45,7 +45,7 @@ from dcp_volumes._exceptions import (
 )
 from dcp_volumes._sizes import parse_size
 from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea
-from dcp_volumes._torch import DCP_VERSION, STAGING_FUTURES, StorageInfo
+from dcp_volumes._torch.checkpoint import DCP_VERSION, STAGING_FUTURES, StorageInfo
 from dcp_volumes._volume import FileInfo, RetryPolicy
 from dcp_volumes._world import World, distributed
 from dcp_volumes.checkpoint import _layout

@@ -38,7 +38,7 @@ import torch
 import torch.multiprocessing
 
 from dcp_volumes._exceptions import ConfigurationError
-from dcp_volumes._torch import start_shm_manager
+from dcp_volumes._torch.data import start_shm_manager
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import torch.utils.data
 from torch.utils.data import default_collate
 
 from dcp_volumes._exceptions import ConfigurationError, DatasetChangedError
-from dcp_volumes._torch import pin_batch
+from dcp_volumes._torch.data import pin_batch
 from dcp_volumes._world import World
 from dcp_volumes.data import _batch_sharing
 from dcp_volumes.data._dataset import VolumeDataset

@@ -1,9 +1,8 @@
-"""What dcp_volumes takes from torch beyond its stable public API, in one place.
+"""What the checkpoint side takes from torch beyond its stable public API.
 
-Version guards (features newer than the oldest torch we support, 2.6) and the
-few private names we need live here, each behind one named alias or function,
-so a torch release that moves one is mended in this module alone.
-``tests/test_no_private_internals.py`` allows private torch names only here.
+Version guards (DCP features newer than the oldest torch we support, 2.6) and
+the private names the writer, reader and stager need, each behind one alias or
+function (see ``dcp_volumes._torch``).
 """
 
 from __future__ import annotations
@@ -115,23 +114,3 @@ def load_tensor_in_place(view: memoryview) -> torch.Tensor:
         torch.Tensor,
         torch.load(MemoryReader(view), map_location="cpu", weights_only=True),  # type: ignore[arg-type]
     )
-
-
-def start_shm_manager() -> None:
-    """Reach (or start) this process's ``torch_shm_manager``, whatever its sharing strategy.
-
-    A one-byte storage shared by name does it (the public ``share_memory_``
-    goes by name only under the "file_system" strategy, which the training
-    process must not switch to for this). Raises ``RuntimeError`` where no
-    manager can start.
-    """
-    torch.UntypedStorage(1)._share_filename_cpu_()  # type: ignore[no-untyped-call]
-
-
-def pin_batch(batch: Any) -> Any:
-    """Pin the tensors of a batch (nested containers too) the way the DataLoader's
-    pin-memory thread does; for batch types that wrap a batch (``pin_memory()``)."""
-    from torch.utils.data._utils.pin_memory import pin_memory
-
-    pin: Any = pin_memory
-    return pin(batch)
