@@ -4,13 +4,15 @@
 
 ``BENCH_PEER`` (JSON): this node's ``storage_options`` (its own proxy: a node's
 link), ``local_dir``, ``keep_local`` and ``local_replicas``. Writes
-``OUT/rank-<r>.json`` with the times, the restore's sources and whether the
-restored state is bit for bit the saved one.
+``OUT/rank-<r>.json`` with the times, the restore's sources, whether the
+restored state is bit for bit the saved one, and the library's log lines (INFO
+and up) with their seconds since the save or restore began: where the time went.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -30,6 +32,18 @@ def make_state(size_mib: int, rank: int) -> dict[str, torch.Tensor]:
     return {f"rank{rank}.t{i}": torch.randn(_TENSOR_MIB * 2**18, generator=g) for i in range(n)}
 
 
+class _Events(logging.Handler):
+    """The library's log lines, with their time since ``started``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.started = time.time()
+        self.lines: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((round(record.created - self.started, 3), record.getMessage()))
+
+
 def main() -> None:
     root, out, mode, size_mib = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     cfg = json.loads(os.environ["BENCH_PEER"])
@@ -42,9 +56,13 @@ def main() -> None:
     )
     report: dict[str, Any] = {"rank": rank, "local_dir": cfg["local_dir"]}
     want = make_state(size_mib, rank)
+    events = _Events()
+    library = logging.getLogger("dcp_volumes")
+    library.setLevel(logging.INFO)
+    library.addHandler(events)
     if mode == "save":
         dist.barrier()
-        started = time.perf_counter()
+        started, events.started = time.perf_counter(), time.time()
         mgr.save(1, want)
         report["blocked_s"] = time.perf_counter() - started
         mgr.wait()
@@ -54,12 +72,13 @@ def main() -> None:
     else:
         target = {k: torch.empty_like(v) for k, v in want.items()}
         dist.barrier()
-        started = time.perf_counter()
+        started, events.started = time.perf_counter(), time.time()
         step = mgr.restore(target)
         report["restore_s"] = time.perf_counter() - started
         report["exact"] = step == 1 and all(torch.equal(target[k], want[k]) for k in want)
         report["sources"] = mgr.restore_sources
         mgr.close()
+    report["events"] = events.lines
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()

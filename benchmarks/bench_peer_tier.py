@@ -131,6 +131,7 @@ def comparison(root: str, endpoints: list[dict[str, Any]], size_mib: int, ranks:
                     "seconds": max(r["restore_s"] for r in reports),
                     "sources": {k: sum(r["sources"][k] for r in reports)
                                 for k in ("local", "peer", "volume")},
+                    "events": {r["rank"]: r["events"] for r in reports},
                 })
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -319,3 +319,73 @@ def test_a_full_disk_on_the_receiving_node_skips_the_replica_and_the_saves_commi
     # The other direction is unaffected: node 0 keeps node 1's files.
     assert list(dirs[0].glob("replicas/node-1/step-00000002/**/*.distcp"))
     assert results[0]["warnings"] == []
+
+
+def _exchange_with_slow_chunks(rank: int, world: int, base: str) -> dict[str, Any]:
+    """Node 0 keeps node 1's replica (one file of it damaged) and sends it, a chunk every
+    30 ms; node 1 takes each chunk 30 ms late. What each side saw, and when."""
+    import torch.distributed as dist
+
+    from dcp_volumes.checkpoint import _peers
+    from dcp_volumes.checkpoint._layout import replica_dir
+    from dcp_volumes.checkpoint._manifest import FileRecord, checksum_bytes
+
+    name = "step-00000002"
+    blobs = {f"__1_0_{i}.distcp": bytes([i + 1]) * (4 * 65536) for i in range(3)}
+    local = os.path.join(base, f"node-{rank}")
+    if rank == 0:
+        held = Path(replica_dir(local, 1), name)
+        held.mkdir(parents=True)
+        for rel, blob in blobs.items():
+            held.joinpath(rel).write_bytes(blob)
+        held.joinpath("__1_0_1.distcp").write_bytes(bytes(4 * 65536))  # damaged: same size
+    _peers._CHUNK = 65536  # four chunks a file
+    chunk_times: list[float] = []
+    read_chunk, take_chunk = _peers._next_chunk, _peers._take_chunk
+
+    def slow_read(send: Any, buf: bytearray) -> int:
+        time.sleep(0.03)
+        chunk_times.append(time.monotonic())
+        return read_chunk(send, buf)
+
+    def slow_take(item: Any, data: Any) -> None:
+        time.sleep(0.03)
+        take_chunk(item, data)
+
+    _peers._next_chunk, _peers._take_chunk = slow_read, slow_take
+    tier = _peers.PeerTier(local, nodes=[0, 1], rank=rank, replicas=1,
+                           group=dist.new_group(backend="gloo"))
+    needs = {rel: FileRecord(len(b), checksum_bytes(b)) for rel, b in blobs.items()}
+    exchange = tier.exchange(name, needs if rank == 1 else {}, os.path.join(local, name),
+                             memory_bytes=2**20)
+    returned = time.monotonic()
+    report: dict[str, Any] = {"arrivals": sorted(exchange.arrivals)}
+    if rank == 1:
+        first = exchange.arrivals["__1_0_0.distcp"].result(timeout=60)
+        report["last_pending_at_first"] = not exchange.arrivals["__1_0_2.distcp"].done()
+        last = exchange.arrivals["__1_0_2.distcp"].result(timeout=60)
+        report["exact"] = [bytes(first.data.numpy()) == blobs["__1_0_0.distcp"],
+                           bytes(last.data.numpy()) == blobs["__1_0_2.distcp"]]
+        try:
+            exchange.arrivals["__1_0_1.distcp"].result(timeout=60)
+            report["damaged"] = "arrived"
+        except _peers.PeerCopyMissing as exc:
+            report["damaged"] = str(exc)
+    exchange.join()
+    if rank == 0:
+        report["returned_before_last_chunk"] = returned < chunk_times[-1]
+        report["chunks"] = len(chunk_times)
+    return report
+
+
+def test_a_restore_exchange_runs_beside_the_load_and_files_are_usable_as_they_arrive(
+        tmp_path: Path) -> None:
+    # The holder's exchange returns at once (it loads its own files while it sends), and
+    # the receiver can use each file once it is in, checked, while the next still travels;
+    # a damaged file is reported as missing (the reader then reads it from the volume).
+    sender, receiver = run_ranks(_exchange_with_slow_chunks, 2, str(tmp_path), timeout=120)
+    assert sender["arrivals"] == [] and sender["chunks"] == 12
+    assert sender["returned_before_last_chunk"]
+    assert receiver["arrivals"] == [f"__1_0_{i}.distcp" for i in range(3)]
+    assert receiver["last_pending_at_first"] and receiver["exact"] == [True, True]
+    assert "fails its checksum" in receiver["damaged"] and "from rank 0" in receiver["damaged"]

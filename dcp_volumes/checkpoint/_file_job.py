@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ from dcp_volumes._torch.checkpoint import load_tensor_in_place
 from dcp_volumes._volume import LAG_TOTAL_S, Volume, despite_lag, redact_url
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, checksum_file
+
+if TYPE_CHECKING:
+    from dcp_volumes.checkpoint._peers import Received
 
 # Ranges closer than this are fetched as one request: one round trip costs
 # more than reading a few hundred KiB that are then thrown away.
@@ -72,7 +75,7 @@ class FileJob:
     file: io.FileIO | None = None
     targets: dict[int, torch.Tensor] = field(default_factory=dict)  # req index -> target
     direct: dict[int, tuple[int, memoryview]] = field(default_factory=dict)  # -> data at, bytes
-    received: bytearray | None = None  # the whole file, sent by a peer node
+    arrival: ThreadFuture[Received] | None = None  # the whole file, sent by a peer node
 
     @classmethod
     def planned(
@@ -104,16 +107,18 @@ class FileJob:
         self.source, self.from_local = local, True
         self.spans, self.whole = [(0, size)], True
 
-    def read_received(self, data: bytearray) -> None:
-        """Take the whole file from ``data`` (a peer node sent it) instead of reading it;
-        its checksum is checked before use, as a local copy's is."""
-        self.received, self.from_local = data, True
-        self.spans, self.whole = [(0, len(data))], True
+    def read_from_peer(self, arrival: ThreadFuture[Received], local: Volume, size: int) -> None:
+        """Take the whole file from a peer node: ``arrival`` gives its bytes once they
+        arrived and matched the manifest's checksum (or written into ``local``, then read
+        from there and checked again), or raises ``PeerCopyMissing`` (the caller reads
+        the file from the volume instead)."""
+        self.arrival, self.source, self.from_local = arrival, local, True
+        self.spans, self.whole = [(0, size)], True
 
     def fall_back_to(self, source: Volume) -> None:
         """Read the file from ``source`` after its local copy failed (still whole)."""
         self.close()
-        self.source, self.from_local, self.received = source, False, None
+        self.source, self.from_local, self.arrival = source, False, None
 
     def start(
         self,
@@ -126,15 +131,10 @@ class FileJob:
         spans are cut into GETs of ``split`` (bytes per GET, whether that is a cap:
         ``split_range``) fetched by ``pool``."""
         self.plan_direct(planner, saved_dtype)
-        if self.received is not None:  # into the targets and scratch, like a fetch
+        if self.arrival is not None:  # into the targets and scratch, like a fetch
             self.allocate()
-            self.futures = []
-            data, pos = memoryview(self.received), 0
-            for view in self.views(0, len(data)):
-                view[:] = data[pos:pos + len(view)]
-                pos += len(view)
-            self.received = None
-            self.digest = self.checksum()
+            self.digest = None
+            self.futures = [pool.submit(self.take_arrival, self.arrival)]
             return
         if self.source.capabilities.local_files:
             advise_willneed(self.source.full_path(self.rel), self.spans)
@@ -278,6 +278,20 @@ class FileJob:
             raise truncated_file_error(source, rel, start, end, got)
         if hash_it:
             self.digest = self.checksum()
+
+    def take_arrival(self, arrival: ThreadFuture[Received]) -> None:
+        """Wait for the peer's file and copy it into the pieces; its checksum is the one
+        taken of these bytes on arrival (a file written to disk is read and hashed)."""
+        received = arrival.result()  # bounded: the transfer settles every arrival
+        self.arrival = None  # its bytes are dropped once copied
+        if received.data is None:
+            self.fetch(0, self.spans[0][1], hash_it=True)
+            return
+        data, pos = received.data.numpy().data, 0
+        for view in self.views(0, len(data)):
+            view[:] = data[pos:pos + len(view)]
+            pos += len(view)
+        self.digest = received.checksum
 
     def checksum(self) -> str:
         """Checksum of the fetched pieces (the whole file when ``whole``)."""

@@ -26,11 +26,13 @@ Call order (each call on every rank, on the peer group)::
                       the manifest's size and checksum on arrival and kept in
                       ``<local_dir>/replicas/node-<source node>/<name>`` (newest only)
     exchange(...)     in ``VolumeReader.read_data`` (``dcp.load``): all_gather of
-                      what each node holds and what each rank needs; the holders
-                      send the files a rank lacks (checked against the manifest on
-                      arrival, as replicas are; kept in memory up to the reader's
-                      ``prefetch_bytes``, written into the local tier beyond); the
-                      rest come from the volume
+                      what each node holds and what each rank needs; then, in a
+                      thread of its own (``Exchange``), the holders send the files a
+                      rank lacks while every rank loads the files it has: each file
+                      is checked against the manifest on arrival, as replicas are,
+                      and used as soon as it is in (in memory up to the reader's
+                      ``prefetch_bytes``, written into the local tier beyond); one that
+                      fails, and the files no node holds, come from the volume
 
 Only a committed checkpoint is replicated (``replicate`` runs after the commit),
 and a restore uses replicas only of the checkpoint it chose, every file checked
@@ -44,8 +46,10 @@ import io
 import logging
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -61,7 +65,8 @@ from dcp_volumes.checkpoint._retention import LocalTier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TIMEOUT_S", "PeerTier", "sources_of", "targets_of"]
+__all__ = ["TIMEOUT_S", "Exchange", "PeerCopyMissing", "PeerTier", "Received",
+           "sources_of", "targets_of"]
 
 #: Seconds any one operation on the peer group may take before the transfer is given up.
 TIMEOUT_S = 60.0
@@ -123,15 +128,42 @@ class _Receive:
     dest: str | None  # None: kept in ``memory`` (a restore reads it from there)
     size: int
     checksum: str | None  # the manifest's: checked on arrival (None: not checked here)
-    memory: bytearray | None = None
+    memory: torch.Tensor | None = None  # received straight into it (``dest`` None)
+    posted: int = 0  # bytes asked of the peer so far
     got: int = 0
     file: io.BufferedWriter | None = None
     hasher: Checksum = field(default_factory=Checksum)
     failed: str | None = None
+    arrival: Future[Received] | None = None  # told when the file ends (a restore's)
 
     @property
     def part(self) -> str:
         return f"{self.dest}.part"
+
+    def slot(self, n: int, window: torch.Tensor | None) -> torch.Tensor:
+        """Where the next ``n`` bytes are received: their place in ``memory``, or ``window``
+        (a reused buffer, written to ``dest`` once arrived)."""
+        start, self.posted = self.posted, self.posted + n
+        if self.dest is not None:
+            assert window is not None
+            return window[:n]
+        if self.memory is None:
+            self.memory = torch.empty(self.size, dtype=torch.uint8)
+        return self.memory[start:start + n]
+
+
+@dataclass(frozen=True)
+class Received:
+    """A file a peer sent in a restore, checked against the manifest: its bytes (``None``:
+    written into the restore's local directory instead) and their checksum."""
+
+    data: torch.Tensor | None
+    checksum: str
+
+
+class PeerCopyMissing(Exception):
+    """A file a peer was to send in a restore did not arrive whole and matching the
+    manifest (a damaged replica, a failed transfer): it is read from the volume."""
 
 
 def _chunks(items: Sequence[_Send] | Sequence[_Receive]) -> dict[int, deque[tuple[Any, int]]]:
@@ -165,15 +197,13 @@ def _next_chunk(send: _Send, buf: bytearray) -> int:
 
 
 def _take_chunk(item: _Receive, data: torch.Tensor) -> None:
-    """Write a received chunk (a disk error marks the file failed; its bytes are dropped)."""
+    """Hash a received chunk (in memory it is in place already; else written to the
+    file): a disk error marks the file failed, its bytes are dropped."""
     item.got += data.numel()
     if item.failed is not None:
         return
     view = data.numpy().data
     if item.dest is None:
-        if item.memory is None:
-            item.memory = bytearray(item.size)
-        item.memory[item.got - len(view):item.got] = view
         if item.checksum is not None:
             item.hasher.update(view)
         return
@@ -192,7 +222,7 @@ def _end(item: _Receive, done: set[str]) -> None:
     """Close a received file: keep it if whole and matching its checksum, else drop it."""
     if item.dest is None:
         if item.memory is None:
-            item.memory = bytearray(item.size)  # an empty file
+            item.memory = torch.empty(0, dtype=torch.uint8)  # an empty file
     elif item.failed is None:
         try:
             if item.file is None:  # an empty file
@@ -202,28 +232,30 @@ def _end(item: _Receive, done: set[str]) -> None:
             item.file = None
         except OSError as exc:
             item.failed = f"cannot write {item.dest}: {summary(exc)}"
-    if item.failed is None and item.checksum is not None:
-        actual = item.hasher.hexdigest()
-        if actual != item.checksum:
-            item.failed = (f"{item.rel} from rank {item.peer} fails its checksum ({actual}, "
-                           f"manifest {item.checksum})")
-    if item.failed is None and item.dest is None:
-        done.add(item.rel)
-        return
+    actual = item.hasher.hexdigest()
+    if item.failed is None and item.checksum is not None and actual != item.checksum:
+        item.failed = (f"{item.rel} from rank {item.peer} fails its checksum ({actual}, "
+                       f"manifest {item.checksum})")
     if item.failed is None and item.dest is not None:
         try:
             os.replace(item.part, item.dest)
-            done.add(item.rel)
-            return
         except OSError as exc:
             item.failed = f"cannot write {item.dest}: {summary(exc)}"
+    if item.failed is None:
+        done.add(item.rel)
+        if item.arrival is not None:
+            item.arrival.set_result(Received(item.memory, actual))
+        item.memory, item.arrival = None, None  # the reader holds it now, until it is used
+        return
     logger.warning("peer tier: %s; the file is skipped (it comes from the volume if needed)",
                    item.failed)
-    _discard(item)
+    _discard(item, item.failed)
 
 
-def _discard(item: _Receive) -> None:
+def _discard(item: _Receive, why: str) -> None:
     item.memory = None
+    if item.arrival is not None and not item.arrival.done():
+        item.arrival.set_exception(PeerCopyMissing(why))
     if item.dest is None:
         return
     if item.file is not None:
@@ -248,17 +280,23 @@ def transfer(
     sizes, so every message is matched by its position: in round ``n`` each
     stream (one per peer and direction) moves its ``n``-th chunk, and up to
     ``_WINDOW`` rounds are in flight (a chunk is read or written while the
-    next one travels): ``_WINDOW * _CHUNK`` bytes a stream at most. A file that
-    cannot be written or fails its checksum is dropped (its bytes still drain,
-    the stream stays in step); a peer that fails raises ``PeerTransferError``.
+    next one travels): ``_WINDOW * _CHUNK`` bytes a stream at most, besides the
+    files received into memory (straight into their place, no copy). A file
+    that cannot be written or fails its checksum is dropped (its bytes still
+    drain, the stream stays in step); a peer that fails raises
+    ``PeerTransferError``. Each receive's ``arrival`` is settled when its file ends,
+    or when the transfer does.
     """
     outgoing = _chunks(sends)
     incoming = _chunks(receives)
     send_bufs = {peer: [bytearray(_CHUNK) for _ in range(_WINDOW)] for peer in outgoing}
+    # Files kept in memory are received in place; those written to disk through these.
     recv_bufs = {peer: [torch.empty(_CHUNK, dtype=torch.uint8) for _ in range(_WINDOW)]
-                 for peer in incoming}
+                 for peer in incoming
+                 if any(item.peer == peer and item.dest is not None for item in receives)}
     wait = timedelta(seconds=timeout_s)
     rounds: deque[tuple[list[Any], list[tuple[_Receive, torch.Tensor]]]] = deque()
+    failure: str | None = None
 
     def finish_round() -> None:
         works, arriving = rounds.popleft()
@@ -293,7 +331,8 @@ def transfer(
                     del outgoing[peer]
             for peer, rqueue in list(incoming.items()):
                 item, n = rqueue.popleft()
-                chunk = recv_bufs[peer][r % _WINDOW][:n]
+                window = recv_bufs[peer][r % _WINDOW] if peer in recv_bufs else None
+                chunk = item.slot(n, window)
                 works.append(dist.irecv(chunk, src=peer, group=group))
                 arriving.append((item, chunk))
                 if not rqueue:
@@ -303,11 +342,12 @@ def transfer(
         while rounds:
             finish_round()
     except Exception as exc:
-        raise PeerTransferError(summary(exc)) from exc
+        failure = summary(exc)
+        raise PeerTransferError(failure) from exc
     finally:
         for item in receives:
             if item.rel not in done:
-                _discard(item)
+                _discard(item, failure or "the transfer ended early")
         for send in sends:
             if send.file is not None:
                 with contextlib.suppress(OSError):
@@ -478,19 +518,22 @@ class PeerTier:
 
     def exchange(
         self, name: str, needs: Mapping[str, FileRecord], dest: str, *, memory_bytes: int = 0
-    ) -> dict[str, bytearray | None]:
-        """Every rank, in a load: get the files in ``needs`` (rel -> its manifest record)
-        that another node holds; returns those received whole, with the manifest's
-        checksum (a file that fails it is dropped with a warning): in memory, the first
-        ``memory_bytes`` of them (in name order), and the rest written into ``dest``
-        (``None``).
+    ) -> Exchange:
+        """Every rank, in a load: agree with the peers (one collective) on who sends which
+        of the files in ``needs`` (rel -> its manifest record) that another node holds,
+        and start the transfer in a thread of its own: the holders send while they load
+        their own files, and each file can be used as soon as it has arrived.
 
-        A failure returns what arrived whole so far: the rest comes from the volume.
+        Every file is checked against the manifest's checksum on arrival: the first
+        ``memory_bytes`` of them (in name order) arrive in memory, the rest are written
+        into ``dest``. The returned ``Exchange`` says, per file, when it arrived or that
+        it will not (a damaged replica, a failed peer: the reader reads it from the
+        volume); ``Exchange.join`` before the group is used again.
         """
         if self._broken is not None:
             logger.warning("peer tier: not asking peers for %s (the peer group failed earlier: "
                            "%s)", name, self._broken)
-            return {}
+            return Exchange(self, name, [], [])
         mine_node = self.nodes[self.rank]
         first_of_node = self._by_node[mine_node][0] == self.rank
         dirs = self.held_dirs(name)
@@ -507,7 +550,7 @@ class PeerTier:
             self._broken = summary(exc)
             logger.warning("peer tier: could not ask peers for the files of %s (%s): they come "
                            "from the volume", name, self._broken)
-            return {}
+            return Exchange(self, name, [], [])
         holdings = {self.nodes[r]: h for r, (h, _) in enumerate(gathered) if h is not None}
         sends: list[_Send] = []
         receives: list[_Receive] = []
@@ -527,24 +570,57 @@ class PeerTier:
                     in_memory = size <= memory_bytes
                     memory_bytes -= size if in_memory else 0
                     path = None if in_memory else os.path.join(dest, *rel.split("/"))
-                    receives.append(_Receive(holder, rel, path, size, needs[rel].checksum))
-        done: set[str] = set()
-        try:
-            transfer(self.group, sends, receives, done=done, timeout_s=self.timeout_s)
-        except PeerTransferError as exc:
-            self._broken = str(exc)
-            logger.warning("peer tier: a transfer of %s's files failed (%s): %d of %d files "
-                           "arrived, the rest come from the volume", name, exc, len(done),
-                           len(receives))
-        if receives or sends:
-            logger.info("peer tier: %s: received %d files (%.1f MiB) from peers, sent %d",
-                        name, len(done), sum(r.size for r in receives if r.rel in done) / 2**20,
-                        len(sends))
-        return {r.rel: r.memory for r in receives if r.rel in done}
+                    receives.append(_Receive(holder, rel, path, size, needs[rel].checksum,
+                                             arrival=Future()))
+        return Exchange(self, name, sends, receives)
 
     def held_dirs(self, name: str) -> list[str]:
         """This node's directories that may hold files of ``name``: its own copy, then replicas."""
         return _layout.local_copy_paths(self.local_dir, name)
+
+
+class Exchange:
+    """A restore's transfer with the peers (``PeerTier.exchange``), in a thread of its own.
+
+    ``arrivals``: the files this rank receives, rel -> a future of the file
+    (``Received``) once it arrived whole and matching the manifest, or of
+    ``PeerCopyMissing`` (a damaged replica, a failed peer). Every operation of
+    the transfer is bounded by the tier's timeout: every future is settled.
+    """
+
+    def __init__(self, tier: PeerTier, name: str, sends: Sequence[_Send],
+                 receives: Sequence[_Receive]) -> None:
+        self.arrivals: dict[str, Future[Received]] = {
+            r.rel: r.arrival for r in receives if r.arrival is not None}
+        self._tier, self._name = tier, name
+        self._sends, self._receives = sends, receives
+        self._thread: threading.Thread | None = None
+        if sends or receives:
+            self._thread = threading.Thread(target=self._run, name="dcpv-peer-restore",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        started = time.perf_counter()
+        done: set[str] = set()
+        try:
+            transfer(self._tier.group, self._sends, self._receives, done=done,
+                     timeout_s=self._tier.timeout_s)
+        except PeerTransferError as exc:
+            self._tier._broken = str(exc)
+            logger.warning("peer tier: a transfer of %s's files failed (%s): %d of %d files "
+                           "arrived, the rest come from the volume", self._name, exc, len(done),
+                           len(self._receives))
+        received = sum(r.size for r in self._receives if r.rel in done)
+        logger.info("peer tier: %s: received %d files (%.1f MiB) from peers, sent %d files "
+                    "(%.1f MiB), in %.2f s", self._name, len(done), received / 2**20,
+                    len(self._sends), sum(s.size for s in self._sends) / 2**20,
+                    time.perf_counter() - started)
+
+    def join(self) -> None:
+        """Until this rank's sends and receives have ended (bounded by the timeout)."""
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _find(dirs: Sequence[str], rel: str, size: int) -> str | None:

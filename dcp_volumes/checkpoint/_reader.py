@@ -70,7 +70,7 @@ from dcp_volumes.checkpoint._manifest import (
     read_manifest,
 )
 from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
-from dcp_volumes.checkpoint._peers import PeerTier
+from dcp_volumes.checkpoint._peers import Exchange, PeerCopyMissing, PeerTier
 
 logger = logging.getLogger(__name__)
 
@@ -339,10 +339,20 @@ class VolumeReader(AtLocation, StorageReader):
             jobs = self._plan_jobs(plan)
         except BaseException:
             if self._peers is not None:  # the other ranks wait in the exchange: take part
-                self._peers.exchange(self._name(), {}, "")
+                self._peers.exchange(self._name(), {}, "").join()
             raise
-        if self._peers is not None:
-            self._fetch_from_peers(jobs)
+        exchange = self._fetch_from_peers(jobs)
+        try:
+            self._read_jobs(jobs, plan, planner)
+        finally:
+            if exchange is not None:  # this rank's sends end with it: the group is free
+                exchange.join()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_jobs(self, jobs: Sequence[FileJob], plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Fetch (or take from the local tier or a peer), verify and deliver ``jobs``."""
         self._split = self._split_size(sum(job.nbytes for job in jobs))
         decoders = self._decoders(jobs)
         with ThreadPoolExecutor(
@@ -390,9 +400,6 @@ class VolumeReader(AtLocation, StorageReader):
             direct,
             len(plan.items),
         )
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     # -- internals --------------------------------------------------------------------------
 
@@ -592,28 +599,28 @@ class VolumeReader(AtLocation, StorageReader):
         else:
             logger.debug("no local copy of %s", job.rel)
 
-    def _fetch_from_peers(self, jobs: Sequence[FileJob]) -> None:
+    def _fetch_from_peers(self, jobs: Sequence[FileJob]) -> Exchange | None:
         """Every rank: files no local copy has are asked of the peers (one collective);
-        those that arrive (checked against the manifest) are read like local copies."""
+        they arrive while the load goes on, each checked against the manifest, and are
+        read like local copies (one that does not arrive: from the volume)."""
         peers, local_dir = self._peers, self.local_copy_path
         self._from_peers = set()
         if peers is None:
-            return
+            return None
         needs = {job.rel: job.record for job in jobs
                  if job.record is not None and not job.from_local and local_dir is not None}
         # Up to prefetch_bytes arrive in memory and are read from there (no disk write on
         # the restore's path); the rest is written into the local tier and read back.
-        received = peers.exchange(self._name(), needs, local_dir or "",
+        exchange = peers.exchange(self._name(), needs, local_dir or "",
                                   memory_bytes=self.options.prefetch_bytes)
         if local_dir is None:
-            return
-        self._from_peers = set(received)
+            return exchange
+        self._from_peers = set(exchange.arrivals)
         for job in jobs:
-            data = received.get(job.rel)
-            if data is not None:
-                job.read_received(data)
-            elif job.rel in received and job.record is not None:
-                job.read_local_copy(Volume(local_dir), job.record.size)
+            arrival = exchange.arrivals.pop(job.rel, None)
+            if arrival is not None and job.record is not None:
+                job.read_from_peer(arrival, Volume(local_dir), job.record.size)
+        return exchange
 
     def _source_of(self, job: FileJob) -> str:
         if not job.from_local:
@@ -645,7 +652,15 @@ class VolumeReader(AtLocation, StorageReader):
 
     def _finish_job(self, pool: ThreadPoolExecutor, job: FileJob, planner: LoadPlanner) -> None:
         """Wait for a file's bytes and verify them; a bad local copy falls back to the volume."""
-        job.wait()
+        try:
+            job.wait()
+        except PeerCopyMissing as exc:
+            logger.warning("the peer copy of %s did not arrive (%s): reading it from the volume",
+                           job.rel, exc)
+            job.fall_back_to(self.volume)
+            self._submit(pool, job, planner)
+            self._finish_job(pool, job, planner)
+            return
         if not job.whole or job.record is None:
             return
         actual = job.actual_checksum()
