@@ -234,8 +234,11 @@ class _Progress:
 
         start, ev = next(((s, e) for s, e in ranks if s["rank"] == 0), ranks[0])
         step = ev["step"]
-        who = ("the requeued job started" if start.get("restart") == 0
-               else "torchrun restarted the job")
+        # A requeue starts a new leg (torchrun's restart count says nothing: a restart for
+        # a node that joins, as after a node loss, does not count as one).
+        requeued = start["leg"] > 0 and not any(
+            leg == start["leg"] and attempt < start["attempt"] for leg, attempt in self.restored)
+        who = "the requeued job started" if requeued else "torchrun restarted the job"
         restored = [e for _, e in ranks]
         took = stall([[e["t0"], e["t1"]] for e in restored])
         self.say(f"  {who} on {start['world']} rank(s); it resumed "
