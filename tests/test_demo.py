@@ -27,6 +27,7 @@ from dcp_volumes._volume import Volume
 from dcp_volumes.demo import DemoConfig, parse_storage_options
 from dcp_volumes.demo._config import plan_crashes
 from dcp_volumes.demo._launcher import MARKER, claim
+from dcp_volumes.demo._report import CrashOutcome, RunStats, _node_check, restart_lines
 from tests.dist import process_running
 
 CORRECTNESS = ("crashes", "weights", "samples", "epochs", "complete", "lost")
@@ -78,13 +79,15 @@ SHORT = ("--steps", "48", "--save-every", "8", "--files", "128")
 
 
 @pytest.mark.timeout(600)
-def test_sigkills_in_an_upload_the_commit_window_and_training_then_a_preemption(
+def test_sigkills_in_an_upload_the_commit_window_a_node_loss_and_a_preemption(
     tmp_path: Path
 ) -> None:
-    proc, doc = _demo(tmp_path, *SHORT, "--crashes", "4", "--quick")
+    # Seed 1: a preemption at step 7, an upload kill (step 16), a node loss (step 20, four
+    # steps after a save) and a commit-window kill (step 32), on 2 nodes x 1 rank.
+    proc, doc = _demo(tmp_path, *SHORT, "--crashes", "4", "--quick", "--seed", "1")
     _assert_correct(proc, doc)
     assert doc is not None
-    assert sorted(_crash_kinds(doc)) == ["commit", "preempt", "step", "upload"]
+    assert _crash_kinds(doc) == ["preempt", "upload", "node", "commit"]
     crashed = doc["runs"]["dcp_volumes"]
     assert "naive" not in doc["runs"]  # --quick
     commit = next(c for c in crashed["crashes"] if c["crash"]["kind"] == "commit")
@@ -94,9 +97,29 @@ def test_sigkills_in_an_upload_the_commit_window_and_training_then_a_preemption(
     assert commit["resumed_from"] == commit["crash"]["step"] - 8
     assert set(crashed["worlds"]) == {2}
     run_dir = Path(doc["workdir"]) / "runs" / "dcp_volumes"
-    # The kills were real SIGKILLs (upload, commit, step), seen by torchrun.
-    assert (run_dir / "node-0.log").read_text().count("exitcode: -9") >= 3
+    logs = {p.name: p.read_text() for p in run_dir.glob("node-*.log")}
+    # The upload and commit kills were real SIGKILLs of a rank, seen by its node's agent.
+    assert sum(log.count("exitcode: -9") for log in logs.values()) >= 2
     checks = _checks(doc)
+    # The node loss: node 1's agent and rank SIGKILLed, its disk wiped, a new agent joined
+    # and the job came back on 2 ranks; the new node's shards came from node 0's replica.
+    node = next(c for c in crashed["crashes"] if c["crash"]["kind"] == "node")
+    assert node["lost_node"] == 1 and node["replaced"]
+    assert node["evidence"]["ranks_killed"] == 1
+    assert checks["node"]["ok"], checks["node"]["detail"]
+    assert node["resumed_from"] == 16 and node["replica_held"], node
+    assert node["node_sources"]["volume"] == 0 and node["node_sources"]["peer"] > 0, node
+    assert node["restore_sources"]["local"] > 0  # node 0 read its own files
+    assert crashed["replicated"]
+    # Every restart says how long its restore took and where it read (the preemption's
+    # requeued job kept its disks: its restore is local).
+    for c in crashed["crashes"]:
+        got = c["restore_sources"]
+        assert c["restore_s"] > 0 and sum(got.values()) > 0, c
+    preempt_restore = next(c for c in crashed["crashes"]
+                           if c["crash"]["kind"] == "preempt")["restore_sources"]
+    assert preempt_restore["volume"] == 0, preempt_restore
+    assert "node 1 replaced" in doc["table"] and "restore" in doc["table"]
     assert checks["preempt"]["ok"], checks["preempt"]["detail"]
     preempt = next(c for c in crashed["crashes"] if c["crash"]["kind"] == "preempt")
     # The ranks saved the step they stopped at; the requeued job resumed there.
@@ -105,7 +128,7 @@ def test_sigkills_in_an_upload_the_commit_window_and_training_then_a_preemption(
     assert 0 < preempt["signal_to_commit_s"] < preempt["signal_to_exit_s"] < 30
     assert "SIGTERM -> commit" in doc["table"] and "preempt 0" in doc["table"]
     # A real SIGTERM to torchrun's agent, which forwarded it; a new torchrun (leg) resumed.
-    assert "Received 15 death signal" in (run_dir / "node-0.log").read_text()
+    assert "Received 15 death signal" in logs["node-0.log"]
     assert (run_dir / "spec-1.json").is_file()
 
 
@@ -124,6 +147,12 @@ def test_local_directory_volume_shrinking_with_the_naive_baseline(tmp_path: Path
     assert ref["world_change"] == crashed["world_change"]
     naive = doc["runs"]["naive"]
     assert _crash_kinds(doc, "naive") == _crash_kinds(doc) == ["commit", "node"]
+    # Not replaced: the survivor restored the lost node's shards too, from the replica it
+    # kept of them where it held one, and nothing replaced node 1.
+    node = crashed["crashes"][-1]
+    assert node["lost_node"] == 1 and not node["replaced"] and "node" not in checks
+    if node["replica_held"]:
+        assert node["restore_sources"]["volume"] == 0, node
     assert naive["saves"] >= 5 and naive["committed"] >= 4
     assert "naive (before)" in doc["table"] and "dcp_volumes (after)" in doc["table"]
     # Only what the demo writes, under the location it was given.
@@ -235,18 +264,52 @@ def test_claim_fresh_deletes_only_what_a_demo_created(tmp_path: Path) -> None:
 def test_crash_plans(seed: int) -> None:
     cfg = DemoConfig(seed=seed)
     plan = plan_crashes(cfg)
-    assert sorted(c.kind for c in plan) == ["commit", "preempt", "step", "upload"]
+    # The default: a node loss mid-training, so the 2 ranks run as 2 nodes x 1 rank.
+    assert sorted(c.kind for c in plan) == ["commit", "node", "preempt", "upload"]
+    assert cfg.nodes == [1, 1] and cfg.worlds == [2]
     steps = [c.step for c in plan]
     assert steps == sorted(set(steps)) and steps[0] > 0 and steps[-1] < cfg.steps
     for c in plan:
         on_save = c.step % cfg.save_every == 0
         assert on_save == (c.kind in ("upload", "commit"))
         assert c.rank == 0 if c.kind in ("commit", "preempt") else 0 <= c.rank < cfg.nproc
+        if c.kind == "node":  # the last node, late in an interval (after a save: j >= 2)
+            assert c.rank == 1 and c.step > cfg.save_every
+            assert c.step % cfg.save_every >= cfg.save_every - cfg.save_every // 2
     three = plan_crashes(DemoConfig(seed=seed, crashes=3))  # --crashes 3: SIGKILLs only
-    assert sorted(c.kind for c in three) == ["commit", "step", "upload"]
+    assert sorted(c.kind for c in three) == ["commit", "node", "upload"]
+    one_rank = DemoConfig(seed=seed, nproc=1)  # no node to lose: a rank dies instead
+    assert sorted(c.kind for c in plan_crashes(one_rank)) == [
+        "commit", "preempt", "step", "upload"]
+    assert one_rank.nodes == [1]
+    assert DemoConfig(seed=seed, crashes=2).nodes == [2]
     shrink = plan_crashes(DemoConfig(seed=seed, shrink=True, crashes=2))
     assert [c.kind for c in shrink] == ["commit", "node"] and shrink[-1].rank == 1
     assert plan_crashes(DemoConfig(seed=seed)) == plan  # the seed decides
+
+
+def test_the_node_check_fails_when_the_new_node_read_the_volume_despite_a_replica() -> None:
+    def stats(node_sources: dict[str, int], *, held: bool, replicated: bool = True) -> RunStats:
+        loss = CrashOutcome(
+            crash={"index": 0, "kind": "node"}, t_kill=0.0, last_step=20, resumed_from=16,
+            steps_lost=4, lost_s=1.0, restart_s=9.0, restart_parts={}, evidence={"node": 1},
+            restore_s=0.3, restore_sources={"local": 2**20, "peer": 2**20, "volume": 0},
+            lost_node=1, replaced=True, node_sources=node_sources, replica_held=held)
+        return RunStats("dcp_volumes", "dcp_volumes", [2, 2], crashes=[loss],
+                        replicated=replicated)
+
+    from_peer = {"local": 0, "peer": 2**20, "volume": 0}
+    from_volume = {"local": 0, "peer": 0, "volume": 2**20}
+    assert _node_check(stats(from_peer, held=True)).ok
+    failed = _node_check(stats(from_volume, held=True))
+    assert not failed.ok and "although another node held a complete replica" in failed.detail
+    # Lost while its newest checkpoint was being replicated: the volume is the right source,
+    # as long as replicas are kept at all.
+    assert _node_check(stats(from_volume, held=False)).ok
+    assert not _node_check(stats(from_volume, held=False, replicated=False)).ok
+    lines = restart_lines({"dcp_volumes": stats(from_peer, held=True)})
+    assert "node 1 replaced" in lines[1] and "restore 0.30 s" in lines[1]
+    assert lines[1].endswith("(node 1: local 0 B, peer 1.0 MiB, volume 0 B)")
 
 
 def test_storage_options_nest_and_merge() -> None:

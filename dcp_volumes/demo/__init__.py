@@ -2,7 +2,8 @@
 
 A small image classifier trains under ``torchrun`` while ranks are killed
 with SIGKILL at planned instants (inside an async upload, in the window
-between the last shard and ``.metadata``, mid-training, a whole node);
+between the last shard and ``.metadata``, mid-training, a whole node, whose
+local disk goes with it and which a new node replaces);
 torchrun's elastic agent restarts the group and the job resumes by itself.
 A preemption sends SIGTERM to the torchrun agents instead: the ranks save the
 step they are at and exit, and the launcher requeues the job.
@@ -48,11 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between saves")
     p.add_argument("--crashes", type=int, default=d.crashes,
                    help="crashes to inject: SIGKILLs (in an upload, in the commit window, "
-                        "mid-training); the fourth is a preemption (SIGTERM, requeue)")
+                        "mid-training: a node loss, the node replaced, on 2 ranks or more); "
+                        "the fourth is a preemption (SIGTERM, requeue)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help="draws the crashes (which rank, which step) and the data")
     p.add_argument("--shrink", action="store_true",
-                   help="the last crash loses a node: the job comes back on fewer ranks")
+                   help="the last crash loses a node and nothing replaces it: the job comes "
+                        "back on fewer ranks")
     p.add_argument("--quick", action="store_true", help="skip the naive (before) run")
     p.add_argument("--files", type=int, default=d.files, help="training files to create")
     p.add_argument("--global-batch", type=int, default=d.global_batch,

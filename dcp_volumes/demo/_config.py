@@ -18,8 +18,12 @@ from dcp_volumes._exceptions import ConfigurationError
 #: Crash kinds. ``upload``: the victim dies while its shards of an async save are
 #: uploading; ``commit``: the coordinator dies after every shard of a save is on the
 #: volume and before ``.metadata`` (the commit marker) is written; ``step``: a rank
-#: dies in the middle of training; ``node``: a rank and its torchrun agent die (the
-#: node is lost), so the job comes back on fewer ranks; ``preempt``: the job is told to
+#: dies in the middle of training; ``node``: a node is lost in the middle of training:
+#: its torchrun agent and its ranks are SIGKILLed and its local directory (the
+#: checkpoints' local tier, staging, the input cache) is removed; a replacement node
+#: with an empty disk joins and torchrun's rendezvous brings the job back on the same
+#: world (with ``--shrink`` nothing replaces it: the job comes back on fewer ranks);
+#: ``preempt``: the job is told to
 #: stop, as Kubernetes, SLURM or a spot notice tell it: SIGTERM to every torchrun agent,
 #: which forwards it to its ranks and SIGKILLs them after its grace period
 #: (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default); the scheduler then requeues
@@ -76,7 +80,8 @@ class Crash:
             return (f"SIGKILL rank {self.rank} after every shard of step {self.step} is on the "
                     "volume, before .metadata")
         if self.kind == "node":
-            return f"node loss (rank {self.rank} and its torchrun agent) after step {self.step}"
+            return (f"node loss after step {self.step}: the last node's torchrun agent and "
+                    f"rank(s) (rank {self.rank}) SIGKILLed, its local disk wiped")
         if self.kind == "preempt":
             reaction = ("the ranks have no handler and die" if setup == "naive" else
                         "the ranks save the step they are at and exit")
@@ -160,9 +165,15 @@ class DemoConfig:
         return self.saves
 
     @property
+    def loses_node(self) -> bool:
+        """Whether a crash loses a node: with ``shrink`` the last one (not replaced),
+        otherwise, from three crashes on 2 ranks or more, one replaced by a new node."""
+        return self.nproc >= 2 and (self.shrink or self.crashes >= 3)
+
+    @property
     def nodes(self) -> list[int]:
         """Ranks per torchrun agent ("node"); two nodes when one is to be lost."""
-        if not self.shrink:
+        if not self.loses_node:
             return [self.nproc]
         first = (self.nproc + 1) // 2
         return [first, self.nproc - first]
@@ -179,10 +190,10 @@ class DemoConfig:
         return doc
 
 
-def _kinds(n: int) -> list[str]:
+def _kinds(n: int, node: bool) -> list[str]:
     if n <= 1:
         return ["commit"] * n
-    kinds = ["upload", "commit", "step", "preempt"]
+    kinds = ["upload", "commit", "node" if node else "step", "preempt"]
     while len(kinds) < n:
         kinds.append("upload" if len(kinds) % 2 else "step")
     return kinds[:n]
@@ -192,9 +203,12 @@ def plan_crashes(cfg: DemoConfig) -> list[Crash]:
     """The crashes of a run, drawn from ``cfg.seed``.
 
     Kinds: with one crash it lands in the commit window; with two, one in an
-    upload and one in the commit window; a third lands mid-training; a fourth
-    is a preemption (SIGTERM, then a requeue); more alternate between uploads
-    and training. With ``shrink`` the last one is a node loss. Crash ``i``
+    upload and one in the commit window; a third lands mid-training: a node loss
+    (the node replaced, the world unchanged) on 2 ranks or more, else a rank's
+    death; a fourth is a preemption (SIGTERM, then a requeue); more alternate
+    between uploads and training (a rank's death). With ``shrink`` the last one
+    is a node loss that nothing replaces, and the others are as without it with
+    a rank's death mid-training instead of a node loss. Crash ``i``
     falls in the ``i``-th of ``crashes`` equal blocks of save intervals, so
     crashes are spread over the run and each is preceded by at least one save
     the job can come back to (except possibly the first).
@@ -203,7 +217,7 @@ def plan_crashes(cfg: DemoConfig) -> list[Crash]:
     if n == 0:
         return []
     rng = random.Random(cfg.seed)
-    kinds = _kinds(n - 1 if cfg.shrink else n)
+    kinds = _kinds(n - 1, node=False) if cfg.shrink else _kinds(n, node=cfg.loses_node)
     rng.shuffle(kinds)
     if cfg.shrink:
         kinds.append("node")
@@ -218,14 +232,18 @@ def plan_crashes(cfg: DemoConfig) -> list[Crash]:
             j = rng.randint(max(lo, 2) if hi >= 2 else lo, hi)
             step = j * cfg.save_every
         else:
-            j = rng.randint(lo, hi)
-            step = j * cfg.save_every - rng.randint(1, cfg.save_every - 1)
+            # A node loss, too, preferably after a save that was replicated.
+            j = rng.randint(max(lo, 2) if hi >= 2 and kind == "node" else lo, hi)
+            # A node loss lands in the second half of an interval: the save before it has
+            # had the time to commit and be replicated, as usually between saves.
+            late = cfg.save_every // 2 if kind == "node" else cfg.save_every - 1
+            step = j * cfg.save_every - rng.randint(1, max(1, late))
         if kind in ("commit", "preempt"):
             # commit: the coordinator writes .metadata, only its death stops the commit;
             # preempt: the signal goes to the agents, so every rank gets it (rank: none).
             rank = 0
         elif kind == "node":
-            rank = cfg.nproc - 1  # a rank of the last node
+            rank = cfg.nproc - 1  # a rank of the last node (that node's agent and ranks die)
         else:
             rank = rng.randrange(cfg.nproc)
         crashes.append(Crash(index=i, step=step, kind=kind, rank=rank))

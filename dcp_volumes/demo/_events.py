@@ -11,7 +11,8 @@ Event kinds (fields beyond ``ev`` and ``t``):
 * ``start``: ``t_proc`` (process start), ``t_import`` (torch imported),
   ``t_group`` (process group up), ``rank``, ``world``, ``node``, ``attempt``
   (crashes before this attempt), ``leg``, ``setup``, ``pid``
-* ``restored``: ``step`` (None: fresh), ``t0``, ``t1``
+* ``restored``: ``step`` (None: fresh), ``t0``, ``t1``, ``sources`` (bytes the
+  restore read from ``local`` files, ``peer`` nodes and the ``volume``)
 * ``step``: ``step``, ``t0`` (asks for the batch), ``tf`` (has it), ``tc``
   (optimizer step done), ``t1`` (save returned), ``fetch`` (the loader's
   fetch_seconds), ``cpu`` (the training thread's CPU seconds from ``tf`` to
@@ -19,7 +20,10 @@ Event kinds (fields beyond ``ev`` and ``t``):
   ``samples``, ``loss``
 * ``staged`` / ``committed``: ``step`` (a save left the training loop / its
   ``.metadata`` is written), from the library's log records
-* ``kill``: ``crash`` (the plan entry), ``step``, ``evidence``
+* ``replicated``: ``name`` (a checkpoint directory), ``kept``, ``of`` (files of
+  peers this rank kept as replicas), from the library's log records
+* ``kill``: ``crash`` (the plan entry), ``step``, ``evidence`` (for a node loss:
+  ``node``, ``agent_pid``, ``ranks_killed``)
 * ``preempted``: ``step`` (``reached_preemption`` said the save of ``step`` is
   committed; the rank leaves the loop), then ``exit`` once the rank is done
   (the launcher records the SIGTERM it sent in ``kill-<index>.json``)

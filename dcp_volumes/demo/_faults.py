@@ -17,7 +17,15 @@ Where a kill lands inside a save is seen from the library's own log records
   point, and rank 0 dies once all markers are there: every shard is on the
   volume and ``.metadata`` is not;
 * ``checkpoint step %d committed`` (info, the manager's thread): the save
-  is complete; recorded as a ``committed`` event.
+  is complete; recorded as a ``committed`` event;
+* ``peer tier: %s replicated: ... kept %d of %d files ...`` (info, the
+  replication thread, ``local_replicas``): this rank holds its peers' files of
+  that checkpoint; recorded as a ``replicated`` event.
+
+A ``node`` crash is a node loss: the first rank of the node named to die
+SIGKILLs its torchrun agent, the node's other ranks and itself, each rank with
+its process group (its loader workers); the launcher then wipes the node's
+local directory and, unless the job is to shrink, starts a replacement agent.
 
 If the library's messages change, the kills do not fire and the report says
 so (a planned crash that never happened fails the demo).
@@ -28,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -42,6 +51,7 @@ logger = logging.getLogger(__name__)
 _FILE_UPLOADED = "uploaded %s"
 _RANK_WROTE = "rank %d wrote"
 _COMMITTED = "checkpoint step %d committed"
+_REPLICATED = re.compile(r"peer tier: (\S+) replicated: .* kept (\d+) of (\d+) files")
 
 #: How long the coordinator waits for the other ranks' shards before a commit kill.
 _SHARDS_TIMEOUT_S = 60.0
@@ -68,15 +78,22 @@ class CrashInjector:
             crash inside a save hits rank 0 there).
         events: this process's event log.
         run_dir: where kill and shard markers go.
+        node: this rank's node (the launcher's number of its torchrun agent).
+        node_victim: this rank takes its node down in a ``node`` crash (the first rank
+            of the last node: never the node that hosts the rendezvous).
     """
 
     def __init__(self, crashes: list[Crash], *, attempt: int, rank: int, world: int,
-                 setup: str, events: EventLog, run_dir: str) -> None:
+                 setup: str, events: EventLog, run_dir: str, node: int = 0,
+                 node_victim: bool = False) -> None:
         self.attempt, self.rank, self.world = attempt, rank, world
         self.events, self.run_dir = events, run_dir
         self.crash = next((c for c in crashes if c.index == attempt), None)
-        self.setup = setup
-        self.mine = self.crash is not None and self.crash.victim(setup) == rank
+        self.setup, self.node = setup, node
+        if self.crash is not None and self.crash.kind == "node":
+            self.mine = node_victim
+        else:
+            self.mine = self.crash is not None and self.crash.victim(setup) == rank
         self.inflight: int | None = None
         self.evidence: Callable[[int], dict[str, Any]] | None = None
         self._fired = threading.Event()
@@ -140,16 +157,25 @@ class CrashInjector:
     def on_committed(self, step: int) -> None:
         self.events.write("committed", step=step)
 
+    def on_replicated(self, name: str, kept: int, of: int) -> None:
+        self.events.write("replicated", name=name, kept=kept, of=of)
+
     # -- the kill -------------------------------------------------------------------------
 
     def kill(self, step: int, evidence: dict[str, Any] | None = None) -> None:
-        """Record the crash, then SIGKILL this process (and for ``node``, its agent first)."""
+        """Record the crash, then SIGKILL this process (for ``node``: its agent, the
+        node's other ranks and this one, each with its process group)."""
         c = self.crash
         if c is None or self._fired.is_set():
             return
         self._fired.set()
+        ranks: list[int] = []
+        if c.kind == "node":
+            ranks = [pid for pid in _children(os.getppid()) if pid != os.getpid()]
+            evidence = {**(evidence or {}), "node": self.node, "agent_pid": os.getppid(),
+                        "ranks_killed": 1 + len(ranks)}
         doc = {"crash": c.__dict__, "step": step, "t": time.time(), "pid": os.getpid(),
-               "evidence": evidence or {}}
+               "node": self.node, "evidence": evidence or {}}
         self.events.write("kill", crash=c.__dict__, step=step, evidence=evidence or {},
                           what=c.describe(self.setup))
         path = kill_marker(self.run_dir, c.index)
@@ -159,7 +185,39 @@ class CrashInjector:
         logger.warning("injected crash %d: %s", c.index + 1, c.describe(self.setup))
         if c.kind == "node":
             os.kill(os.getppid(), signal.SIGKILL)  # torchrun's agent of this node
+            for pid in ranks:
+                _kill_group(pid)
+            _kill_group(os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a torchrun agent's: its ranks)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # Field 4 is the parent; the name (field 2) may hold spaces and parentheses.
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL ``pid`` and, where it leads one (torchrun starts each rank in a session of
+    its own), its process group: the rank's loader workers and their fork server."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class SavePhases(logging.Handler):
@@ -181,6 +239,8 @@ class SavePhases(logging.Handler):
             step = record.args[0]
             if isinstance(step, int):
                 self.injector.on_committed(step)
+        elif msg.startswith("peer tier: ") and (m := _REPLICATED.match(record.getMessage())):
+            self.injector.on_replicated(m.group(1), int(m.group(2)), int(m.group(3)))
 
     @classmethod
     def install(cls, injector: CrashInjector) -> SavePhases:

@@ -15,6 +15,13 @@ restart the group after every kill and the job resumes by itself. This
 module only starts torchrun, watches the ranks' event logs for progress, and
 reads them when the job is done. Nothing here supervises a rank.
 
+A node loss (a ``node`` crash) is the victim rank's to start: it SIGKILLs its
+torchrun agent and its node's ranks. Here the launcher plays the rest: it
+wipes the node's local directory (its disk: the checkpoints' local tier,
+staging, the input cache) and, unless the job is to shrink, starts a
+replacement agent for that node, which joins the rendezvous, so torchrun
+brings the job back on the same world.
+
 A preemption is the scheduler's part, played here: once rank 0 has trained
 the planned step, every agent of the job gets SIGTERM (what Kubernetes sends
 to a pod, SLURM to a job step), forwards it to its ranks and waits its grace
@@ -30,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -177,6 +185,8 @@ class _Progress:
         #: Rank 0's newest step per (leg, attempt); the legs whose rank 0 ended the job.
         self.steps: dict[tuple[int, int], int] = {}
         self.ended: set[int] = set()
+        #: The ranks' start and restored events per (leg, attempt), until all are in.
+        self.restored: dict[tuple[int, int], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
         self.bar = progress_bar(total=total, desc=desc, unit="step", enabled=progress)
 
     def poll(self) -> None:
@@ -212,26 +222,47 @@ class _Progress:
             crash = Crash(**ev["crash"])
             self.say(f"  crash {crash.index + 1}/{self.crashes} at {time.strftime('%X')}: "
                      f"{ev.get('what') or crash.describe()}")
-        elif kind == "restored" and start.get("rank") == 0 and start.get("attempt", 0) > 0:
-            step = ev["step"]
-            who = ("the requeued job started" if start.get("restart") == 0
-                   else "torchrun restarted the job")
-            self.say(f"  {who} on {start['world']} rank(s); it resumed "
-                     f"from {'step ' + str(step) if step is not None else 'the start'}")
+        elif kind == "restored" and start.get("attempt", 0) > 0:
+            # One line once every rank of the attempt has restored: where the bytes came from.
+            key = (start["leg"], start["attempt"])
+            self.restored.setdefault(key, []).append((start, ev))
+            if len(self.restored[key]) == start["world"]:
+                self._restarted(self.restored[key])
+
+    def _restarted(self, ranks: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
+        from dcp_volumes.demo._report import sources_text, stall, sum_sources
+
+        start, ev = next(((s, e) for s, e in ranks if s["rank"] == 0), ranks[0])
+        step = ev["step"]
+        # A requeue starts a new leg (torchrun's restart count says nothing: a restart for
+        # a node that joins, as after a node loss, does not count as one).
+        requeued = start["leg"] > 0 and not any(
+            leg == start["leg"] and attempt < start["attempt"] for leg, attempt in self.restored)
+        who = "the requeued job started" if requeued else "torchrun restarted the job"
+        restored = [e for _, e in ranks]
+        took = stall([[e["t0"], e["t1"]] for e in restored])
+        self.say(f"  {who} on {start['world']} rank(s); it resumed "
+                 f"from {'step ' + str(step) if step is not None else 'the start'} (restore "
+                 f"{took:.2f} s: {sources_text(sum_sources(restored))})")
 
     def close(self) -> None:
         self.poll()
         self.bar.close()
 
 
-def _spec(cfg: DemoConfig, job: JobRecord, leg: int, stop_at: int | None, root: str,
-          workdir: str) -> dict[str, Any]:
+def _local_dir(workdir: str, job: JobRecord) -> str:
+    """The job's local disks: ``<this>/node-<n>`` is node ``n``'s."""
+    return os.path.join(workdir, "local", job.name)
+
+
+def _spec(cfg: DemoConfig, job: JobRecord, leg: int, nodes: list[int], stop_at: int | None,
+          root: str, workdir: str) -> dict[str, Any]:
     from dcp_volumes.demo._workload import state_bytes
 
     per_rank = state_bytes(cfg.hidden) // cfg.nproc
     return {
         "setup": job.setup, "run": job.name, "leg": leg, "run_dir": job.run_dir,
-        "local_dir": os.path.join(workdir, "local", job.name),
+        "local_dir": _local_dir(workdir, job), "nodes": nodes,
         "data_url": f"{root}/train", "ckpt_url": f"{root}/ckpt/{job.name}",
         "steps": cfg.steps, "stop_at": stop_at, "save_every": cfg.save_every,
         "keep_last": cfg.keep_last, "global_batch": cfg.global_batch, "hidden": cfg.hidden,
@@ -283,12 +314,15 @@ def _stop(procs: list[subprocess.Popen[bytes]], run_dir: str) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-def _rank_pids(run_dir: str) -> list[int]:
-    """Ranks of this job that are still alive (by the pids their events recorded)."""
+def _rank_pids(run_dir: str, node: int | None = None) -> list[int]:
+    """Ranks of this job (of node ``node``) that are still alive (by the pids their
+    events recorded)."""
     from dcp_volumes.demo._events import read_events
 
     alive = []
     for evs in read_events(run_dir):
+        if node is not None and int(evs[0].get("node", 0)) != node:
+            continue
         pid = int(evs[0]["pid"])
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -338,7 +372,9 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
                     OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                     TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     monitor = _Progress(job.run_dir, cfg.steps, job.name, say, progress, len(job.crashes))
-    lost_nodes = {len(cfg.nodes) - 1} if any(c.kind == "node" for c in job.crashes) else set()
+    # With --shrink the lost node stays lost (its agent's exit code is the kill's).
+    lost_nodes = {len(cfg.nodes) - 1} if cfg.shrink and any(
+        c.kind == "node" for c in job.crashes) else set()
     queue = list(legs)
     preempts = [c for c in job.crashes if c.kind == "preempt"]
     i = -1
@@ -348,21 +384,28 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
             i += 1
             spec_path = os.path.join(job.run_dir, f"spec-{i}.json")
             with open(spec_path, "w") as f:
-                json.dump(_spec(cfg, job, i, leg.stop_at, root, workdir), f, indent=1)
+                json.dump(_spec(cfg, job, i, leg.nodes, leg.stop_at, root, workdir), f,
+                          indent=1)
             port = _free_port()
             procs: list[subprocess.Popen[bytes]] = []
             job.launches.append(time.time())
+
+            def start(node: int, leg: Leg = leg, i: int = i, spec_path: str = spec_path,
+                      port: int = port) -> subprocess.Popen[bytes]:
+                log = open(os.path.join(job.run_dir, f"node-{node}.log"), "ab")  # noqa: SIM115
+                with log:
+                    return subprocess.Popen(
+                        _agent_cmd(leg, node, port, f"{job.name}-{i}", len(job.crashes),
+                                   spec_path),
+                        env=dict(base_env, DCP_VOLUMES_DEMO_NODE=str(node)),
+                        cwd=job.run_dir, stdout=log, stderr=subprocess.STDOUT,
+                        start_new_session=True)
+
+            replace = None if cfg.shrink else _NodeReplacer(job, workdir, start, say)
             try:
                 for node in range(len(leg.nodes)):
-                    log = open(os.path.join(job.run_dir, f"node-{node}.log"), "ab")  # noqa: SIM115
-                    with log:
-                        procs.append(subprocess.Popen(
-                            _agent_cmd(leg, node, port, f"{job.name}-{i}",
-                                       len(job.crashes), spec_path),
-                            env=dict(base_env, DCP_VOLUMES_DEMO_NODE=str(node)),
-                            cwd=job.run_dir, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True))
-                preempted = _wait_for_leg(job, i, procs, monitor, preempts, say)
+                    procs.append(start(node))
+                preempted = _wait_for_leg(job, i, procs, monitor, preempts, say, replace)
             finally:
                 _stop(procs, job.run_dir)
             job.exits.append(time.time())
@@ -384,11 +427,14 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
 
 
 def _wait_for_leg(job: JobRecord, leg_index: int, procs: list[subprocess.Popen[bytes]],
-                  monitor: _Progress, preempts: list[Crash], say: Say) -> bool:
-    """Wait for a leg's agents to exit, showing progress and sending the leg's planned
-    preemption when its step comes; returns whether it was preempted."""
+                  monitor: _Progress, preempts: list[Crash], say: Say,
+                  replace: _NodeReplacer | None = None) -> bool:
+    """Wait for a leg's agents to exit, showing progress, sending the leg's planned
+    preemption when its step comes and replacing a lost node (``replace``); returns
+    whether it was preempted."""
     from dcp_volumes.demo._faults import kills_so_far
 
+    losses = any(c.kind == "node" for c in job.crashes) and replace is not None
     preempted = False
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while any(p.poll() is None for p in procs):
@@ -397,6 +443,8 @@ def _wait_for_leg(job: JobRecord, leg_index: int, procs: list[subprocess.Popen[b
                 f"the {job.name} job did not finish in {JOB_TIMEOUT_S:.0f}s; its "
                 f"logs are in {job.run_dir}")
         monitor.poll()
+        if losses and replace is not None:
+            replace.poll(procs)
         if not preempted and preempts:
             attempt = kills_so_far(job.run_dir)
             crash = next((c for c in preempts if c.index == attempt), None)
@@ -404,8 +452,51 @@ def _wait_for_leg(job: JobRecord, leg_index: int, procs: list[subprocess.Popen[b
             if crash is not None and step >= crash.step:
                 _preempt(job, procs, crash, leg_index, step, say)
                 preempted = True
-        time.sleep(0.05 if preempts else 0.25)
+        time.sleep(0.05 if preempts or losses else 0.25)
     return preempted
+
+
+class _NodeReplacer:
+    """Replaces each node a ``node`` crash took down: its disk wiped, a new agent.
+
+    ``poll`` sees the crash's kill marker (the victim writes it before it SIGKILLs
+    its agent and its node's ranks); once that agent is gone and no rank of the node
+    is left, the node's local directory is removed and ``start(node)`` starts the
+    replacement agent in the dead one's place in ``procs``.
+    """
+
+    def __init__(self, job: JobRecord, workdir: str,
+                 start: Callable[[int], subprocess.Popen[bytes]], say: Say) -> None:
+        from dcp_volumes.demo._faults import kill_marker
+
+        self.job, self.start, self.say = job, start, say
+        self.local_dir = _local_dir(workdir, job)
+        # Node losses still to come (a requeued leg does not replace one of an earlier leg).
+        self.pending = {c.index for c in job.crashes if c.kind == "node"
+                        and not os.path.exists(kill_marker(job.run_dir, c.index))}
+
+    def poll(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        from dcp_volumes.demo._faults import kill_marker
+
+        for index in sorted(self.pending):
+            path = kill_marker(self.job.run_dir, index)
+            if not os.path.exists(path):
+                continue
+            with open(path) as f:
+                node = int(json.load(f)["node"])
+            if procs[node].poll() is None:
+                continue  # the agent is being killed
+            left = _rank_pids(self.job.run_dir, node=node)
+            for pid in left:  # the victim kills them; they may not all be gone yet
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+            if left:
+                continue
+            self.pending.discard(index)
+            shutil.rmtree(os.path.join(self.local_dir, f"node-{node}"), ignore_errors=True)
+            procs[node] = self.start(node)
+            self.say(f"  node {node} replaced at {time.strftime('%X')}: its local directory "
+                     "removed, a new torchrun agent (an empty disk) joins the rendezvous")
 
 
 def _log_tail(run_dir: str, lines: int = 25) -> str:

@@ -100,6 +100,7 @@ class NaiveSetup:
             self.fs.makedirs(self.root, exist_ok=True)  # a plain directory needs it
         self.local = os.path.join(local, "naive-staging")
         os.makedirs(self.local, exist_ok=True)
+        self._restored_bytes = 0
 
     # -- checkpoints --------------------------------------------------------------------
 
@@ -152,7 +153,9 @@ class NaiveSetup:
         for step in reversed(self._steps()):
             try:
                 with self.fs.open(self._name(step), "rb") as f:
-                    plain = torch.load(io.BytesIO(f.read()), weights_only=False)
+                    data = f.read()
+                self._restored_bytes += len(data)
+                plain = torch.load(io.BytesIO(data), weights_only=False)
             except Exception as exc:  # a torn file from a crash mid-upload: try an older one
                 logger.warning("naive restore: %s does not load (%s); trying an older one",
                                self._name(step), exc)
@@ -165,6 +168,10 @@ class NaiveSetup:
             restore_rngs(plain["rng"][self.rank])
             return state.step
         return None
+
+    def restore_sources(self) -> dict[str, int]:
+        """Bytes the last restore read: all from the volume (no local tier)."""
+        return {"local": 0, "peer": 0, "volume": self._restored_bytes}
 
     def close(self) -> None:
         pass  # saves are synchronous: nothing in flight

@@ -8,7 +8,8 @@ come from and how checkpoints are taken:
   position) and ``CheckpointManager`` (async saves every ``save_every`` steps
   through ``should_save``, retention, restore of the newest complete
   checkpoint, and on SIGTERM a save of the current step: ``reached_preemption``
-  ends the loop and the rank exits 0), public API only;
+  ends the loop and the rank exits 0; the local tier in the node's directory,
+  with a replica on another node when the job runs on several), public API only;
 * ``naive`` (``_naive.py``): a map-style dataset that reads every file from the
   volume on every access, and a synchronous ``torch.save`` on rank 0 followed
   by an upload; no preemption handling (a SIGTERM kills it).
@@ -95,6 +96,7 @@ class Setup(Protocol):
     """Inputs and checkpoints of one setup."""
 
     def restore(self, state: TrainState) -> int | None: ...
+    def restore_sources(self) -> dict[str, int]: ...
     def batches(self, start_step: int) -> Iterator[Batch]: ...
     def fetch_seconds(self, measured: float) -> float: ...
     def should_save(self, step: int) -> bool: ...
@@ -133,6 +135,10 @@ class LibrarySetup:
             save_interval_steps=spec["save_every"],
             # A preemption (SIGTERM from torchrun's agent) saves the step the ranks agree on.
             preemption_signals=(signal.SIGTERM,),
+            # The newest checkpoint stays on this node's disk, and on several nodes a copy
+            # goes to another node: a restart reads it locally, a replaced node from a peer.
+            keep_local=True, local_dir=os.path.join(local, "tier"),
+            local_replicas=1 if len(spec["nodes"]) >= 2 else 0,
         )
         marks["t_manager"] = time.time()
         self.injector = injector
@@ -143,6 +149,9 @@ class LibrarySetup:
 
     def restore(self, state: TrainState) -> int | None:
         return self.mgr.restore(self._state(state))
+
+    def restore_sources(self) -> dict[str, int]:
+        return self.mgr.restore_sources
 
     def batches(self, start_step: int) -> Iterator[Batch]:
         epoch = iter(self.loader)
@@ -283,8 +292,12 @@ def train(spec: Mapping[str, Any]) -> None:
                  setup=spec["setup"], pid=os.getpid(),
                  restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     crashes = [Crash(**c) for c in spec["crashes"]]
+    # A node loss takes down the last node (never node 0, which hosts the rendezvous).
+    last = len(spec["nodes"]) - 1
+    victim = last > 0 and node == last and os.environ.get("LOCAL_RANK", "0") == "0"
     injector = CrashInjector(crashes, attempt=attempt, rank=rank, world=world,
-                             setup=spec["setup"], events=events, run_dir=run_dir)
+                             setup=spec["setup"], events=events, run_dir=run_dir, node=node,
+                             node_victim=victim)
     options = json.loads(os.environ.get(OPTIONS_ENV, "{}"))
     local = os.path.join(spec["local_dir"], f"node-{node}")
 
@@ -305,7 +318,8 @@ def train(spec: Mapping[str, Any]) -> None:
     marks["t_model"] = time.time()
     t0 = time.time()
     restored = setup.restore(state)
-    events.write("restored", step=restored, t0=t0, t1=time.time(), marks=marks)
+    events.write("restored", step=restored, t0=t0, t1=time.time(), marks=marks,
+                 sources=setup.restore_sources())
     if rank == 0:
         logger.info("attempt %d on %d ranks: %s", attempt, world,
                     f"resumed from step {restored}" if restored else "starting fresh")

@@ -6,7 +6,10 @@ Accounting (from rank 0's clock; the gradient all-reduce keeps ranks in lockstep
 * ``restart``: a kill -> the first batch of the next attempt in hand
   (torchrun noticing, stopping the survivors and re-forming the group, the
   new interpreters importing torch, the process group, listing the data,
-  the restore, the loader's first batch); after a preemption, from the
+  the restore, the loader's first batch; each restart also records how long
+  the restore took, from the last rank entering it to the last leaving it, and
+  how many bytes it read from the local tier, a peer node and the volume);
+  after a preemption, from the
   later of the SIGTERM and the end of the last step trained (a job that
   handles the signal trains on to the step it saves), through the commit
   wait, the exit and the requeued torchrun, to its first batch;
@@ -17,7 +20,7 @@ Accounting (from rank 0's clock; the gradient all-reduce keeps ranks in lockstep
   span: the gradient all-reduce waiting and the CPU going to other
   processes, loader workers, the embedded S3 server, other jobs),
   ``checkpoint blocking`` (how long each save call held the job up: from the
-  last rank entering it to the last rank leaving it, see ``_stall``) and
+  last rank entering it to the last rank leaving it, see ``stall``) and
   ``input wait`` (the loader's ``fetch_seconds``; the measured wait for the
   naive loader);
 * ``final wait``: the end of the job waiting for its last save to be on the
@@ -44,6 +47,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dcp_volumes._sizes import format_size
+from dcp_volumes.checkpoint._discovery import parse_step
 from dcp_volumes.demo._config import Crash, DemoConfig
 from dcp_volumes.demo._events import read_events
 from dcp_volumes.demo._faults import kill_marker
@@ -149,6 +154,17 @@ class CrashOutcome:
     #: Preemptions: ranks that left the loop through ``reached_preemption`` (of ``world``).
     stopped_cleanly: int = 0
     world: int = 0
+    #: The restore of the next attempt: last rank in -> last rank out, and the bytes
+    #: all its ranks read from each source (``local``, ``peer``, ``volume``).
+    restore_s: float = 0.0
+    restore_sources: dict[str, int] = field(default_factory=dict)
+    #: Node losses: the node that died; whether a new node took its place (the same
+    #: world); the bytes that node's ranks read in the next attempt; whether another
+    #: node held a complete replica of the restored checkpoint when it died.
+    lost_node: int | None = None
+    replaced: bool = False
+    node_sources: dict[str, int] = field(default_factory=dict)
+    replica_held: bool = False
 
 
 @dataclass
@@ -179,6 +195,8 @@ class RunStats:
     digest: str | None = None
     world_change: tuple[int, int | None] | None = None
     torn_restores: int = 0
+    #: Whether any rank kept a complete replica of its peers' files (``local_replicas``).
+    replicated: bool = False
 
     @property
     def other(self) -> float:
@@ -248,6 +266,7 @@ def analyse(job: JobRecord) -> RunStats:
         prev_end = t_stop
     stats.committed = len(committed)
     stats.torn_restores = sum(len(a.of("torn")) for a in attempts)
+    stats.replicated = any(_replicas(a) for a in attempts)
     changed = next((a for a in attempts if a.world != attempts[0].world), None) \
         if attempts else None
     if changed is not None:
@@ -264,7 +283,7 @@ def _count_kept(stats: RunStats, kept: list[dict[str, Any]],
         stats.compute += cpu
         stats.stalled += wall - cpu
         if e["save"]:
-            stats.blocking += _stall([r[e["step"]]["save"] for r in by_rank.values()
+            stats.blocking += stall([r[e["step"]]["save"] for r in by_rank.values()
                                       if e["step"] in r])
         if j > 0:  # the first batch of an attempt is part of its (re)start
             stats.input_wait += e["fetch"]
@@ -278,7 +297,7 @@ def _count_end(stats: RunStats, att: Attempt, launch: float) -> None:
     """Add the end of the job (its last attempt) to ``stats``: final wait, wall, digest."""
     ends = [e for evs in att.ranks.values() for e in evs if e["ev"] == "end"]
     if att.of("end"):
-        stats.final_wait += _stall([e["final_wait"] for e in ends])
+        stats.final_wait += stall([e["final_wait"] for e in ends])
         stats.wall += att.of("end")[0]["t"] - launch
         stats.digest = att.of("end")[0]["digest"]
 
@@ -313,10 +332,56 @@ def _crash_outcome(job: JobRecord, att: Attempt, nxt: Attempt,
     )
     if att.preempted and kill is not None:
         _preemption_times(outcome, att, job, t_kill)
+    _restore_reads(outcome, nxt)
+    if kill is not None and kill["crash"]["kind"] == "node" and "node" in kill["evidence"]:
+        _node_loss(outcome, job, att, nxt, int(kill["evidence"]["node"]), t_kill)
     return outcome, t_stop
 
 
-def _stall(spans: list[list[float]]) -> float:
+def sum_sources(restored: list[dict[str, Any]]) -> dict[str, int]:
+    total = {"local": 0, "peer": 0, "volume": 0}
+    for e in restored:
+        for k, v in (e.get("sources") or {}).items():
+            total[k] = total.get(k, 0) + int(v)
+    return total
+
+
+def _restore_reads(outcome: CrashOutcome, nxt: Attempt) -> None:
+    """The restore that followed a crash: its time and where its bytes came from."""
+    restored = [e for evs in nxt.ranks.values() for e in evs if e["ev"] == "restored"]
+    outcome.restore_s = stall([[e["t0"], e["t1"]] for e in restored])
+    outcome.restore_sources = sum_sources(restored)
+
+
+def _replicas(att: Attempt, *, before: float = math.inf,
+              not_node: int | None = None) -> set[int | None]:
+    """Steps of which a rank of ``att`` (on another node than ``not_node``) kept a
+    complete replica of its peers' files, before ``before``."""
+    held = set()
+    for evs in att.ranks.values():
+        if not_node is not None and int(evs[0].get("node", 0)) == not_node:
+            continue
+        held |= {parse_step(e["name"]) for e in evs if e["ev"] == "replicated"
+                 and e["t"] < before and 0 < e["kept"] == e["of"]}
+    return held
+
+
+def _node_loss(outcome: CrashOutcome, job: JobRecord, att: Attempt, nxt: Attempt, node: int,
+               t_kill: float) -> None:
+    """A node loss: was it replaced, what did its replacement read, was a replica held."""
+    outcome.lost_node = node
+    outcome.replaced = nxt.world == att.world
+    outcome.node_sources = sum_sources([
+        e for evs in nxt.ranks.values() if int(evs[0].get("node", 0)) == node
+        for e in evs if e["ev"] == "restored"])
+    if nxt.restored is not None:
+        # A replica made in any attempt before the loss is still on the surviving disks.
+        earlier = [a for a in attempts_of(job.run_dir) if a.start["t"] <= att.start["t"]]
+        outcome.replica_held = any(nxt.restored in _replicas(a, before=t_kill, not_node=node)
+                                   for a in earlier)
+
+
+def stall(spans: list[list[float]]) -> float:
     """How long a collective call held up the job: the last rank in -> the last rank out.
 
     Ranks that arrive early wait inside the call for the late one; that wait is
@@ -331,7 +396,7 @@ def _count_saves(stats: RunStats, att: Attempt,
     kill = att.kill
     hit = kill is not None and kill["crash"]["kind"] in ("upload", "commit")
     stats.saves += len(saves) + int(hit)  # a save the kill interrupted was taken too
-    stats.save_blocking += [_stall([r[e["step"]]["save"] for r in by_rank.values()
+    stats.save_blocking += [stall([r[e["step"]]["save"] for r in by_rank.values()
                                     if e["step"] in r]) for e in saves]
     save_t0 = {e["step"]: e["save"][0] for e in saves}
     for e in att.of("committed"):
@@ -447,6 +512,8 @@ def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
     checks.append(_lost_check(cfg, crashed))
     if any(c.kind == "preempt" for c in planned):
         checks.append(_preempt_check(crashed))
+    if any(c.kind == "node" for c in planned) and not cfg.shrink:
+        checks.append(_node_check(crashed))
     checks += _time_checks(crashed, ref)
     return checks
 
@@ -549,6 +616,31 @@ def _preempt_check(crashed: RunStats) -> Check:
                  "; ".join(details) or "the preemption did not happen")
 
 
+def _node_check(crashed: RunStats) -> Check:
+    """After a node loss, the replacement node read its shards from a peer node, not from
+    the volume, where another node held a complete replica of the restored checkpoint."""
+    losses = [c for c in crashed.crashes if c.crash.get("kind") == "node" and c.replaced]
+    details, ok = [], bool(losses)
+    for c in losses:
+        src = c.node_sources
+        where = f"step {c.resumed_from}: node {c.lost_node} read {sources_text(src)}"
+        if c.resumed_from is None:
+            details.append(f"node {c.lost_node} lost before any checkpoint: nothing to read")
+        elif c.replica_held:
+            good = src.get("volume", 0) == 0 and src.get("peer", 0) > 0
+            ok = ok and good
+            details.append(where + ("" if good else
+                                    " although another node held a complete replica"))
+        else:
+            # Lost while the newest checkpoint was being replicated: the volume serves it.
+            ok = ok and crashed.replicated
+            details.append(where + " (no complete replica of it was held yet"
+                           + ("" if crashed.replicated else "; no replica was ever kept") + ")")
+    return Check("node", "after the node loss the replacement node restored from a peer "
+                 "node's replica, not the volume", ok,
+                 "; ".join(details) or "the node loss did not happen")
+
+
 def _time_checks(crashed: RunStats, ref: RunStats) -> list[Check]:
     """Checkpoint blocking, input wait and goodput against their targets."""
     # Time shares against the computation's wall time: CPU contention from whatever else
@@ -610,6 +702,33 @@ def _seconds(x: float | None) -> str:
 def lost_by_kind(crashes: list[CrashOutcome]) -> str:
     """``upload 4, commit 6, step 3, preempt 0``: steps lost per crash, in order."""
     return ", ".join(f"{c.crash.get('kind')} {c.steps_lost}" for c in crashes) or "-"
+
+
+def sources_text(src: Mapping[str, int]) -> str:
+    """``local 1.2 MiB, peer 0 B, volume 0 B``."""
+    return ", ".join(f"{k} {format_size(src.get(k, 0))}" for k in ("local", "peer", "volume"))
+
+
+def restart_lines(runs: Mapping[str, RunStats]) -> list[str]:
+    """One line per restart: what ended the attempt, the restart's time, and the restore's
+    time and where it read its bytes from (a node loss: also what the new node read)."""
+    lines = []
+    for name in (n for n in ("naive", "dcp_volumes") if n in runs):
+        for i, c in enumerate(runs[name].crashes, 1):
+            kind = str(c.crash.get("kind"))
+            if c.lost_node is not None:
+                kind += f" (node {c.lost_node} {'replaced' if c.replaced else 'not replaced'})"
+            line = (f"  {name:<12} {i}. {kind}, step {c.last_step} -> resumed from "
+                    f"{c.resumed_from if c.resumed_from is not None else 'the start'}: restart "
+                    f"{c.restart_s:.1f} s; restore {c.restore_s:.2f} s reading "
+                    f"{sources_text(c.restore_sources)}")
+            if c.lost_node is not None and c.replaced:
+                line += f" (node {c.lost_node}: {sources_text(c.node_sources)})"
+            lines.append(line)
+    if not lines:
+        return []
+    return ["restarts (kill -> first batch; the restore: last rank in -> last out, bytes "
+            "read from the local tier, a peer node, the volume):", *lines]
 
 
 def _pct(part: float, whole: float) -> str:
@@ -693,7 +812,7 @@ def build_report(cfg: DemoConfig, jobs: Mapping[str, JobRecord], workdir: str, v
     proj = {name: projection(s, cfg) for name, s in runs.items()}
     checks = run_checks(cfg, runs["dcp_volumes"], runs["reference"],
                         jobs["dcp_volumes"].crashes)
-    table = render_table(runs, proj, cfg)
+    table = "\n".join([render_table(runs, proj, cfg), "", *restart_lines(runs)]).rstrip()
     plot_path = os.path.join(workdir, "timeline.png")
     from dcp_volumes.demo._plot import plot_timeline  # matplotlib: checked as the demo starts
 
