@@ -43,6 +43,20 @@ _PARTIAL_REQUEST_LINE = re.compile(rb"[A-Z]{0,16}(?: \S*(?: [HTP/10.]*\r?)?)?")
 _CHUNK = 256 * 1024
 
 
+def _readable(socks: list[socket.socket], timeout_s: float) -> list[socket.socket]:
+    """Those of ``socks`` that have bytes (or their end) to read within ``timeout_s``.
+
+    ``poll``, not ``select``: select refuses descriptors past 1023, which a run
+    with thousands of connections (a simulation of many ranks) reaches.
+    """
+    poller = select.poll()
+    by_fd = {}
+    for s in socks:
+        poller.register(s, select.POLLIN)
+        by_fd[s.fileno()] = s
+    return [by_fd[fd] for fd, _ in poller.poll(timeout_s * 1000)]
+
+
 class _TokenBucket:
     """Paces one direction of one connection to ``rate`` bytes/s."""
 
@@ -428,7 +442,7 @@ class LatencyProxy:
         """Read and drop what the client sends, never answer, until it hangs up or we stop."""
         with contextlib.suppress(OSError):  # the client reset it: as good as hanging up
             while not self._stopping.is_set():
-                ready, _, _ = select.select([client], [], [], 0.25)
+                ready = _readable([client], 0.25)
                 if ready and not client.recv(_CHUNK):
                     return
 
@@ -447,7 +461,7 @@ class LatencyProxy:
             readable = [s for s, is_open in open_.items() if is_open]
             if not readable:
                 return
-            ready, _, _ = select.select(readable, [], [], 0.25)
+            ready = _readable(readable, 0.25)
             for s in ready:
                 data = s.recv(_CHUNK)
                 if s is client:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import http.client
+import os
+import resource
 import threading
 import time
 from collections.abc import Iterator
@@ -125,6 +127,23 @@ def test_proxy_forwards_and_counts(moto_server: MotoServer, s3_object: tuple[str
         proxy.reset_counts()
         assert proxy.count("GET", path) == 0
     assert proxy.port == 0  # stopped
+
+
+def test_proxy_serves_connections_past_descriptor_1023(
+    moto_server: MotoServer, s3_object: tuple[str, bytes]
+) -> None:
+    # A simulation of many ranks holds thousands of connections open; select()
+    # refuses a descriptor past 1023 (its connection thread died, the request hung).
+    path, data = s3_object
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("this process may not open 1200 files")
+    spare = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with LatencyProxy.in_front_of(moto_server) as proxy:
+            assert _get(proxy.endpoint, path) == (200, data)
+    finally:
+        for fd in spare:
+            os.close(fd)
 
 
 def test_proxy_adds_latency_per_request(

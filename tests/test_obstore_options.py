@@ -4,6 +4,7 @@ error naming the option; nothing is silently dropped."""
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -233,3 +234,20 @@ def test_what_a_ranged_read_costs_is_our_option_and_a_capability(
     with pytest.raises(ConfigurationError, match=r"ranged_reads_cost_whole_object.*True or False"):
         _ = Volume("s3://bucket/run",
                    storage_options={**base, "ranged_reads_cost_whole_object": "yes"}).capabilities
+
+
+@pytest.mark.parametrize("backend", ["obstore", "fsspec"])
+def test_whether_listings_lag_is_our_option_and_a_capability(
+    backend: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # S3 lists every write that returned; a server known to lag says so through the
+    # option (the commit then checks its uploads in a listing); a mount may be NFS.
+    monkeypatch.setenv("DCP_VOLUMES_BACKEND", backend)
+    base = {"key": "k", "secret": "secret-4", "endpoint_url": "http://127.0.0.1:9"}
+    assert not Volume("s3://bucket/run", storage_options=base).capabilities.listing_lags
+    lagging = Volume("s3://bucket/run", storage_options={**base, "listing_lags": True})
+    assert lagging.capabilities.listing_lags  # taken by the volume, not handed to the client
+    assert Volume(tmp_path).capabilities.listing_lags
+    with pytest.raises(ConfigurationError, match=r"listing_lags.*True or False"):
+        _ = Volume("s3://bucket/run",
+                   storage_options={**base, "listing_lags": "yes"}).capabilities

@@ -61,6 +61,12 @@ class Capabilities:
             answer a ranged read (moto does; real stores do not). Readers then
             cut a file into as few ranges as the part size allows, not into one
             per idle stream. Set by the storage option of the same name.
+        listing_lags: a listing may leave out, for a while, objects whose
+            writes already returned (NFS attribute caches, some S3-compatible
+            servers and caching gateways). A commit then checks every file of
+            its save in a listing; where listings show every returned write (S3,
+            Azure, GCS), the ranks' write results vouch for their files. Set by
+            the storage option of the same name.
     """
 
     local_files: bool
@@ -68,6 +74,7 @@ class Capabilities:
     buffers_uploads: bool
     survives_fork: bool = True
     ranged_reads_cost_whole_object: bool = False
+    listing_lags: bool = False
 
 
 class Backend(Protocol):

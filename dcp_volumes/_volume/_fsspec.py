@@ -69,6 +69,9 @@ _EXTRA_FOR_PROTOCOL = {
     "abfss": "azure",
     "adl": "azure",
 }
+# Stores whose listings show every write that returned (S3, GCS and Azure Blob are
+# strongly consistent); another protocol is not known to (``Capabilities.listing_lags``).
+_LISTS_WRITES_AT_ONCE = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 
 
 def filesystem_class(protocol: str) -> type[fsspec.AbstractFileSystem]:
@@ -113,7 +116,8 @@ class FsspecBackend:
         # the server decides them is not known here (GCS does, its emulator does
         # not), so the volume also checks first.
         self.capabilities = Capabilities(
-            local_files=False, atomic_create=False, buffers_uploads=True
+            local_files=False, atomic_create=False, buffers_uploads=True,
+            listing_lags=protocol not in _LISTS_WRITES_AT_ONCE,
         )
 
     @property

@@ -264,7 +264,11 @@ def _os_errors(method: Callable[P, R]) -> Callable[P, R]:
 class LocalBackend:
     """Files on this machine: a local disk or a mounted network filesystem."""
 
-    capabilities = Capabilities(local_files=True, atomic_create=True, buffers_uploads=False)
+    # A mount may be NFS, whose attribute caches show a file to other nodes late; a walk
+    # costs no round trips, so the commit's listing check stays.
+    capabilities = Capabilities(
+        local_files=True, atomic_create=True, buffers_uploads=False, listing_lags=True
+    )
 
     @_os_errors
     def check_root(self, root: str, *, create: bool) -> Listing:

@@ -33,9 +33,17 @@ LOCAL_PROTOCOLS = frozenset({"file", "local"})
 # URL protocol -> obstore store kind.
 OBSTORE_PROTOCOLS = {"s3": "s3", "s3a": "s3", "az": "azure", "abfs": "azure", "abfss": "azure"}
 
-# A storage option of ours, not the client's: what the server does with a ranged
-# read (``Capabilities.ranged_reads_cost_whole_object``).
+# Storage options of ours, not the client's: what the server does with a ranged
+# read (``Capabilities.ranged_reads_cost_whole_object``), and whether its listings
+# may lag its writes (``Capabilities.listing_lags``).
 WHOLE_OBJECT_RANGES = "ranged_reads_cost_whole_object"
+LISTING_LAGS = "listing_lags"
+_OUR_OPTIONS = {
+    WHOLE_OBJECT_RANGES: "True: the server reads the whole object for each ranged read, "
+    "as moto's does",
+    LISTING_LAGS: "True: the store's listings may leave out objects written just before, "
+    "as some S3-compatible servers and caching gateways do",
+}
 
 _BACKENDS: dict[tuple[int, str, str, RetryPolicy, str], Backend] = {}
 _LOCK = threading.Lock()
@@ -73,21 +81,21 @@ def backend_for(protocol: str, storage_options: Mapping[str, Any], retry: RetryP
 
 
 def _create(protocol: str, options: Mapping[str, Any], retry: RetryPolicy) -> Backend:
-    whole_object_ranges = False
-    if isinstance(options, Mapping) and WHOLE_OBJECT_RANGES in options:
+    ours: dict[str, bool] = {}
+    if isinstance(options, Mapping) and any(name in options for name in _OUR_OPTIONS):
         options = dict(options)
-        whole_object_ranges = options.pop(WHOLE_OBJECT_RANGES)
-        if not isinstance(whole_object_ranges, bool):
-            raise ConfigurationError(
-                f"storage_options['{WHOLE_OBJECT_RANGES}']={whole_object_ranges!r} must be "
-                "True or False (True: the server reads the whole object for each ranged read, "
-                "as moto's does)."
-            )
+        for name, meaning in _OUR_OPTIONS.items():
+            if name not in options:
+                continue
+            value = options.pop(name)
+            if not isinstance(value, bool):
+                raise ConfigurationError(
+                    f"storage_options['{name}']={value!r} must be True or False ({meaning})."
+                )
+            ours[name] = value
     backend = _client_backend(protocol, options, retry)
-    if whole_object_ranges:
-        backend.capabilities = dataclasses.replace(
-            backend.capabilities, ranged_reads_cost_whole_object=True
-        )
+    if ours:
+        backend.capabilities = dataclasses.replace(backend.capabilities, **ours)
     return backend
 
 

@@ -69,7 +69,8 @@ class Volume:
             ``secret``, ``client_kwargs={"endpoint_url": ...}``, ``account_name``,
             ``connection_string``...) or obstore's own; any fsspec option for
             other protocols; and ours, ``ranged_reads_cost_whole_object=True``
-            for a server that reads the whole object per ranged read (moto).
+            for a server that reads the whole object per ranged read (moto),
+            ``listing_lags=True`` for one whose listings lag its writes.
             ``None`` (not given): the options in ``DCP_VOLUMES_STORAGE_OPTIONS``
             for a remote URL (local paths take none); given options, ``{}``
             included, are used alone (never merged with the variable's).

@@ -12,8 +12,10 @@ The commit, in order:
    committing one location at once exactly one lands, and the manifest beside
    the marker is always the committed save's own (one of a save that crashed
    before its marker is cleared first);
-2. meanwhile, check the listing: every file of the manifest is on the volume
-   with its size (the one check that every rank's upload landed whole);
+2. meanwhile, on a store whose listings may lag its writes, check the listing:
+   every file of the manifest is on the volume with its size. Elsewhere the
+   ranks' write results vouch for their files (each upload returned success
+   before its rank reported), and the commit costs no listing pages;
 3. publish the marker, create-only unless ``overwrite``: the commit;
 4. if another save won the commit, withdraw: remove this save's files, and
    its manifest if it is still its own.
@@ -180,13 +182,20 @@ class Commit:
     # -- the commit -----------------------------------------------------------------------------
 
     def publish(self, files: Mapping[str, FileRecord], metadata: bytes, *, ranks: int) -> Manifest:
-        """Commit: the manifest of ``files``, checked against the listing, then the
-        marker holding ``metadata`` (pickled ``.metadata``). Returns the manifest.
+        """Commit: the manifest of ``files``, then the marker holding ``metadata``
+        (pickled ``.metadata``). Returns the manifest.
+
+        ``files`` come from the ranks' write results, which a rank reports only
+        once each of its uploads returned success for the bytes it staged. Where
+        the store's listings show every write that returned, a listing could tell
+        no more, and its pages (a round trip each, one after another) grow with
+        the ranks: only a store whose listings may lag (``capabilities.listing_lags``)
+        is listed.
 
         ``ranks``: the ranks whose files these are (a save with collectives).
         Raises ``CheckpointExistsError`` when another save committed here
         meanwhile (this save's files are then removed), ``CheckpointCorruptError``
-        when the listing does not show every file whole.
+        when a listing that lags does not come to show every file whole.
         """
         extra: dict[str, Any] = {"writer": "dcp_volumes", "save_id": self.save_id}
         if self.rank is None:
@@ -194,22 +203,27 @@ class Commit:
         else:
             extra.update(rank_local=True, rank=self.rank, world_size=self.world_size)
         manifest = Manifest(files=files, extra=extra)
-        # The listing runs while the manifest goes up, a round trip less per save (one
-        # per rank as well would cost every save a round trip): a manifest means
-        # nothing until the marker is beside it, and a failed check takes it back.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpv-commit") as pool:
-            checked = _exit_safe.submit(pool, check_listing_settled, self.volume, manifest)
+            checked = None
+            if self.volume.capabilities.listing_lags:
+                # The listing runs while the manifest goes up, a round trip less per
+                # save: a manifest means nothing until the marker is beside it, and a
+                # failed check takes it back.
+                checked = _exit_safe.submit(pool, check_listing_settled, self.volume, manifest)
             try:
                 self._publish_manifest(manifest)
             except VolumeExistsError as exc:
-                checked.exception()  # its outcome no longer matters; let it end first
+                if checked is not None:
+                    checked.exception()  # its outcome no longer matters; let it end first
                 self._withdraw(manifest, published_manifest=False)
                 raise self._lost() from exc
             except BaseException:
-                checked.exception()
+                if checked is not None:
+                    checked.exception()
                 raise
             try:
-                self._check(checked)
+                if checked is not None:
+                    self._check(checked)
                 if self.abandoned():
                     raise CheckpointError(
                         f"The save to {self.volume.display_url} was abandoned (its caller "

@@ -392,7 +392,8 @@ def upload_file(
     shape: UploadShape,
     part_size: int,
 ) -> None:
-    """Upload one closed file (upload threads); the commit's listing checks its size.
+    """Upload one closed file (upload threads). Its write results reach the commit only
+    once this returned: on a store whose listings do not lag they vouch for the file.
 
     ``keep``: the staged file stays (the local tier); otherwise it is moved
     (renamed on a mount, removed after the upload elsewhere).
