@@ -161,6 +161,7 @@ def run(args: Any, target: Target) -> dict[str, Any]:
         "machine": machine_info(),
     }
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    started = time.perf_counter()
     try:
         with serve(target, BUCKET) as server:
             opts = server.storage_options()
@@ -250,6 +251,7 @@ def run(args: Any, target: Target) -> dict[str, Any]:
             }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    out["wall_s"] = time.perf_counter() - started
     return out
 
 
@@ -268,6 +270,7 @@ def report(out: dict[str, Any]) -> str:
          m["processes_mid_warm_epoch"].get("main", {}).get("rss", 0) / 2**20],
         ["worker RSS MiB (max)", max(w.get("rss", 0) for w in workers) / 2**20],
         ["worker PSS MiB (max)", max(w.get("pss", 0) for w in workers) / 2**20],
+        ["worker private (USS) MiB (max)", max(w.get("uss", 0) for w in workers) / 2**20],
         ["loader state bytes", m["loader_state_bytes"]],
         ["cache inodes / sample", c["inodes_per_sample"]],
         ["cache bytes on disk / sample", c["bytes_per_sample"]],
@@ -277,6 +280,7 @@ def report(out: dict[str, Any]) -> str:
         ["local disk files/s", t["local_disk"]],
         ["first batch at epoch start s", out["resume"]["first_batch_at_start_s"]],
         ["first batch resuming at 90% s", out["resume"]["first_batch_at_90pct_s"]],
+        ["whole run s", out.get("wall_s", 0.0)],
     ]
     return format_table(["measure", "value"], rows)
 

@@ -242,6 +242,44 @@ def test_shared_hot_table_makes_copies_verified_elsewhere_hits(tmp_path: Path) -
     assert hit is not None and Path(hit.path).read_bytes() == b"two"
 
 
+def test_what_a_process_keeps_does_not_grow_with_the_files_it_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A DataLoader worker's own memory: its memo of verified copies is bounded and its
+    # view of the entries is only kept for eviction (a limit). Reading twice as many
+    # files, filled then hit, keeps at most a memo's worth more (it kept an object set a
+    # file: at a million files, hundreds of MB in every worker).
+    import tracemalloc
+
+    from dcp_volumes.data import _hot
+
+    monkeypatch.setattr(_hot, "_HOT_MAX", 32)
+    n = 2048
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(n):
+        (src / f"{i:05d}.bin").write_bytes(b"x")
+    volume, shared = Volume(str(src)), SharedHot(n)
+    infos = [FileInfo(f"{i:05d}.bin", 1) for i in range(n)]
+    cache = FileCache(tmp_path / "cache", limit=None)
+
+    def read(files: range) -> None:
+        for i in files:
+            got = cache.fetch_from(volume, infos[i].path, expected=infos[i], shared=shared,
+                                   slot=i)
+            assert got.size == 1
+
+    read(range(n // 2))
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    read(range(n // 2, n))  # fills
+    read(range(n))  # hits
+    kept = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert kept / (n // 2) < 100, kept / (n // 2)
+    assert cache.counters.misses == n and cache.counters.hits == n
+
+
 def test_a_pin_with_an_etag_the_store_no_longer_has_serves_the_store_file(
     tmp_path: Path,
 ) -> None:

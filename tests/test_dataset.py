@@ -349,13 +349,76 @@ def test_the_file_table_costs_bytes_not_objects() -> None:
     files = [dataclasses.replace(f, mtime=None) for f in files]
     assert [table.info(i) for i in (0, 1, 12_345, 19_999)] == [files[i] for i in
                                                                (0, 1, 12_345, 19_999)]
-    assert table.digest == listing_digest(files)
+    assert table.matches(listing_digest(files))
     local = FileTable.of([dataclasses.replace(f, etag=None, mtime=7.5) for f in files[:5]])
     assert local.info(3) == dataclasses.replace(files[3], etag=None, mtime=7.5)
     table.share()
     assert len(bytes(ForkingPickler.dumps(table))) < 10_000  # handles only
     copy = pickle.loads(pickle.dumps(table))  # by value (a broadcast to other ranks)
     assert copy.info(777) == files[777] and copy.digest == table.digest
+
+
+def test_the_table_digest_tells_listings_apart_as_the_line_digest_does() -> None:
+    """The file table's digest (a hash over its columns) says "same listing" exactly when
+    the digest of lines per file that states carried before it does, and ``matches`` takes
+    either: a state saved before it still resumes, one of another listing never does."""
+    from dcp_volumes.data._listing import FileTable, listing_digest
+
+    r = dataclasses.replace
+    base = _imagenet_like(300)
+    base[1::3] = [r(f, etag=None) for f in base[1::3]]  # versioned by mtime
+    base[2::7] = [r(f, etag=None, mtime=None) for f in base[2::7]]  # no version at all
+    base[5] = r(base[5], path="train/ünï/cödé.JPEG")
+    variants = [base[:-1], base[1:], [base[1], base[0], *base[2:]], [*base, base[0]]]
+    for i in (0, 1, 2, 5, 150, 299):
+        f = base[i]
+        variants += [
+            [*base[:i], change, *base[i + 1:]]
+            for change in (
+                r(f, size=f.size + 1), r(f, path=f.path + "x"), r(f, etag="e"),
+                r(f, etag=None), r(f, mtime=(f.mtime or 0.0) + 0.5), r(f, mtime=None),
+                r(f, etag=f.etag, mtime=-0.0),
+            )
+        ]
+    # A byte moved from one path to the next: the same bytes, other files.
+    variants.append([r(base[0], path=base[0].path + "a"), r(base[1], path=base[1].path[1:]),
+                     *base[2:]])
+    table = FileTable.of(base)
+    assert table.matches(table.digest) and table.matches(listing_digest(base))
+    outcomes = set()
+    for files in variants:
+        same = listing_digest(files) == listing_digest(base)
+        outcomes.add(same)
+        assert (FileTable.of(files).digest == table.digest) is same
+        assert table.matches(listing_digest(files)) is same
+        assert table.matches(FileTable.of(files).digest) is same
+    assert outcomes == {True, False}  # (an etag'd file's mtime is not its version)
+
+
+def test_construction_leaves_the_digest_to_the_loader_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Constructing a dataset computes no digest (at a million files it cost a good part
+    of the listing); the loader's state does, once. A state saved with the earlier digest
+    resumes; one of a listing that differs is refused."""
+    from dcp_volumes.data import _listing
+
+    write_samples(str(tmp_path / "src"), None, 30, size=8)
+    calls: list[int] = []
+    real = _listing._column_digest
+    monkeypatch.setattr(_listing, "_column_digest", lambda c: calls.append(1) or real(c))
+    ds = VolumeDataset(str(tmp_path / "src"), cache_dir=tmp_path / "c", transform=read_id)
+    assert calls == []
+    state = DataLoader(ds, batch_size=5, num_workers=0).state_dict()
+    assert DataLoader(ds, batch_size=5, num_workers=0).state_dict() == state and calls == [1]
+    files = [ds.manifest.info(i) for i in range(ds.num_files)]
+    before = {**state, "manifest": _listing.listing_digest(files)}
+    DataLoader(ds, batch_size=5, num_workers=0).load_state_dict(before)
+    files[7] = dataclasses.replace(files[7], mtime=(files[7].mtime or 0.0) + 1)
+    for manifest in (_listing.listing_digest(files), _listing.FileTable.of(files).digest):
+        with pytest.raises(DatasetChangedError, match="changed since the loader state"):
+            DataLoader(ds, batch_size=5, num_workers=0).load_state_dict(
+                {**state, "manifest": manifest})
 
 
 def test_dataset_memory_per_file_and_loader_state(tmp_path: Path) -> None:
@@ -393,7 +456,7 @@ def test_a_directory_is_walked_into_the_table_the_listing_gives(
         return [_listing.build_file_table(str(tmp_path / "d"), storage_options=None, **kw)[1]]
 
     walked = tables() + tables(suffixes=[".bin"])
-    monkeypatch.setattr(_listing, "_walk_local", lambda root, wanted: ([], [], []))
+    monkeypatch.setattr(_listing, "_walk_local", lambda root, wanted, threads: ([], [], []))
     listed = tables() + tables(suffixes=[".bin"])
     for fast, slow in zip(walked, listed, strict=True):
         assert [fast.info(i) for i in range(len(fast))] == [slow.info(i) for i in

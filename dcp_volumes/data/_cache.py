@@ -55,6 +55,12 @@ def default_cache_dir() -> str:
     return _env.cache_dir() or os.path.join(os.path.expanduser("~"), ".cache", "dcp_volumes")
 
 
+def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> str:
+    """The absolute directory a ``FileCache(cache_dir)`` uses."""
+    chosen = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
+    return os.path.abspath(os.path.expanduser(chosen))
+
+
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -105,8 +111,7 @@ class FileCache:
         headroom: int | str = "256MiB",
         reconcile: bool = True,
     ) -> None:
-        chosen = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
-        self.cache_dir = os.path.abspath(os.path.expanduser(chosen))
+        self.cache_dir = resolve_cache_dir(cache_dir)
         self.limit = parse_size(limit, what="limit")
         self.headroom = parse_size(headroom, what="headroom") or 0
         if self.limit == 0:

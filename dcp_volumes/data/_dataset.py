@@ -19,6 +19,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from dcp_volumes._exceptions import CacheError, ConfigurationError
 from dcp_volumes._volume import Volume
 from dcp_volumes._world import World, distributed
-from dcp_volumes.data._cache import DEFAULT_CACHE_LIMIT, FileCache
+from dcp_volumes.data._cache import DEFAULT_CACHE_LIMIT, FileCache, resolve_cache_dir
 from dcp_volumes.data._hot import SharedHot
 from dcp_volumes.data._listing import FileTable, build_file_table
 from dcp_volumes.data._metrics import worker_stats
@@ -76,6 +77,13 @@ class DatasetOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigurationError(f"{name}={value!r} must be an int >= 1.")
+
+
+def _ints(values: np.ndarray, chunk: int = 4096) -> Iterator[int]:
+    """``values`` as Python ints, a chunk at a time: a worker's share of a large epoch as
+    one list would cost it tens of bytes a file."""
+    for lo in range(0, len(values), chunk):
+        yield from values[lo : lo + chunk].tolist()
 
 
 def _inside(path: str, root: str) -> bool:
@@ -188,20 +196,26 @@ class VolumeDataset(IterableDataset[Any]):
         if isinstance(url_or_file_list, (str, os.PathLike)):
             probe = Volume(os.fspath(url_or_file_list), storage_options=storage_options)
         in_place = probe is not None and probe.capabilities.local_files and not cache_local
-        self.cache: FileCache | None = None
-        if not in_place:
-            self.cache = FileCache(cache_dir, limit=cache_limit)
-            local = probe is not None and probe.capabilities.local_files
-            if probe is not None and local and _inside(self.cache.cache_dir, probe.root):
+        if not in_place and probe is not None and probe.capabilities.local_files:
+            chosen = resolve_cache_dir(cache_dir)
+            if _inside(chosen, probe.root):
                 raise ConfigurationError(
-                    f"The cache directory {self.cache.cache_dir} is inside the dataset "
-                    f"directory {probe.root}, so the dataset would read its own cache. Fix: "
-                    "pass a cache_dir= outside it."
+                    f"The cache directory {chosen} is inside the dataset directory "
+                    f"{probe.root}, so the dataset would read its own cache. Fix: pass a "
+                    "cache_dir= outside it."
                 )
-        # The files, listed once (a FileTable; its digest is the state's "manifest").
-        self.volume, self.manifest = self._list(
-            url_or_file_list, storage_options, suffixes, share=share_listing
-        )
+        self.cache: FileCache | None = None
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            # The cache's set-up (its directory checked, a reused one reconciled) runs
+            # while the files are listed.
+            made = None if in_place else pool.submit(FileCache, cache_dir, limit=cache_limit)
+            try:
+                # The files, listed once (a FileTable; its digest is the state's "manifest").
+                self.volume, self.manifest = self._list(
+                    url_or_file_list, storage_options, suffixes, share=share_listing
+                )
+            finally:
+                self.cache = made.result() if made is not None else None
         # Workers map the table instead of copying it (see FileTable.share).
         self.manifest.share()
         if self.cache is not None and self.volume.capabilities.local_files and not cache_local:
@@ -224,11 +238,10 @@ class VolumeDataset(IterableDataset[Any]):
         # Copies verified by any worker of this dataset are hits in all of them.
         self._shared_hot = SharedHot(len(self.manifest)) if self.cache is not None else None
         logger.info(
-            "dataset %s: %d files, %.1f MiB, manifest %s",
+            "dataset %s: %d files, %.1f MiB",
             self.volume.display_url,
             len(self.manifest),
             self.manifest.total_bytes / 2**20,
-            self.manifest.digest[:12],
         )
 
     def _list(
@@ -375,7 +388,7 @@ class VolumeDataset(IterableDataset[Any]):
         stats = worker_stats(self._id)
         files = self.manifest
         seeds = self._seeds(plan, positions)
-        for k, fid in enumerate(file_ids.tolist()):
+        for k, fid in enumerate(_ints(file_ids)):
             path = self.volume.full_path(files.path(fid))
             sample = self._transform(path, seeds[k] if seeds else 0)
             stats.samples += 1
@@ -438,7 +451,7 @@ class VolumeDataset(IterableDataset[Any]):
             )
 
         return Prefetcher(
-            ((fid, fid) for fid in file_ids.tolist()),
+            ((fid, fid) for fid in _ints(file_ids)),
             fetch,
             lambda cached: cached.release(),
             depth=self.options.prefetch,
@@ -475,12 +488,11 @@ class VolumeDataset(IterableDataset[Any]):
         stats = worker_stats(self._id)
         next_use = self._schedule_evictions(cache, plan, workers, prefetch_factor, local_world)
         prefetcher = self._prefetcher(cache, file_ids)
-        pos_list = positions.tolist()
         seeds = self._seeds(plan, positions)
         try:
             for k, taken in enumerate(prefetcher):
                 if next_use is not None:
-                    next_use.current = pos_list[k]
+                    next_use.current = int(positions[k])
                 cached = taken.value
                 sample = self._transform_cached(cache, taken.key, cached, seeds[k] if seeds else 0)
                 stats.samples += 1

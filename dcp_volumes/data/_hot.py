@@ -31,10 +31,11 @@ from dcp_volumes.data._shared_words import SharedWords
 
 _U64 = (1 << 64) - 1
 _PACK = struct.Struct("<4Q")
-# Copies in one process's memo; past this it starts over (it only saves work, it
-# is never the source of truth). Bounded so that a worker's memory does not grow with
-# the dataset: a dataset's copies past it are hits through ``SharedHot`` (8 bytes a file).
-_HOT_MAX = 1 << 16
+# Copies in one process's memo (a copy is a handful of objects and paths); past this it
+# starts over (it only saves work, it is never the source of truth). Small, so that a
+# worker's memory does not grow with the dataset: a dataset's copies past it are hits
+# through ``SharedHot`` (8 bytes a file, shared), at the cost of an entry's name a hit.
+_HOT_MAX = 1 << 12
 
 
 def identity(st: os.stat_result) -> int:

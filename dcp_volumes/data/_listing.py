@@ -2,7 +2,8 @@
 
 The digest goes into the loader's saved state; a resume whose listing differs
 (files added, removed, resized or rewritten) is refused or warned about,
-never silently misaligned.
+never silently misaligned. It is computed when first asked for (a state saved
+or checked), not at construction, as one hash over the columns.
 
 The table is columns, not a Python object per file: the paths' UTF-8 in one
 byte array with their end offsets, sizes, etags the same way, mtimes only
@@ -14,11 +15,12 @@ a fork touches no per-file object's reference count.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -52,8 +54,8 @@ class FileTable:
     is another thing, ``checkpoint/_manifest.py``.)
     """
 
-    def __init__(self, columns: dict[str, np.ndarray | None], digest: str) -> None:
-        self.digest = digest
+    def __init__(self, columns: dict[str, np.ndarray | None], digest: str | None = None) -> None:
+        self._digest = digest  # (None: not computed yet; see ``digest``)
         self._columns = columns
         # The byte tensors behind the columns once shared (they pickle as handles).
         self._tensors: dict[str, torch.Tensor] = {}
@@ -90,15 +92,12 @@ class FileTable:
         mtimes: Sequence[float | None],
     ) -> FileTable:
         """The table of the files ``paths[i]`` (``etags``: None where the store has none)."""
-        digest = _digest(paths, sizes, etags, mtimes)
         names, name_ends = _blob(paths)
         etag_blob = etag_ends = mtime_column = None
         if etags is not None and any(etags):
             etag_blob, etag_ends = _blob([e or "" for e in etags])
         if etags is None or not all(etags):
-            mtime_column = np.array(
-                [math.nan if m is None else m for m in mtimes], dtype=np.float64
-            )
+            mtime_column = np.array(mtimes, dtype=np.float64)  # (None: NaN)
         columns: dict[str, np.ndarray | None] = {
             "names": names,
             "name_ends": name_ends,
@@ -107,10 +106,27 @@ class FileTable:
             "etag_ends": etag_ends,
             "mtimes": mtime_column,
         }
-        return cls(columns, digest)
+        return cls(columns)
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the listing (paths, sizes, versions, in order), computed when first
+        asked for: a loader's state saves it, a resume compares it (``matches``)."""
+        if self._digest is None:
+            self._digest = _column_digest(self._columns)
+        return self._digest
+
+    def matches(self, digest: str) -> bool:
+        """Whether ``digest`` (from a saved state) is this listing's: ``digest``, or
+        ``listing_digest`` of its entries, which states saved before it carry."""
+        if digest == self.digest:
+            return True
+        if len(digest) != len(self.digest):
+            return False
+        return digest == listing_digest([self.info(i) for i in range(len(self))])
 
     def path(self, i: int) -> str:
         """The path (relative to the volume) of file ``i``."""
@@ -166,10 +182,10 @@ class FileTable:
             name: None if column is None else (self._as_bytes(name, column), column.dtype.str)
             for name, column in self._columns.items()
         }
-        return {"columns": columns, "digest": self.digest}
+        return {"columns": columns, "digest": self._digest}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.digest = state["digest"]
+        self._digest = state["digest"]
         self._columns, self._tensors = {}, {}
         for name, packed in state["columns"].items():
             if packed is None:
@@ -183,7 +199,8 @@ class FileTable:
 
 
 def listing_digest(files: Sequence[FileInfo]) -> str:
-    """sha256 over (path, size, etag — or mtime where the store has no etag), in order."""
+    """sha256 over lines (path, size, etag — or mtime where the store has no etag), in
+    order: the digest of the listing in states saved before ``FileTable.digest``."""
     return _digest(
         [f.path for f in files], [f.size for f in files], [f.etag for f in files],
         [f.mtime for f in files],
@@ -208,57 +225,161 @@ def _digest(
     return h.hexdigest()
 
 
-def _walk_local(
-    root: str, wanted: tuple[str, ...] | None
-) -> tuple[list[str], list[int], list[float]]:
+# The digest of a table: sha256 over its columns in one canonical form (an absent
+# etag column as empty etags; the mtime only where a file has no etag). It tells the
+# same listings apart as ``listing_digest`` and costs a hash over the columns' bytes,
+# not a formatted line per file. (States saved before it carry ``listing_digest``.)
+_DIGEST_HEADER = b"dcp_volumes file table v2\n"
+
+
+def _column_digest(columns: Mapping[str, np.ndarray | None]) -> str:
+    names, name_ends, sizes = columns["names"], columns["name_ends"], columns["sizes"]
+    etags, etag_ends, mtimes = columns["etags"], columns["etag_ends"], columns["mtimes"]
+    if names is None or name_ends is None or sizes is None:
+        raise ValueError("a file table needs names, name_ends and sizes")
+    n = len(sizes)
+    if etags is None or etag_ends is None:
+        etags, etag_ends = np.zeros(0, dtype=np.uint8), np.zeros(n, dtype=np.int64)
+    ends = etag_ends.astype("<i8")
+    has_etag = np.diff(ends, prepend=0) > 0
+    versions = np.full(n, np.nan) if mtimes is None else mtimes.astype("<f8")
+    versions[has_etag | np.isnan(versions)] = np.nan  # (one NaN: the same bytes)
+    h = hashlib.sha256(_DIGEST_HEADER)
+    for column in (names, name_ends.astype("<i8"), sizes.astype("<i8"), etags, ends, versions):
+        h.update(column.nbytes.to_bytes(8, "little"))
+        h.update(np.ascontiguousarray(column).data)
+    return h.hexdigest()
+
+
+_Columns = tuple[list[str], list[int], list[float]]
+
+
+def _walk_local(root: str, wanted: tuple[str, ...] | None, threads: int) -> _Columns:
     """Every visible file below the directory ``root``, sorted by path: (paths, sizes,
     mtimes), without a listing entry object per file.
 
-    Siblings are visited in the order of their names (a folder's with ``/``), which is
-    the order of the full paths. Hidden files and folders are skipped.
+    Folders are read on ``threads`` threads (``scandir`` and ``stat`` let go of the
+    GIL while the kernel works); the caller joins their parts in path order. Siblings
+    are ordered by name (a folder's with ``/``), which is the order of the full paths.
+    Hidden files and folders are skipped.
     """
-    found: tuple[list[str], list[int], list[float]] = ([], [], [])
-    _visit(root, "", wanted, found)  # (not a closure: a recursive one is a cycle that
-    return found  # keeps the lists alive until the garbage collector runs)
+    found: _Columns = ([], [], [])
+    if threads <= 1:
+        _join(_read_folder(root, "", wanted, None), found)
+        return found
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        _join(_read_folder(root, "", wanted, pool), found)
+    return found
 
 
-def _visit(
-    folder: str,
-    rel: str,
-    wanted: tuple[str, ...] | None,
-    found: tuple[list[str], list[int], list[float]],
-) -> None:
+class _Folder:
+    """One folder of a walk: runs of its files (as columns) and its subfolders (read, or
+    being read on the pool), in path order."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[_Columns | _Folder | Future[_Folder]] = []
+
+
+def _read_folder(
+    folder: str, rel: str, wanted: tuple[str, ...] | None, pool: ThreadPoolExecutor | None
+) -> _Folder:
+    """The files of ``folder`` (``rel``: its path in the walk), its subfolders handed to
+    ``pool`` (None: read here). No task waits for another, so a busy pool cannot deadlock."""
+    out = _Folder()
     try:
-        entries = list(os.scandir(folder))
+        with os.scandir(folder) as found:
+            entries = [e for e in found if not e.name.startswith(".")]  # hidden: not data
     except (FileNotFoundError, NotADirectoryError):
-        return  # a missing prefix lists as empty
-    named: list[tuple[str, os.DirEntry[str], bool]] = []
+        return out  # a missing prefix lists as empty
+    try:
+        dirs = [e for e in entries if e.is_dir()]
+        files = entries if not dirs else [e for e in entries if not e.is_dir()]
+        files = [e for e in files if e.is_file()]
+    except FileNotFoundError:  # removed meanwhile: not there, as a store's listing says
+        dirs, files = _kinds(entries)
+    if not dirs:  # (most folders of a dataset: files only)
+        files.sort(key=_name)
+        out.parts.append(_stat_files(files, rel, wanted))
+        return out
+    named = sorted([(e.name, e) for e in files] + [(e.name + "/", e) for e in dirs], key=_first)
+    run: list[os.DirEntry[str]] = []
+    for key, entry in named:
+        if not key.endswith("/"):
+            run.append(entry)
+            continue
+        if run:
+            out.parts.append(_stat_files(run, rel, wanted))
+            run = []
+        if pool is None:
+            out.parts.append(_read_folder(entry.path, rel + key, wanted, None))
+        else:
+            out.parts.append(pool.submit(_read_folder, entry.path, rel + key, wanted, pool))
+    if run:
+        out.parts.append(_stat_files(run, rel, wanted))
+    return out
+
+
+def _kinds(entries: list[os.DirEntry[str]]) -> tuple[list[os.DirEntry[str]], ...]:
+    """(folders, files) of ``entries``, leaving out the ones removed meanwhile."""
+    dirs, files = [], []
     for entry in entries:
-        if entry.name.startswith("."):
-            continue  # hidden: not training data
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if entry.is_dir():
-                named.append((entry.name + "/", entry, True))
+                dirs.append(entry)
             elif entry.is_file():
-                named.append((entry.name, entry, False))
-        except FileNotFoundError:
-            continue  # removed meanwhile: not there, as a store's listing would say
-    named.sort(key=lambda t: t[0])
+                files.append(entry)
+    return dirs, files
+
+
+def _first(item: tuple[str, os.DirEntry[str]]) -> str:
+    return item[0]
+
+
+def _name(entry: os.DirEntry[str]) -> str:
+    return entry.name
+
+
+def _stat_files(
+    entries: list[os.DirEntry[str]], rel: str, wanted: tuple[str, ...] | None
+) -> _Columns:
+    if wanted is not None:
+        entries = [e for e in entries if (rel + e.name).lower().endswith(wanted)]
+    try:
+        stats = [e.stat() for e in entries]
+    except FileNotFoundError:  # removed meanwhile: left out
+        entries, stats = _stat_each(entries)
+    return (
+        [rel + e.name for e in entries],
+        [st.st_size for st in stats],
+        [st.st_mtime for st in stats],
+    )
+
+
+def _stat_each(
+    entries: list[os.DirEntry[str]],
+) -> tuple[list[os.DirEntry[str]], list[os.stat_result]]:
+    kept, stats = [], []
+    for entry in entries:
+        with contextlib.suppress(FileNotFoundError):
+            stats.append(entry.stat())
+            kept.append(entry)
+    return kept, stats
+
+
+def _join(folder: _Folder, found: _Columns) -> None:
+    """Append the files of ``folder`` and of its subfolders, in order, to ``found``."""
     paths, sizes, mtimes = found
-    for key, entry, is_dir in named:
-        path = rel + key
-        if is_dir:
-            _visit(entry.path, path, wanted, found)
-            continue
-        if wanted is not None and not path.lower().endswith(wanted):
-            continue
-        try:
-            st = entry.stat()
-        except FileNotFoundError:
-            continue
-        paths.append(path)
-        sizes.append(st.st_size)
-        mtimes.append(st.st_mtime)
+    for part in folder.parts:
+        if isinstance(part, Future):
+            part = part.result()
+        if isinstance(part, _Folder):
+            _join(part, found)
+        else:
+            paths += part[0]
+            sizes += part[1]
+            mtimes += part[2]
 
 
 def _visible(path: str, suffixes: tuple[str, ...] | None) -> bool:
@@ -320,7 +441,9 @@ def build_file_table(
             # A directory: walked straight into columns (a listing entry object per
             # file would cost more than the walk's own stat).
             try:
-                paths, sizes, mtimes = _walk_local(volume.root, wanted)
+                # (More threads than cores only pass the GIL around.)
+                threads = min(concurrency, os.cpu_count() or 1)
+                paths, sizes, mtimes = _walk_local(volume.root, wanted, threads)
             except OSError:
                 paths = []  # (the volume's own listing says what went wrong)
             if paths:

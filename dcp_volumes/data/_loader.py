@@ -524,7 +524,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                 f"{ORDER_ALGORITHM!r}, so the resumed order would differ. Fix: resume with the "
                 "dcp_volumes version that saved it."
             )
-        if state["manifest"] != ds.manifest.digest or state["num_files"] != ds.num_files:
+        if state["num_files"] != ds.num_files or not ds.manifest.matches(str(state["manifest"])):
             message = (
                 f"The data under {ds.volume.display_url} changed since the loader state was "
                 f"saved: {state['num_files']} files (manifest {str(state['manifest'])[:12]}) "

@@ -82,6 +82,8 @@ class Store:
         self.counters = Counters()
         self.schedule: CacheSchedule | None = None
         self._mu = threading.Lock()  # counters and _known
+        # The entries as this process last saw them: eviction's candidates, so only kept
+        # with a limit (without one it would grow by an object a file in every process).
         self._known: dict[str, _Known] = {}
         self._known_at = 0.0
         self._last_overshoot_log = 0.0
@@ -95,7 +97,8 @@ class Store:
     def count_fill(self, entry: Entry, size: int, seconds: float) -> None:
         """A fill published ``size`` bytes into ``entry`` after ``seconds`` of download."""
         with self._mu:
-            self._known[entry.key] = _Known(entry.data, size, time.time(), True)
+            if self.limit is not None:
+                self._known[entry.key] = _Known(entry.data, size, time.time(), True)
             self.counters.misses += 1
             self.counters.bytes_fetched += size
             self.counters.download_seconds += seconds
@@ -228,10 +231,9 @@ class Store:
 
     def clear(self) -> int:
         """Evict every entry not in use; returns the bytes freed."""
-        self._rescan()
+        _, known = self._rescan()
         with CounterLock(self.counter_path) as counter:
-            with self._mu:
-                items = list(self._known.items())
+            items = list(known.items())
             freed = sum(self.evict_one(key, known.data) or 0 for key, known in items)
             used = counter.read()
             if used is not None:
@@ -271,8 +273,9 @@ class Store:
                         kinds["data"] = ent.path
         return found
 
-    def _rescan(self) -> dict[str, dict[str, str]]:
-        """Refresh this process's view of the entries from the directory."""
+    def _rescan(self) -> tuple[dict[str, dict[str, str]], dict[str, _Known]]:
+        """The entries on disk (see ``_entries_on_disk``) and the complete ones among them;
+        with a limit, that is this process's view of the entries from now on."""
         found = self._entries_on_disk()
         known: dict[str, _Known] = {}
         for key, kinds in found.items():
@@ -286,16 +289,16 @@ class Store:
             # (An xattr record is only read when the entry is: a scan stats the files.)
             has_record = self.layout.xattrs or ".meta" in kinds
             known[key] = _Known(data, st.st_size, st.st_mtime, has_record)
-        with self._mu:
-            self._known = known
-            self._known_at = time.monotonic()
-        return found
+        if self.limit is not None:
+            with self._mu:
+                self._known = known
+                self._known_at = time.monotonic()
+        return found, known
 
     def _scan_usage(self) -> int:
         """Bytes on disk now: data files plus reservations of fills in progress."""
-        found = self._rescan()
-        with self._mu:
-            total = sum(k.size for k in self._known.values())
+        found, known = self._rescan()
+        total = sum(k.size for k in known.values())
         for key, kinds in found.items():
             if key and ".fill" in kinds:
                 total += self._at(key, "").reserved()
@@ -335,7 +338,8 @@ class Store:
                     total += kept
                 removed_broken += broken
             counter.write(total)
-        self._rescan()
+        if self.limit is not None:
+            self._rescan()
         report = ReconcileReport(
             entries=entries,
             bytes=total,
