@@ -72,7 +72,11 @@ def test_two_rank_saves_and_restores_through_15_percent_faults(
     with capsys.disabled():
         _report("2-rank CheckpointManager saves + restore", proxy, steps * 2, failures)
     assert failures == []
-    assert sum(proxy.faults.values()) > 10  # the link really failed, often
+    # The link really failed, often: 15% of requests are faulted, so well over 5% of
+    # however many the save made (a commit that lists nothing makes fewer).
+    requests = sum(proxy.requests.values())
+    assert requests > 20
+    assert sum(proxy.faults.values()) >= 0.05 * requests
 
 
 def test_loads_of_a_committed_checkpoint_never_report_a_missing_file(
