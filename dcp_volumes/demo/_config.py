@@ -66,7 +66,7 @@ class Crash:
         return self.kind in ("upload", "commit")
 
     def victim(self, setup: str) -> int:
-        """The rank that dies: the naive job saves on rank 0 only, so saves are hit there."""
+        """The rank that dies: the naive job saves on rank 0 only, so a save is hit on rank 0."""
         return 0 if setup == "naive" and self.hits_save else self.rank
 
     def describe(self, setup: str = "dcp_volumes") -> str:

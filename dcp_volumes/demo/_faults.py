@@ -75,7 +75,7 @@ class CrashInjector:
         attempt: crashes fired before this attempt.
         rank, world: this process in this attempt's world.
         setup: ``dcp_volumes`` or ``naive`` (the naive job saves on rank 0 only, so a
-            crash inside a save hits rank 0 there).
+            crash inside a save hits rank 0).
         events: this process's event log.
         run_dir: where kill and shard markers go.
         node: this rank's node (the launcher's number of its torchrun agent).
