@@ -12,10 +12,11 @@ directly, in one process: the costs measured are the storage layer's and the
 planner's, not a network's. Ranks' writes and reads run ``--parallel`` at a
 time.
 
-Every request goes through a counting proxy in front of moto, sorted by
+moto (a child process) counts every request with its recorder, sorted by
 operation and object (``.metadata``, the manifest, data files, listings).
-The coordinator's phases are timed, and their peak Python allocation
-(tracemalloc) recorded:
+The coordinator's phases are timed, and with ``--trace-memory`` their peak
+Python allocation (tracemalloc) recorded instead, in a run of its own: tracing
+slows them several times.
 
 save: ``plan_dcp`` (DCP's ``create_global_plan``), ``plan_storage`` (the
 writer's ``prepare_global_plan``), ``write`` (all ranks), ``commit`` (the
@@ -25,6 +26,7 @@ load: ``metadata`` (every rank's ``read_metadata``), ``setup`` (every rank's
 plan), ``read`` (all ranks).
 
     python -m benchmarks scale --ranks 8,64,256,1024
+    python -m benchmarks scale --ranks 8,64,256 --trace-memory
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from benchmarks._common import (
-    _latency_proxy_class,
     code_version,
     format_table,
     machine_info,
@@ -56,6 +57,15 @@ logger = logging.getLogger(__name__)
 METHODS = ("ours", "stock")
 DEFAULT_RANKS = (8, 64, 256, 1024)
 TENSOR_ELEMS = 256  # 1 KiB of float32 per file: the costs measured are per file, not per byte
+
+
+def _simulated_retry() -> Any:
+    # One moto process answers every simulated rank, so under hundreds of ranks it
+    # answers a 1 KiB GET late; the stall detector (measured in tests/test_stalls.py)
+    # would cut and retry those, and the counts here would be the retries'.
+    from dcp_volumes import RetryPolicy
+
+    return RetryPolicy(stall_s=60.0)
 
 
 @dataclasses.dataclass
@@ -84,17 +94,23 @@ def classify(method: str, path: str) -> str:
 
 
 class Counting:
-    """The proxy's request counts, by kind, since the last ``take``."""
+    """Request counts by kind since the last ``take``: a counting proxy's, or moto's own
+    recorder's (``MotoServer(record_requests=True)``)."""
 
-    def __init__(self, proxy: Any) -> None:
-        self.proxy = proxy
+    def __init__(self, source: Any) -> None:
+        self.source = source
 
     def take(self) -> dict[str, int]:
         """The counts since the last call (read after a phase, when nothing is in flight)."""
+        if hasattr(self.source, "request_counts"):  # moto's recorder
+            seen = self.source.request_counts()
+            self.source.reset_requests()
+        else:
+            seen = collections.Counter(self.source.requests)
+            self.source.reset_counts()
         out: collections.Counter[str] = collections.Counter()
-        for (method, path), n in list(self.proxy.requests.items()):
+        for (method, path), n in seen.items():
             out[classify(method, path)] += n
-        self.proxy.reset_counts()
         return dict(sorted(out.items()))
 
 
@@ -128,8 +144,14 @@ def _each(parallel: int, n: int, fn: Callable[[int], Any]) -> list[Any]:
 
 
 def save(method: str, url: str, opts: dict[str, Any], n: int, files: int, parallel: int,
-         staging: str, counting: Counting) -> tuple[dict[str, Phase], dict[str, Any]]:
-    """Save with ``n`` simulated ranks in DCP's call order; the phases and sizes."""
+         staging: str, counting: Counting, *, trace: bool = False,
+         ) -> tuple[dict[str, Phase], dict[str, Any]]:
+    """Save with ``n`` simulated ranks in DCP's call order; the phases and sizes.
+
+    ``trace``: record the coordinator's peak allocation in each of its phases
+    (tracemalloc slows allocation-heavy code several times, so its seconds are
+    not the untraced run's).
+    """
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     phases = {k: Phase() for k in ("setup", "plan_dcp", "plan_storage", "write", "commit")}
@@ -146,9 +168,9 @@ def save(method: str, url: str, opts: dict[str, Any], n: int, files: int, parall
 
     with measured(phases["setup"], counting, trace=False):
         local_plans = [local_step(r) for r in range(n)]
-    with measured(phases["plan_dcp"], counting, trace=True):
+    with measured(phases["plan_dcp"], counting, trace=trace):
         plans, metadata = planners[0].create_global_plan(local_plans)
-    with measured(phases["plan_storage"], counting, trace=True):
+    with measured(phases["plan_storage"], counting, trace=trace):
         plans = writers[0].prepare_global_plan(plans)
 
     def write(r: int) -> Any:
@@ -157,9 +179,14 @@ def save(method: str, url: str, opts: dict[str, Any], n: int, files: int, parall
 
     with measured(phases["write"], counting, trace=False):
         results = _each(parallel, n, write)
-    with measured(phases["commit"], counting, trace=True):
+    with measured(phases["commit"], counting, trace=trace):
         writers[0].finish(metadata=metadata, results=results)
-    sizes = {"metadata_pickle_bytes": len(pickle.dumps(metadata))}
+    # What any DCP storage writer's commit pays for `.metadata` (stock's too): the
+    # part of the commit that is not ours.
+    started = time.perf_counter()
+    pickled = pickle.dumps(metadata)
+    sizes: dict[str, Any] = {"metadata_pickle_bytes": len(pickled),
+                             "metadata_pickle_s": time.perf_counter() - started}
     for w in writers:
         if hasattr(w, "close"):
             w.close()
@@ -172,7 +199,7 @@ def _writer(method: str, url: str, opts: dict[str, Any], files: int, staging: st
 
         return VolumeWriter(url, storage_options=opts, staging_dir=staging,
                             file_size=TENSOR_ELEMS * 4, upload_concurrency=files,
-                            staging_headroom=0)
+                            staging_headroom=0, retry=_simulated_retry())
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     # thread_count files per rank, one per thread (stock's layout).
@@ -180,7 +207,8 @@ def _writer(method: str, url: str, opts: dict[str, Any], files: int, staging: st
 
 
 def load(method: str, url: str, opts: dict[str, Any], n: int, files: int, parallel: int,
-         counting: Counting, *, read_once: bool = False) -> dict[str, Phase]:
+         counting: Counting, *, read_once: bool = False, trace: bool = False,
+         ) -> dict[str, Phase]:
     """Load with ``n`` simulated ranks in DCP's call order; the phases.
 
     ``read_once``: as ``CheckpointManager.restore`` loads, the coordinator reads
@@ -213,7 +241,7 @@ def load(method: str, url: str, opts: dict[str, Any], n: int, files: int, parall
 
     with measured(phases["setup"], counting, trace=False):
         local_plans = _each(parallel, n, set_up)
-    with measured(phases["plan"], counting, trace=True):
+    with measured(phases["plan"], counting, trace=trace):
         plans = readers[0].prepare_global_plan(planners[0].create_global_plan(local_plans))
 
     def read(r: int) -> None:
@@ -233,22 +261,28 @@ def _reader(method: str, url: str, opts: dict[str, Any]) -> Any:
     if method == "ours":
         from dcp_volumes import VolumeReader
 
-        return VolumeReader(url, storage_options=opts)
+        return VolumeReader(url, storage_options=opts, retry=_simulated_retry())
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(url, **opts)
 
 
 def run(ranks: Sequence[int], *, files: int = 8, parallel: int = 16,
-        methods: Sequence[str] = METHODS, out: Any = None) -> dict[str, Any]:
-    """The simulation at each N in ``ranks`` for each method, against moto behind the proxy."""
+        methods: Sequence[str] = METHODS, trace: bool = False, out: Any = None,
+        ) -> dict[str, Any]:
+    """The simulation at each N in ``ranks`` for each method, against moto.
+
+    moto runs as a child process and counts the requests itself (its recorder): a
+    server or a counting proxy in the ranks' process would share their GIL, and
+    at hundreds of ranks answer late enough to look stalled.
+    """
     from tests.emulators import MotoServer
 
     rows: list[dict[str, Any]] = []
-    with MotoServer(mode="thread") as s3, _latency_proxy_class().in_front_of(s3) as proxy, \
+    with MotoServer(mode="process", record_requests=True) as s3, \
             tempfile.TemporaryDirectory(prefix="dcpv-scale-") as staging:
-        opts = s3.storage_options(proxy.endpoint)
-        counting = Counting(proxy)
+        opts = s3.storage_options()
+        counting = Counting(s3)
         for n in ranks:
             for method in methods:
                 bucket = f"scale-{method}-{n}"
@@ -256,9 +290,9 @@ def run(ranks: Sequence[int], *, files: int = 8, parallel: int = 16,
                 url = s3.url(bucket, "ck")
                 started = time.perf_counter()
                 save_phases, sizes = save(method, url, opts, n, files, parallel, staging,
-                                          counting)
+                                          counting, trace=trace)
                 load_phases = load(method, url, opts, n, files, parallel, counting,
-                                   read_once=method == "ours")
+                                   read_once=method == "ours", trace=trace)
                 if method == "ours":  # dcp.load with a VolumeReader, without the manager
                     reader_phases = load(method, url, opts, n, files, parallel, counting)
                 sizes.update(_object_sizes(s3, bucket))
@@ -275,7 +309,7 @@ def run(ranks: Sequence[int], *, files: int = 8, parallel: int = 16,
                 if out is not None:
                     print(_row_line(row), file=out, flush=True)
     return {"config": {"ranks": list(ranks), "files_per_rank": files, "parallel": parallel,
-                       "server": "moto (in-process) behind a counting proxy"},
+                       "traced": trace, "server": "moto (a child process), its recorder counting"},
             "machine": machine_info(), "code": code_version(), "rows": rows}
 
 
@@ -301,7 +335,8 @@ def _row_line(row: dict[str, Any]) -> str:
 
 def table(result: dict[str, Any]) -> str:
     """The side-by-side table (our and stock DCP's costs per N)."""
-    headers = ["method", "ranks", "plan_dcp s", "plan_storage s", "commit s", "commit MiB peak",
+    headers = ["method", "ranks", "plan_dcp s", "plan_storage s", "commit s",
+               "of it .metadata pickle s", "commit MiB peak",
                "commit requests", "metadata KiB", "manifest KiB", "load GET .metadata",
                "load GET manifest", "load LIST", "load HEAD", "load plan s",
                "dcp.load GET .metadata"]
@@ -313,7 +348,9 @@ def table(result: dict[str, Any]) -> str:
         rows.append([
             row["method"], row["ranks"], f"{s['plan_dcp']['seconds']:.3f}",
             f"{s['plan_storage']['seconds']:.3f}", f"{s['commit']['seconds']:.3f}",
-            f"{s['commit']['peak_bytes'] / 2**20:.1f}",
+            f"{z.get('metadata_pickle_s', 0):.3f}",
+            (f"{s['commit']['peak_bytes'] / 2**20:.1f}" if result["config"].get("traced")
+             else "-"),
             " ".join(f"{k}:{v}" for k, v in s["commit"]["requests"].items()),
             f"{z.get('metadata_bytes', 0) / 1024:.0f}", f"{z.get('manifest_bytes', 0) / 1024:.0f}",
             load_reqs.get("GET .metadata", 0), load_reqs.get("GET manifest", 0),
@@ -359,10 +396,11 @@ def plot(result: dict[str, Any], path: Any) -> None:
 
 
 def main(ranks: Sequence[int], *, files: int, parallel: int, methods: Sequence[str],
-         out: Any) -> int:
-    result = run(ranks, files=files, parallel=parallel, methods=methods, out=out)
-    json_path = write_json("scale.json", result)
-    png = results_path("scale.png")
+         trace: bool, out: Any) -> int:
+    result = run(ranks, files=files, parallel=parallel, methods=methods, trace=trace, out=out)
+    name = "scale_traced" if trace else "scale"
+    json_path = write_json(f"{name}.json", result)
+    png = results_path(f"{name}.png")
     plot(result, png)
     print(table(result), file=out)
     print(f"wrote {json_path} and {png}", file=out)

@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scale: files (tensors) of each simulated rank (default 8)")
     g.add_argument("--parallel", type=int, default=16,
                    help="scale: simulated ranks writing or reading at once (default 16)")
+    g.add_argument("--trace-memory", action="store_true",
+                   help="scale: record the coordinator's peak allocation a phase (tracemalloc; "
+                        "its seconds are slower than an untraced run's)")
     g.add_argument("--failures-per-day", type=float, default=DEFAULT_FAILURES_PER_DAY,
                    help=f"goodput model: interruptions per day (default "
                         f"{DEFAULT_FAILURES_PER_DAY}, Llama 3)")
@@ -308,7 +311,8 @@ def run_scale(args: argparse.Namespace, out: Any = None) -> int:
     if args.files_per_rank < 1 or args.parallel < 1:
         raise ValueError("--files-per-rank and --parallel must be >= 1")
     return bench_scale.main(args.ranks or bench_scale.DEFAULT_RANKS, files=args.files_per_rank,
-                            parallel=args.parallel, methods=methods, out=out or sys.stdout)
+                            parallel=args.parallel, methods=methods, trace=args.trace_memory,
+                            out=out or sys.stdout)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str], out: Any = None) -> int:
