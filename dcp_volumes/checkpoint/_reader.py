@@ -82,6 +82,9 @@ _MIN_SPLIT = 4 * 2**20
 SOURCES = ("local", "peer", "volume")
 # Keys per page of a listing (S3, GCS and Azure alike).
 _LISTING_PAGE = 1000
+# A listing page costs about ten HEADs: S3 prices a LIST as a PUT (12.5 GETs or HEADs)
+# and a full page is far more work for the server than one object's HEAD.
+_PAGE_COST = 10
 
 
 @dataclass(frozen=True)
@@ -530,13 +533,14 @@ class VolumeReader(AtLocation, StorageReader):
 
     def _listing(self, jobs: Sequence[FileJob]) -> list[FileInfo]:
         """What the size check compares with: a listing of the checkpoint, or a HEAD of
-        each file ``jobs`` read where that is fewer requests than the listing's pages.
+        each file ``jobs`` read where that costs less than the listing's pages.
 
         On many ranks each reads a few of many ranks' files: every rank listing the
-        whole checkpoint would make the load's requests grow with ranks squared.
+        whole checkpoint would make the load's requests grow with ranks squared, and
+        be the same request sent N times.
         """
         pages = -(-len(self._manifest.files if self._manifest else ()) // _LISTING_PAGE)
-        if len(jobs) >= pages:
+        if len(jobs) >= _PAGE_COST * pages:
             return self.volume.list()
 
         def head(job: FileJob) -> FileInfo | None:
