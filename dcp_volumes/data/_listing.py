@@ -15,10 +15,10 @@ a fork touches no per-file object's reference count.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import os
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -258,7 +258,7 @@ def _walk_local(root: str, wanted: tuple[str, ...] | None, threads: int) -> _Col
     """Every visible file below the directory ``root``, sorted by path: (paths, sizes,
     mtimes), without a listing entry object per file.
 
-    Folders are read on ``threads`` threads (``scandir`` and ``stat`` let go of the
+    Folders are read on ``threads`` threads (``listdir`` and ``stat`` let go of the
     GIL while the kernel works); the caller joins their parts in path order. Siblings
     are ordered by name (a folder's with ``/``), which is the order of the full paths.
     Hidden files and folders are skipped.
@@ -289,83 +289,70 @@ def _read_folder(
     ``pool`` (None: read here). No task waits for another, so a busy pool cannot deadlock."""
     out = _Folder()
     try:
-        with os.scandir(folder) as found:
-            entries = [e for e in found if not e.name.startswith(".")]  # hidden: not data
+        files, dirs = _read_entries(folder, rel, wanted)
     except (FileNotFoundError, NotADirectoryError):
         return out  # a missing prefix lists as empty
-    try:
-        dirs = [e for e in entries if e.is_dir()]
-        files = entries if not dirs else [e for e in entries if not e.is_dir()]
-        files = [e for e in files if e.is_file()]
-    except FileNotFoundError:  # removed meanwhile: not there, as a store's listing says
-        dirs, files = _kinds(entries)
     if not dirs:  # (most folders of a dataset: files only)
-        files.sort(key=_name)
-        out.parts.append(_stat_files(files, rel, wanted))
+        out.parts.append(files)
         return out
-    named = sorted([(e.name, e) for e in files] + [(e.name + "/", e) for e in dirs], key=_first)
-    run: list[os.DirEntry[str]] = []
-    for key, entry in named:
-        if not key.endswith("/"):
-            run.append(entry)
+    # Files beside folders: in path order a folder sorts as "name/" ("a-1.bin" < "a/").
+    named = sorted([(path[len(rel):], i) for i, path in enumerate(files[0])]
+                   + [(name + "/", -1) for name in dirs])
+    run: list[int] = []
+    for key, i in named:
+        if i >= 0:
+            run.append(i)
             continue
         if run:
-            out.parts.append(_stat_files(run, rel, wanted))
+            out.parts.append(_pick(files, run))
             run = []
+        path = os.path.join(folder, key[:-1])
         if pool is None:
-            out.parts.append(_read_folder(entry.path, rel + key, wanted, None))
+            out.parts.append(_read_folder(path, rel + key, wanted, None))
         else:
-            out.parts.append(pool.submit(_read_folder, entry.path, rel + key, wanted, pool))
+            out.parts.append(pool.submit(_read_folder, path, rel + key, wanted, pool))
     if run:
-        out.parts.append(_stat_files(run, rel, wanted))
+        out.parts.append(_pick(files, run))
     return out
 
 
-def _kinds(entries: list[os.DirEntry[str]]) -> tuple[list[os.DirEntry[str]], ...]:
-    """(folders, files) of ``entries``, leaving out the ones removed meanwhile."""
-    dirs, files = [], []
-    for entry in entries:
-        with contextlib.suppress(FileNotFoundError):
-            if entry.is_dir():
-                dirs.append(entry)
-            elif entry.is_file():
-                files.append(entry)
-    return dirs, files
+def _read_entries(
+    folder: str, rel: str, wanted: tuple[str, ...] | None
+) -> tuple[_Columns, list[str]]:
+    """The visible files of ``folder`` as columns, sorted by name, and its subfolders.
 
-
-def _first(item: tuple[str, os.DirEntry[str]]) -> str:
-    return item[0]
-
-
-def _name(entry: os.DirEntry[str]) -> str:
-    return entry.name
-
-
-def _stat_files(
-    entries: list[os.DirEntry[str]], rel: str, wanted: tuple[str, ...] | None
-) -> _Columns:
-    if wanted is not None:
-        entries = [e for e in entries if (rel + e.name).lower().endswith(wanted)]
+    Each name is stat'ed relative to the open folder: one path component to resolve,
+    where a stat of the full path resolves every folder above it again. Links are
+    followed; an entry removed meanwhile (or a dangling link) is left out, as a
+    store's listing would not show it.
+    """
+    paths: list[str] = []
+    sizes: list[int] = []
+    mtimes: list[float] = []
+    dirs: list[str] = []
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        stats = [e.stat() for e in entries]
-    except FileNotFoundError:  # removed meanwhile: left out
-        entries, stats = _stat_each(entries)
-    return (
-        [rel + e.name for e in entries],
-        [st.st_size for st in stats],
-        [st.st_mtime for st in stats],
-    )
+        for name in sorted(n for n in os.listdir(fd) if not n.startswith(".")):  # hidden: not data
+            try:
+                st = os.stat(name, dir_fd=fd)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                path = rel + name
+                if wanted is None or path.lower().endswith(wanted):
+                    paths.append(path)
+                    sizes.append(st.st_size)
+                    mtimes.append(st.st_mtime)
+            elif stat.S_ISDIR(st.st_mode):
+                dirs.append(name)
+    finally:
+        os.close(fd)
+    return (paths, sizes, mtimes), dirs
 
 
-def _stat_each(
-    entries: list[os.DirEntry[str]],
-) -> tuple[list[os.DirEntry[str]], list[os.stat_result]]:
-    kept, stats = [], []
-    for entry in entries:
-        with contextlib.suppress(FileNotFoundError):
-            stats.append(entry.stat())
-            kept.append(entry)
-    return kept, stats
+def _pick(files: _Columns, rows: list[int]) -> _Columns:
+    paths, sizes, mtimes = files
+    return [paths[i] for i in rows], [sizes[i] for i in rows], [mtimes[i] for i in rows]
 
 
 def _join(folder: _Folder, found: _Columns) -> None:
