@@ -100,9 +100,7 @@ def _restore_through_proxy(rank: int, world: int, url: str, target: tuple[str, i
         dist.barrier()
     counts: dict[str, int] = {}
     if proxy is not None:
-        for (method, path), n in proxy.requests.items():
-            kind = bench_scale.classify(method, path)
-            counts[kind] = counts.get(kind, 0) + n
+        counts = bench_scale.Counting(proxy).take()
         proxy.stop()
     return counts
 
