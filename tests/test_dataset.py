@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -464,3 +465,42 @@ def test_a_directory_is_walked_into_the_table_the_listing_gives(
         assert fast.digest == slow.digest
     assert [walked[1].path(i) for i in range(len(walked[1]))] == sorted(
         n for n in names if n.lower().endswith(".bin") and "/." not in "/" + n)
+
+
+def test_a_walk_takes_threads_only_where_its_folders_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Folders whose metadata is in memory are read on one thread (threads there only
+    pass the GIL around); folders that wait (a network mount's round trips, here a
+    sleep before each folder's read) go to a pool. Both give the same sorted files."""
+    from dcp_volumes.data import _listing
+
+    for d in range(5):
+        for f in range(300):
+            path = tmp_path / "d" / f"k{d}" / ("sub" if f % 7 == 0 else "") / f"{f:04d}.bin"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x" * f)
+    root = str(tmp_path / "d")
+
+    def walk(threads: int) -> tuple[Any, Any]:
+        found: Any = ([], [], [])
+        run = _listing._Walk(None, threads)
+        try:
+            _listing._join(run.read(root, ""), found)
+        finally:
+            run.close()
+        return found, run.pool
+
+    serial, pool = walk(1)
+    assert pool is None and len(serial[0]) == 5 * 300 and serial[0] == sorted(serial[0])
+    cached, pool = walk(4)
+    assert pool is None and cached == serial
+    real = _listing._read_entries
+
+    def waiting(folder: str, rel: str, wanted: Any) -> Any:
+        time.sleep(0.05)
+        return real(folder, rel, wanted)
+
+    monkeypatch.setattr(_listing, "_read_entries", waiting)
+    slow, pool = walk(4)
+    assert pool is not None and slow == serial

@@ -19,6 +19,7 @@ import hashlib
 import math
 import os
 import stat
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -258,17 +259,16 @@ def _walk_local(root: str, wanted: tuple[str, ...] | None, threads: int) -> _Col
     """Every visible file below the directory ``root``, sorted by path: (paths, sizes,
     mtimes), without a listing entry object per file.
 
-    Folders are read on ``threads`` threads (``listdir`` and ``stat`` let go of the
-    GIL while the kernel works); the caller joins their parts in path order. Siblings
-    are ordered by name (a folder's with ``/``), which is the order of the full paths.
-    Hidden files and folders are skipped.
+    Folders are read one after another until one reads slowly (see ``_Walk``); the
+    rest then go to ``threads`` threads. Siblings are ordered by name (a folder's with
+    ``/``), which is the order of the full paths. Hidden files and folders are skipped.
     """
     found: _Columns = ([], [], [])
-    if threads <= 1:
-        _join(_read_folder(root, "", wanted, None), found)
-        return found
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        _join(_read_folder(root, "", wanted, pool), found)
+    walk = _Walk(wanted, threads)
+    try:
+        _join(walk.read(root, ""), found)
+    finally:
+        walk.close()
     return found
 
 
@@ -282,38 +282,76 @@ class _Folder:
         self.parts: list[_Columns | _Folder | Future[_Folder]] = []
 
 
-def _read_folder(
-    folder: str, rel: str, wanted: tuple[str, ...] | None, pool: ThreadPoolExecutor | None
-) -> _Folder:
-    """The files of ``folder`` (``rel``: its path in the walk), its subfolders handed to
-    ``pool`` (None: read here). No task waits for another, so a busy pool cannot deadlock."""
-    out = _Folder()
-    try:
-        files, dirs = _read_entries(folder, rel, wanted)
-    except (FileNotFoundError, NotADirectoryError):
-        return out  # a missing prefix lists as empty
-    if not dirs:  # (most folders of a dataset: files only)
-        out.parts.append(files)
-        return out
-    # Files beside folders: in path order a folder sorts as "name/" ("a-1.bin" < "a/").
-    named = sorted([(path[len(rel):], i) for i, path in enumerate(files[0])]
-                   + [(name + "/", -1) for name in dirs])
-    run: list[int] = []
-    for key, i in named:
-        if i >= 0:
-            run.append(i)
-            continue
+# Folders whose entries took longer than this each, beyond the walking thread's own
+# CPU, are on a disk or mount the kernel waits for (a network file system): threads
+# overlap those waits. Where metadata is in memory a stat costs a few microseconds and
+# threads only pass the GIL around (a walk on 2 threads took twice as long as on one),
+# so the walk stays on one thread.
+_WAIT_PER_ENTRY_S = 50e-6
+
+
+class _Walk:
+    """A directory walk: one thread while folders read fast, a pool once they read slowly.
+
+    The decision is taken on what the folders read so far waited, from the second on
+    (the first read of a walk also resolves its path). Until the pool starts every
+    folder is read on the calling thread, so only that thread decides; no task waits
+    for another, so a busy pool cannot deadlock.
+    """
+
+    def __init__(self, wanted: tuple[str, ...] | None, threads: int) -> None:
+        self.wanted = wanted
+        self.threads = threads
+        self.pool: ThreadPoolExecutor | None = None
+        self._folders = self._entries = 0
+        self._waited = 0.0
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _timed_entries(self, folder: str, rel: str) -> tuple[_Columns, list[str]]:
+        if self.pool is not None or self.threads <= 1:
+            return _read_entries(folder, rel, self.wanted)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        files, dirs = _read_entries(folder, rel, self.wanted)
+        self._waited += (time.perf_counter() - wall) - (time.thread_time() - cpu)
+        self._entries += len(files[0]) + len(dirs) + 1
+        self._folders += 1
+        if self._folders >= 2 and self._waited > _WAIT_PER_ENTRY_S * self._entries:
+            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dcpv-walk")
+        return files, dirs
+
+    def read(self, folder: str, rel: str) -> _Folder:
+        """The files of ``folder`` (``rel``: its path in the walk) and its subfolders,
+        read here or handed to the pool."""
+        out = _Folder()
+        try:
+            files, dirs = self._timed_entries(folder, rel)
+        except (FileNotFoundError, NotADirectoryError):
+            return out  # a missing prefix lists as empty
+        if not dirs:  # (most folders of a dataset: files only)
+            out.parts.append(files)
+            return out
+        # Files beside folders: in path order a folder sorts as "name/" ("a-1.bin" < "a/").
+        named = sorted([(path[len(rel):], i) for i, path in enumerate(files[0])]
+                       + [(name + "/", -1) for name in dirs])
+        run: list[int] = []
+        for key, i in named:
+            if i >= 0:
+                run.append(i)
+                continue
+            if run:
+                out.parts.append(_pick(files, run))
+                run = []
+            path = os.path.join(folder, key[:-1])
+            if self.pool is None:
+                out.parts.append(self.read(path, rel + key))
+            else:
+                out.parts.append(self.pool.submit(self.read, path, rel + key))
         if run:
             out.parts.append(_pick(files, run))
-            run = []
-        path = os.path.join(folder, key[:-1])
-        if pool is None:
-            out.parts.append(_read_folder(path, rel + key, wanted, None))
-        else:
-            out.parts.append(pool.submit(_read_folder, path, rel + key, wanted, pool))
-    if run:
-        out.parts.append(_pick(files, run))
-    return out
+        return out
 
 
 def _read_entries(
@@ -330,9 +368,15 @@ def _read_entries(
     sizes: list[int] = []
     mtimes: list[float] = []
     dirs: list[str] = []
+    # (Bound methods and one join to look for hidden names: this loop runs once a file.)
+    add_path, add_size, add_mtime = paths.append, sizes.append, mtimes.append
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for name in sorted(n for n in os.listdir(fd) if not n.startswith(".")):  # hidden: not data
+        names = os.listdir(fd)
+        names.sort()
+        if "\0." in "\0" + "\0".join(names):
+            names = [name for name in names if name[0] != "."]  # hidden: not data
+        for name in names:
             try:
                 st = os.stat(name, dir_fd=fd)
             except FileNotFoundError:
@@ -340,9 +384,9 @@ def _read_entries(
             if stat.S_ISREG(st.st_mode):
                 path = rel + name
                 if wanted is None or path.lower().endswith(wanted):
-                    paths.append(path)
-                    sizes.append(st.st_size)
-                    mtimes.append(st.st_mtime)
+                    add_path(path)
+                    add_size(st.st_size)
+                    add_mtime(st.st_mtime)
             elif stat.S_ISDIR(st.st_mode):
                 dirs.append(name)
     finally:
@@ -428,9 +472,7 @@ def build_file_table(
             # A directory: walked straight into columns (a listing entry object per
             # file would cost more than the walk's own stat).
             try:
-                # (More threads than cores only pass the GIL around.)
-                threads = min(concurrency, os.cpu_count() or 1)
-                paths, sizes, mtimes = _walk_local(volume.root, wanted, threads)
+                paths, sizes, mtimes = _walk_local(volume.root, wanted, concurrency)
             except OSError:
                 paths = []  # (the volume's own listing says what went wrong)
             if paths:
