@@ -1,4 +1,4 @@
-"""The world this process trains in: its rank, the job's size, and its node.
+"""The world this process trains in: its rank, the job's size, its node, and its CPUs.
 
 The one place that asks: the default process group where one is up, else the
 variables torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
@@ -65,3 +65,11 @@ def distributed() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity where the system tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

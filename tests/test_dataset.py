@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import logging
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -457,7 +458,7 @@ def test_a_directory_is_walked_into_the_table_the_listing_gives(
         return [_listing.build_file_table(str(tmp_path / "d"), storage_options=None, **kw)[1]]
 
     walked = tables() + tables(suffixes=[".bin"])
-    monkeypatch.setattr(_listing, "_walk_local", lambda root, wanted, threads: ([], [], []))
+    monkeypatch.setattr(_listing._walk, "walk", lambda root, wanted, **kw: [])
     listed = tables() + tables(suffixes=[".bin"])
     for fast, slow in zip(walked, listed, strict=True):
         assert [fast.info(i) for i in range(len(fast))] == [slow.info(i) for i in
@@ -473,7 +474,7 @@ def test_a_walk_takes_threads_only_where_its_folders_wait(
     """Folders whose metadata is in memory are read on one thread (threads there only
     pass the GIL around); folders that wait (a network mount's round trips, here a
     sleep before each folder's read) go to a pool. Both give the same sorted files."""
-    from dcp_volumes.data import _listing
+    from dcp_volumes.data import _walk
 
     for d in range(5):
         for f in range(300):
@@ -483,24 +484,86 @@ def test_a_walk_takes_threads_only_where_its_folders_wait(
     root = str(tmp_path / "d")
 
     def walk(threads: int) -> tuple[Any, Any]:
-        found: Any = ([], [], [])
-        run = _listing._Walk(None, threads)
+        run = _walk._Walk(None, threads)
         try:
-            _listing._join(run.read(root, ""), found)
+            found = _walk._flatten(run.read(root, ""))
         finally:
             run.close()
-        return found, run.pool
+        return [b"".join(p[0] for p in found), [n for p in found for n in p[2]]], run.pool
 
     serial, pool = walk(1)
-    assert pool is None and len(serial[0]) == 5 * 300 and serial[0] == sorted(serial[0])
+    assert pool is None and len(serial[1]) == 5 * 300
     cached, pool = walk(4)
     assert pool is None and cached == serial
-    real = _listing._read_entries
+    real = _walk.read_entries
 
     def waiting(folder: str, rel: str, wanted: Any) -> Any:
         time.sleep(0.05)
         return real(folder, rel, wanted)
 
-    monkeypatch.setattr(_listing, "_read_entries", waiting)
+    monkeypatch.setattr(_walk, "read_entries", waiting)
     slow, pool = walk(4)
     assert pool is not None and slow == serial
+
+
+def test_a_large_tree_is_walked_by_worker_processes_into_the_same_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tree past ``PARALLEL_FROM`` files (lowered here) is divided among worker
+    processes below its first level with several folders; the table is the one walk
+    in this process gives (order, sizes, mtimes, digest), with suffixes and non-ASCII
+    names. A worker that cannot start leaves its folders to this process: same table."""
+    from dcp_volumes.data import _listing, _walk
+
+    for d in range(7):
+        for f in range(40):
+            name = f"{f:03d}" + ("é" if f % 9 == 0 else "") + (".txt" if f % 5 == 0 else ".bin")
+            sub = "" if f % 3 else "inner/"
+            path = tmp_path / "data" / "train" / f"class{d}" / sub / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x" * (d * 100 + f))
+    (tmp_path / "data" / "train" / "class3" / ".hidden").write_bytes(b"h")
+    root = str(tmp_path / "data")
+    spawned: list[Any] = []
+    real_run = subprocess.run
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        spawned.append(args[0])
+        return real_run(*args, **kw)
+
+    monkeypatch.setattr(subprocess, "run", counting)
+    real_read, read_here = _walk.read_entries, []
+
+    def reading(folder: str, rel: str, wanted: Any) -> Any:
+        read_here.append(rel)
+        return real_read(folder, rel, wanted)
+
+    monkeypatch.setattr(_walk, "read_entries", reading)
+
+    def table(suffixes: Any = None, parallel_from: int = 10**9) -> Any:
+        monkeypatch.setattr(_walk, "PARALLEL_FROM", parallel_from)
+        monkeypatch.setattr(_listing, "available_cpus", lambda: 4)
+        return _listing.build_file_table(root, storage_options=None, suffixes=suffixes)[1]
+
+    for suffixes in (None, [".bin"]):
+        here = table(suffixes)
+        assert not spawned
+        read_here.clear()
+        spread = table(suffixes, parallel_from=10)
+        assert len(spawned) == 4, spawned  # 6 folders after the first, 4 workers
+        # Here: the two levels down to the classes, and the first class (and its folder).
+        assert read_here == ["", "train/", "train/class0/", "train/class0/inner/"], read_here
+        spawned.clear()
+        assert len(here) == (7 * 40 if suffixes is None else 7 * 32)
+        assert [spread.info(i) for i in range(len(spread))] == [
+            here.info(i) for i in range(len(here))]
+        assert spread.digest == here.digest
+        paths = [here.path(i) for i in range(len(here))]
+        assert paths == sorted(paths) and paths[0].startswith("train/class0/")
+    here = table()
+    monkeypatch.setattr(_walk.sys, "executable", str(tmp_path / "no-python"))
+    with caplog.at_level(logging.DEBUG, logger="dcp_volumes.data._walk"):
+        fallen = table(parallel_from=10)
+    assert "no worker process" in caplog.text
+    assert [fallen.info(i) for i in range(len(fallen))] == [
+        here.info(i) for i in range(len(here))]

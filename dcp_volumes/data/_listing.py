@@ -18,10 +18,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import stat
-import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -29,9 +27,11 @@ import torch
 
 from dcp_volumes._exceptions import ConfigurationError, VolumeNotFoundError
 from dcp_volumes._volume import FileInfo, Volume, common_root
+from dcp_volumes._world import available_cpus
+from dcp_volumes.data import _walk
 
 
-def _ends(lengths: list[int], total: int) -> np.ndarray:
+def _ends(lengths: Sequence[int] | np.ndarray, total: int) -> np.ndarray:
     """End offsets of consecutive byte strings (uint32 while they fit)."""
     dtype = np.uint32 if total < 2**32 else np.int64
     return np.cumsum(np.asarray(lengths, dtype=np.int64)).astype(dtype)
@@ -106,6 +106,22 @@ class FileTable:
             "etags": etag_blob,
             "etag_ends": etag_ends,
             "mtimes": mtime_column,
+        }
+        return cls(columns)
+
+    @classmethod
+    def of_parts(cls, parts: Sequence[_walk.Part]) -> FileTable:
+        """The table of a directory walk's runs (in this order): joined, never a Python
+        object per file."""
+        lengths = np.frombuffer(bytearray().join(p[1] for p in parts), dtype=np.uint32)
+        names = np.frombuffer(bytearray().join(p[0] for p in parts), dtype=np.uint8)
+        columns: dict[str, np.ndarray | None] = {
+            "names": names,
+            "name_ends": _ends(lengths, len(names)),
+            "sizes": np.frombuffer(bytearray().join(p[2] for p in parts), dtype=np.int64),
+            "etags": None,
+            "etag_ends": None,
+            "mtimes": np.frombuffer(bytearray().join(p[3] for p in parts), dtype=np.float64),
         }
         return cls(columns)
 
@@ -252,167 +268,6 @@ def _column_digest(columns: Mapping[str, np.ndarray | None]) -> str:
     return h.hexdigest()
 
 
-_Columns = tuple[list[str], list[int], list[float]]
-
-
-def _walk_local(root: str, wanted: tuple[str, ...] | None, threads: int) -> _Columns:
-    """Every visible file below the directory ``root``, sorted by path: (paths, sizes,
-    mtimes), without a listing entry object per file.
-
-    Folders are read one after another until one reads slowly (see ``_Walk``); the
-    rest then go to ``threads`` threads. Siblings are ordered by name (a folder's with
-    ``/``), which is the order of the full paths. Hidden files and folders are skipped.
-    """
-    found: _Columns = ([], [], [])
-    walk = _Walk(wanted, threads)
-    try:
-        _join(walk.read(root, ""), found)
-    finally:
-        walk.close()
-    return found
-
-
-class _Folder:
-    """One folder of a walk: runs of its files (as columns) and its subfolders (read, or
-    being read on the pool), in path order."""
-
-    __slots__ = ("parts",)
-
-    def __init__(self) -> None:
-        self.parts: list[_Columns | _Folder | Future[_Folder]] = []
-
-
-# Folders whose entries took longer than this each, beyond the walking thread's own
-# CPU, are on a disk or mount the kernel waits for (a network file system): threads
-# overlap those waits. Where metadata is in memory a stat costs a few microseconds and
-# threads only pass the GIL around (a walk on 2 threads took twice as long as on one),
-# so the walk stays on one thread.
-_WAIT_PER_ENTRY_S = 50e-6
-
-
-class _Walk:
-    """A directory walk: one thread while folders read fast, a pool once they read slowly.
-
-    The decision is taken on what the folders read so far waited, from the second on
-    (the first read of a walk also resolves its path). Until the pool starts every
-    folder is read on the calling thread, so only that thread decides; no task waits
-    for another, so a busy pool cannot deadlock.
-    """
-
-    def __init__(self, wanted: tuple[str, ...] | None, threads: int) -> None:
-        self.wanted = wanted
-        self.threads = threads
-        self.pool: ThreadPoolExecutor | None = None
-        self._folders = self._entries = 0
-        self._waited = 0.0
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-
-    def _timed_entries(self, folder: str, rel: str) -> tuple[_Columns, list[str]]:
-        if self.pool is not None or self.threads <= 1:
-            return _read_entries(folder, rel, self.wanted)
-        wall, cpu = time.perf_counter(), time.thread_time()
-        files, dirs = _read_entries(folder, rel, self.wanted)
-        self._waited += (time.perf_counter() - wall) - (time.thread_time() - cpu)
-        self._entries += len(files[0]) + len(dirs) + 1
-        self._folders += 1
-        if self._folders >= 2 and self._waited > _WAIT_PER_ENTRY_S * self._entries:
-            self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dcpv-walk")
-        return files, dirs
-
-    def read(self, folder: str, rel: str) -> _Folder:
-        """The files of ``folder`` (``rel``: its path in the walk) and its subfolders,
-        read here or handed to the pool."""
-        out = _Folder()
-        try:
-            files, dirs = self._timed_entries(folder, rel)
-        except (FileNotFoundError, NotADirectoryError):
-            return out  # a missing prefix lists as empty
-        if not dirs:  # (most folders of a dataset: files only)
-            out.parts.append(files)
-            return out
-        # Files beside folders: in path order a folder sorts as "name/" ("a-1.bin" < "a/").
-        named = sorted([(path[len(rel):], i) for i, path in enumerate(files[0])]
-                       + [(name + "/", -1) for name in dirs])
-        run: list[int] = []
-        for key, i in named:
-            if i >= 0:
-                run.append(i)
-                continue
-            if run:
-                out.parts.append(_pick(files, run))
-                run = []
-            path = os.path.join(folder, key[:-1])
-            if self.pool is None:
-                out.parts.append(self.read(path, rel + key))
-            else:
-                out.parts.append(self.pool.submit(self.read, path, rel + key))
-        if run:
-            out.parts.append(_pick(files, run))
-        return out
-
-
-def _read_entries(
-    folder: str, rel: str, wanted: tuple[str, ...] | None
-) -> tuple[_Columns, list[str]]:
-    """The visible files of ``folder`` as columns, sorted by name, and its subfolders.
-
-    Each name is stat'ed relative to the open folder: one path component to resolve,
-    where a stat of the full path resolves every folder above it again. Links are
-    followed; an entry removed meanwhile (or a dangling link) is left out, as a
-    store's listing would not show it.
-    """
-    paths: list[str] = []
-    sizes: list[int] = []
-    mtimes: list[float] = []
-    dirs: list[str] = []
-    # (Bound methods and one join to look for hidden names: this loop runs once a file.)
-    add_path, add_size, add_mtime = paths.append, sizes.append, mtimes.append
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        names = os.listdir(fd)
-        names.sort()
-        if "\0." in "\0" + "\0".join(names):
-            names = [name for name in names if name[0] != "."]  # hidden: not data
-        for name in names:
-            try:
-                st = os.stat(name, dir_fd=fd)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                path = rel + name
-                if wanted is None or path.lower().endswith(wanted):
-                    add_path(path)
-                    add_size(st.st_size)
-                    add_mtime(st.st_mtime)
-            elif stat.S_ISDIR(st.st_mode):
-                dirs.append(name)
-    finally:
-        os.close(fd)
-    return (paths, sizes, mtimes), dirs
-
-
-def _pick(files: _Columns, rows: list[int]) -> _Columns:
-    paths, sizes, mtimes = files
-    return [paths[i] for i in rows], [sizes[i] for i in rows], [mtimes[i] for i in rows]
-
-
-def _join(folder: _Folder, found: _Columns) -> None:
-    """Append the files of ``folder`` and of its subfolders, in order, to ``found``."""
-    paths, sizes, mtimes = found
-    for part in folder.parts:
-        if isinstance(part, Future):
-            part = part.result()
-        if isinstance(part, _Folder):
-            _join(part, found)
-        else:
-            paths += part[0]
-            sizes += part[1]
-            mtimes += part[2]
-
-
 def _visible(path: str, suffixes: tuple[str, ...] | None) -> bool:
     # Hidden files and folders (".DS_Store", ".git/...") are not training data.
     if any(part.startswith(".") for part in path.split("/")):
@@ -472,11 +327,12 @@ def build_file_table(
             # A directory: walked straight into columns (a listing entry object per
             # file would cost more than the walk's own stat).
             try:
-                paths, sizes, mtimes = _walk_local(volume.root, wanted, concurrency)
+                parts = _walk.walk(volume.root, wanted, threads=concurrency,
+                                   processes=min(available_cpus(), 8))
             except OSError:
-                paths = []  # (the volume's own listing says what went wrong)
-            if paths:
-                return volume, FileTable.from_columns(paths, sizes, None, mtimes)
+                parts = []  # (the volume's own listing says what went wrong)
+            if parts:
+                return volume, FileTable.of_parts(parts)
         listed = _list_prefix(volume, concurrency)
         files = [f for f in listed if f.path and _visible(f.path, wanted)]
     else:

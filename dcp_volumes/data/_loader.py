@@ -24,7 +24,6 @@ import logging
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
-import os
 import pickle
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -36,7 +35,7 @@ from torch.utils.data import default_collate
 
 from dcp_volumes._exceptions import ConfigurationError, DatasetChangedError
 from dcp_volumes._torch.data import pin_batch
-from dcp_volumes._world import World
+from dcp_volumes._world import World, available_cpus
 from dcp_volumes.data import _batch_sharing
 from dcp_volumes.data._dataset import VolumeDataset
 from dcp_volumes.data._metrics import LoaderMetrics, worker_stats
@@ -61,16 +60,9 @@ STATE_KEYS = (
 )
 
 
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def default_num_workers(local_world_size: int) -> int:
     """Workers per rank: the rank's share of the CPUs minus one for the training loop, <= 8."""
-    per_rank = _cpus() // max(1, local_world_size)
+    per_rank = available_cpus() // max(1, local_world_size)
     return max(1, min(8, per_rank - 1))
 
 

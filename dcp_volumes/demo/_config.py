@@ -7,13 +7,13 @@ so every process agrees on which rank dies where.
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dcp_volumes._exceptions import ConfigurationError
+from dcp_volumes._world import available_cpus
 
 #: Crash kinds. ``upload``: the victim dies while its shards of an async save are
 #: uploading; ``commit``: the coordinator dies after every shard of a save is on the
@@ -32,14 +32,6 @@ CRASH_KINDS = ("upload", "commit", "step", "node", "preempt")
 
 #: The two setups compared: the library's, and the naive one it replaces.
 SETUPS = ("dcp_volumes", "naive")
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
