@@ -3,6 +3,9 @@
 Checkpoint shards are serialised here before upload, and cache fills land
 here before they are renamed into place. Where the area lives is decided once:
 an explicit directory, else ``DCP_VOLUMES_STAGING``, else a private temp dir.
+A private temp dir holds a lock while its process lives: a process killed
+mid-save (SIGKILL skips every cleanup) leaves its shards there, and the next
+process to make one removes them (``sweep_abandoned``).
 A local disk that fills up part-way through a write (staging or cache) is
 reported by ``disk_full_error``, the one place that translates ENOSPC.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -26,6 +30,55 @@ logger = logging.getLogger(__name__)
 # Keep this much free on the staging disk beyond what a save needs, so that a
 # checkpoint never fills the disk other processes on the node rely on.
 DEFAULT_HEADROOM_BYTES = 256 * 2**20
+
+# A private temp staging dir: its name's prefix, and the file its process holds a
+# flock on for as long as it lives (the kernel drops the lock when it dies).
+_TEMP_PREFIX = "dcp_volumes-staging-"
+_OWNER_LOCK = ".owner.lock"
+_swept: set[str] = set()  # temp folders swept by this process (once each)
+
+
+def _hold_owner_lock(directory: str) -> int:
+    """Lock ``directory``'s owner file for this process; returns the descriptor to keep."""
+    new = os.path.join(directory, _OWNER_LOCK + ".new")
+    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    # Under its name only once held: a sweeper never finds it unlocked while we live.
+    os.rename(new, os.path.join(directory, _OWNER_LOCK))
+    return fd
+
+
+def sweep_abandoned(parent: str) -> list[str]:
+    """Remove the private staging dirs in ``parent`` whose process has died; returns them.
+
+    A dir whose owner file is locked belongs to a live process (of any pid
+    namespace on this kernel); one without an owner file is being set up, or
+    is older than the lock, and is left alone.
+    """
+    removed = []
+    with contextlib.suppress(OSError), os.scandir(parent) as entries:
+        candidates = [e.path for e in entries
+                      if e.name.startswith(_TEMP_PREFIX) and e.is_dir(follow_symlinks=False)]
+    for path in candidates:
+        try:
+            fd = os.open(os.path.join(path, _OWNER_LOCK), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its process lives
+        finally:
+            os.close(fd)  # (a lock taken is released with it: the dir goes next)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        logger.info("removed %d staging director%s left by processes that ended without "
+                    "cleaning up (killed mid-save): %s", len(removed),
+                    "y" if len(removed) == 1 else "ies", ", ".join(removed[:3])
+                    + (", ..." if len(removed) > 3 else ""))
+    return removed
+
 
 def probe_writable(directory: str) -> None:
     """Create and remove a file in ``directory``; raises ``OSError`` when it cannot."""
@@ -100,8 +153,14 @@ class StagingArea:
                  headroom_bytes: int = DEFAULT_HEADROOM_BYTES) -> None:
         configured = os.fspath(directory) if directory is not None else _env.staging_dir()
         self._owned = configured is None
+        self._owner_fd: int | None = None
         if configured is None:
-            self.path = tempfile.mkdtemp(prefix="dcp_volumes-staging-")
+            self.path = tempfile.mkdtemp(prefix=_TEMP_PREFIX)
+            self._owner_fd = _hold_owner_lock(self.path)
+            parent = os.path.dirname(self.path)
+            if parent not in _swept:
+                _swept.add(parent)
+                sweep_abandoned(parent)
         else:
             self.path = os.path.abspath(os.path.expanduser(configured))
         self.headroom_bytes = headroom_bytes
@@ -160,9 +219,13 @@ class StagingArea:
         """Remove the directory if this object created it."""
         if self._owned:
             shutil.rmtree(self.path, ignore_errors=True)
+        if self._owner_fd is not None:
+            os.close(self._owner_fd)
+            self._owner_fd = None
 
     def __getstate__(self) -> dict[str, object]:
         # A pickled copy (PROCESS async checkpointer) must not delete the owner's dir.
         state = self.__dict__.copy()
         state["_owned"] = False
+        state["_owner_fd"] = None
         return state

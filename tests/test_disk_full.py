@@ -15,7 +15,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import subprocess
+import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -252,3 +255,56 @@ def test_a_dataset_epoch_on_a_cache_disk_that_fills(
     cached = [s for rel, s in files_below(cache_dir).items() if rel.startswith("objects/")
               and not rel.endswith((".lock", ".meta"))]
     assert cached == [size] * n
+
+
+def test_staging_dirs_of_killed_processes_are_removed_by_the_next_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process killed mid-save (SIGKILL: no cleanup runs) leaves its private staging
+    dir and the shards in it; the next process that makes one removes it. A live
+    process's dir (its lock held) and a dir without an owner file stay."""
+    from dcp_volumes import _staging
+
+    child = (
+        "import sys, time\n"
+        "from dcp_volumes._staging import StagingArea\n"
+        "area = StagingArea()\n"
+        "shard = area.new_dir('step-00000007-r0')\n"
+        "open(shard + '/__0_0.distcp', 'wb').write(b'x' * 2**20)\n"
+        "print(area.path, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("DCP_VOLUMES_STAGING", None)
+    procs = [subprocess.Popen([sys.executable, "-c", child], env=env, stdout=subprocess.PIPE)
+             for _ in range(2)]
+    try:
+        dead, alive = (p.stdout.readline().decode().strip() for p in procs)  # type: ignore[union-attr]
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+        older = tmp_path / "dcp_volumes-staging-older"
+        older.mkdir()
+        assert os.path.isdir(dead) and os.path.isdir(alive)
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        monkeypatch.delenv("DCP_VOLUMES_STAGING", raising=False)
+        monkeypatch.setattr(_staging, "_swept", set())
+        area = _staging.StagingArea()
+        try:
+            assert not os.path.exists(dead)
+            assert os.path.isdir(alive) and os.listdir(os.path.join(alive))
+            assert older.is_dir() and os.path.isdir(area.path)
+            # Once a process: its next area does not look again, and the live one stays.
+            procs[1].send_signal(signal.SIGKILL)
+            procs[1].wait()
+            second = _staging.StagingArea()
+            assert os.path.isdir(alive)
+            second.close()
+            assert _staging.sweep_abandoned(str(tmp_path)) == [alive]
+            assert os.path.isdir(area.path)
+        finally:
+            area.close()
+        assert not os.path.exists(area.path)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
