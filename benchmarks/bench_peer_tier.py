@@ -23,8 +23,9 @@ long ``save`` blocked, the commit, and the end of the replication.
     python -m benchmarks.bench_peer_tier                     # 128 MiB a rank, 1 rank a node
     python -m benchmarks.bench_peer_tier --quick             # 32 MiB, 1 repeat
     python -m benchmarks.bench_peer_tier --size-mib 512 --ranks 2 --repeats 3
+    python -m benchmarks.bench_peer_tier --target radosgw    # Ceph's S3 gateway
 
-Writes benchmarks/results/peer_tier.json and peer_tier.png (``--quick``: peer_tier_quick.*).
+Writes benchmarks/results/peer_tier[_radosgw][_quick][_x<ranks>][_<MiB>].{json,png}.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ from benchmarks._common import (
     results_path,
     write_json,
 )
+from benchmarks._targets import resolve, serve, store_url
 
 _RANK = "benchmarks._peer_rank"
+_BUCKET = "bench-peer-tier"
 ROWS = ("volume", "node lost, no replicas", "node lost, peer tier", "same-node local")
 
 
@@ -109,6 +112,17 @@ def comparison(root: str, endpoints: list[dict[str, Any]], size_mib: int, ranks:
         save = run_job(root, work, "save", size_mib, ranks, nodes(saved))
         replica_bytes = sum(f.stat().st_size for d in saved
                             for f in (d / "replicas").rglob("*.distcp"))
+        # The save's blocking with and without replicas (a fresh job and checkpoint
+        # root each, alternated): replication runs after the commit, off the step.
+        blocked: dict[str, list[float]] = {"local_replicas=1": [], "local_replicas=0": []}
+        for i in range(repeats):
+            for label in blocked:
+                dirs = [work / f"{label}-{i}-{n}" for n in (0, 1)]
+                reports = run_job(f"{root}-{label.replace('=', '')}-{i}", work, "save",
+                                  size_mib, ranks, nodes(dirs, replicas=int(label[-1])))
+                blocked[label].append(max(r["blocked_s"] for r in reports))
+                for d in dirs:
+                    shutil.rmtree(d, ignore_errors=True)
         results: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
         for _ in range(repeats):
             for name in ROWS:
@@ -140,6 +154,9 @@ def comparison(root: str, endpoints: list[dict[str, Any]], size_mib: int, ranks:
         "size_mib_per_rank": size_mib, "ranks_per_node": ranks, "nodes": 2,
         "repeats": repeats,
         "save": {k: max(r[k] for r in save) for k in ("blocked_s", "committed_s", "closed_s")},
+        "save_blocked_s": blocked,
+        "blocked_with_vs_without_replicas": (statistics.median(blocked["local_replicas=1"])
+                                             / statistics.median(blocked["local_replicas=0"])),
         "replica_bytes": replica_bytes,
         "restores": results,
         "median_seconds": med,
@@ -178,9 +195,9 @@ def plot(res: dict[str, Any], name: str) -> Path:
 
 
 def main() -> None:
-    from tests.emulators import MotoServer
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", choices=("moto", "radosgw"), default="moto",
+                        help="the S3 server behind the nodes' links")
     parser.add_argument("--size-mib", type=int, default=128, help="MiB of state a rank")
     parser.add_argument("--ranks", type=int, default=1, help="ranks a node")
     parser.add_argument("--repeats", type=int, default=3)
@@ -191,23 +208,35 @@ def main() -> None:
     if args.quick:
         args.size_mib, args.repeats = 32, 1
     info = machine_info()
-    with MotoServer(mode="process") as s3, \
+    target = resolve(args.target)
+    # (radosgw's memstore holds every save of the run: the matrix's and the blocking's.)
+    stored = args.size_mib * 2**20 * args.ranks * 2 * (1 + 2 * args.repeats)
+    with serve(target, _BUCKET, memory_bytes=stored) as s3, \
             ProxyProcess(s3.host, s3.port, total_bandwidth_bps=args.node_mbit * 1e6) as p0, \
             ProxyProcess(s3.host, s3.port, total_bandwidth_bps=args.node_mbit * 1e6) as p1:
-        root = f"{s3.create_bucket('bench-peer-tier')}/run"
+        root = store_url(target, s3, _BUCKET, "run")
         endpoints = [s3.storage_options(p.endpoint) for p in (p0, p1)]
         started = time.monotonic()
         res = comparison(root, endpoints, args.size_mib, args.ranks, args.repeats)
-    print(f"\nPeer tier: restore of {args.size_mib} MiB a rank, 2 nodes x {args.ranks} rank(s); "
+    print(f"\nPeer tier ({target.server_label}): restore of {args.size_mib} MiB a rank, 2 nodes "
+          f"x {args.ranks} rank(s); "
           f"each node's link {REMOTE_LATENCY_S * 1000:.0f} ms/request, "
           f"{REMOTE_BANDWIDTH_BPS / 1e6:.0f} Mbit/s a connection, {args.node_mbit:.0f} Mbit/s "
           f"in all; {args.repeats} repeats ({time.monotonic() - started:.0f} s)")
     save = res["save"]
     print(f"save (keep_local, local_replicas=1): blocked {save['blocked_s']:.2f} s, committed "
           f"after {save['committed_s']:.2f} s, replicated after {save['closed_s']:.2f} s; "
-          f"{res['replica_bytes'] / 2**20:.0f} MiB of replicas\n")
+          f"{res['replica_bytes'] / 2**20:.0f} MiB of replicas")
+    blocked = {k: statistics.median(v) for k, v in res["save_blocked_s"].items()}
+    print(f"save blocked (median of {args.repeats}): {blocked['local_replicas=1']:.3f} s with "
+          f"replicas, {blocked['local_replicas=0']:.3f} s without: "
+          f"{res['blocked_with_vs_without_replicas']:.2f}x\n")
     print(table(res))
-    stem = "peer_tier_quick" if args.quick else "peer_tier"
+    stem = target.stem("peer_tier") + ("_quick" if args.quick else "")
+    if args.ranks > 1:
+        stem += f"_x{args.ranks}"
+    if args.size_mib != 128 and not args.quick:
+        stem += f"_{args.size_mib}"
     png = plot(res, f"{stem}.png")
     doc = {
         "benchmark": "peer_tier", **res,
