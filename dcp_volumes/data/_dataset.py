@@ -390,11 +390,11 @@ class VolumeDataset(IterableDataset[Any]):
         seeds = self._seeds(plan, positions)
         for k, fid in enumerate(_ints(file_ids)):
             path = self.volume.full_path(files.path(fid))
-            sample = self._transform(path, seeds[k] if seeds else 0)
+            sample = self._transform(path, int(seeds[k]) if seeds is not None else 0)
             stats.samples += 1
             yield sample
 
-    def _seeds(self, plan: Plan, positions: np.ndarray) -> list[int] | None:
+    def _seeds(self, plan: Plan, positions: np.ndarray) -> np.ndarray | None:
         """The samples' augmentation seeds, or None when the transform takes none."""
         if not self._transform.uses_seed:
             return None
@@ -494,7 +494,8 @@ class VolumeDataset(IterableDataset[Any]):
                 if next_use is not None:
                     next_use.current = int(positions[k])
                 cached = taken.value
-                sample = self._transform_cached(cache, taken.key, cached, seeds[k] if seeds else 0)
+                seed = int(seeds[k]) if seeds is not None else 0
+                sample = self._transform_cached(cache, taken.key, cached, seed)
                 stats.samples += 1
                 stats.wait_seconds += taken.wait_seconds
                 stats.ready_ahead += taken.ready_ahead

@@ -76,12 +76,12 @@ def sample_seed(seed: int, epoch: int, position: int) -> int:
     return derive_seed(_TAG_SAMPLE, seed, epoch, position)
 
 
-def sample_seeds(seed: int, epoch: int, positions: np.ndarray) -> list[int]:
-    """``sample_seed`` of many positions at once (one numpy pass instead of a loop)."""
+def sample_seeds(seed: int, epoch: int, positions: np.ndarray) -> np.ndarray:
+    """``sample_seed`` of many positions at once (one numpy pass instead of a loop), as
+    uint64: 8 bytes a sample, where a list of Python ints would cost 40 more."""
     prefix = derive_seed(_TAG_SAMPLE, seed, epoch)
     with np.errstate(over="ignore"):
-        mixed = _splitmix64_array(np.asarray(positions).astype(np.uint64) ^ np.uint64(prefix))
-    return mixed.tolist()  # type: ignore[no-any-return]
+        return _splitmix64_array(np.asarray(positions).astype(np.uint64) ^ np.uint64(prefix))
 
 
 class Cursor(NamedTuple):
