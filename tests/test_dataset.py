@@ -482,28 +482,27 @@ def test_a_walk_takes_threads_only_where_its_folders_wait(
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(b"x" * f)
     root = str(tmp_path / "d")
+    real, readers = _walk.read_entries, []
 
-    def walk(threads: int) -> tuple[Any, Any]:
-        run = _walk._Walk(None, threads)
-        try:
-            found = _walk._flatten(run.read(root, ""))
-        finally:
-            run.close()
-        return [b"".join(p[0] for p in found), [n for p in found for n in p[2]]], run.pool
-
-    serial, pool = walk(1)
-    assert pool is None and len(serial[1]) == 5 * 300
-    cached, pool = walk(4)
-    assert pool is None and cached == serial
-    real = _walk.read_entries
-
-    def waiting(folder: str, rel: str, wanted: Any) -> Any:
-        time.sleep(0.05)
+    def reading(folder: str, rel: str, wanted: Any, wait: float = 0.0) -> Any:
+        readers.append((rel, threading.current_thread().name))
+        time.sleep(wait)
         return real(folder, rel, wanted)
 
-    monkeypatch.setattr(_walk, "read_entries", waiting)
-    slow, pool = walk(4)
-    assert pool is not None and slow == serial
+    def walk(threads: int, wait: float = 0.0) -> tuple[Any, set[str]]:
+        readers.clear()
+        monkeypatch.setattr(_walk, "read_entries", functools.partial(reading, wait=wait))
+        found = _walk.walk(root, None, threads=threads, processes=1)
+        return [b"".join(p[0] for p in found), [n for p in found for n in p[2]]], dict(readers)
+
+    serial, threads = walk(1)
+    assert set(threads.values()) == {"MainThread"} and len(serial[1]) == 5 * 300
+    cached, threads = walk(4)
+    assert set(threads.values()) == {"MainThread"} and cached == serial
+    slow, threads = walk(4, wait=0.05)
+    # The pool starts once two folders waited; the later ones, at every level, go to it.
+    assert all(threads[f"k{d}/"].startswith("dcpv-walk") for d in (2, 3, 4)), threads
+    assert slow == serial
 
 
 def test_a_large_tree_is_walked_by_worker_processes_into_the_same_table(

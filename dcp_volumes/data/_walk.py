@@ -67,8 +67,12 @@ def walk(root: str, wanted: tuple[str, ...] | None, *, threads: int,
             if processes > 1 and len(slots) > 2 and files * len(slots) >= PARALLEL_FROM:
                 _in_processes(slots[1:], wanted, threads, processes)
             for slot in slots[1:]:
-                if slot.parts is None:  # (not read by a worker process)
+                if slot.parts is not None:  # (read by a worker process)
+                    continue
+                if run.pool is None:
                     slot.result = run.read(slot.path, slot.rel)
+                else:  # (folders that wait: read side by side)
+                    slot.result = run.pool.submit(run.read, slot.path, slot.rel)
         return _flatten(top)
     finally:
         run.close()
@@ -92,7 +96,7 @@ class _Later:
 
     def __init__(self, path: str, rel: str) -> None:
         self.path, self.rel = path, rel
-        self.result: _Folder | None = None
+        self.result: _Folder | Future[_Folder] | None = None
         self.parts: list[Part] | None = None
 
 
@@ -225,8 +229,6 @@ def _flatten(folder: _Folder) -> list[Part]:
     """The runs of ``folder`` and of its subfolders, in path order."""
     out: list[Part] = []
     for part in folder.parts:
-        if not isinstance(part, (tuple, _Folder, _Later)):  # a pool's future
-            part = part.result()
         if isinstance(part, _Later):
             if part.parts is not None:
                 out += part.parts
@@ -234,6 +236,8 @@ def _flatten(folder: _Folder) -> list[Part]:
             if part.result is None:
                 raise RuntimeError(f"the walk left {part.path} unread")
             part = part.result
+        if not isinstance(part, (tuple, _Folder)):  # a pool's future
+            part = part.result()
         if isinstance(part, _Folder):
             out += _flatten(part)
         else:
