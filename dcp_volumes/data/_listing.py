@@ -39,13 +39,9 @@ def _ends(lengths: Sequence[int] | np.ndarray, total: int) -> np.ndarray:
 
 def _blob(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """The UTF-8 of ``strings`` back to back, and where each ends."""
-    joined = "".join(strings)
-    if joined.isascii():  # one byte a character: the lengths without encoding each
-        blob = bytearray(joined, "ascii")  # writable: torch shares it without a warning
-        return np.frombuffer(blob, dtype=np.uint8), _ends(list(map(len, strings)), len(blob))
-    encoded = [s.encode() for s in strings]
-    blob = bytearray().join(encoded)
-    return np.frombuffer(blob, dtype=np.uint8), _ends([len(e) for e in encoded], len(blob))
+    data, lengths = _walk.utf8_joined(strings)
+    blob = bytearray(data)  # writable: torch shares it without a warning
+    return np.frombuffer(blob, dtype=np.uint8), _ends(lengths, len(blob))
 
 
 class FileTable:

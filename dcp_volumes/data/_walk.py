@@ -210,14 +210,18 @@ def read_entries(folder: str, rel: str, wanted: tuple[str, ...] | None) -> tuple
     return (paths, sizes, mtimes), dirs
 
 
+def utf8_joined(strings: Sequence[str]) -> tuple[bytes, list[int]]:
+    """The UTF-8 of ``strings`` back to back, and each one's length in bytes."""
+    joined = "".join(strings)
+    if joined.isascii():  # one byte a character: the lengths without encoding each
+        return joined.encode("ascii"), list(map(len, strings))
+    encoded = [s.encode() for s in strings]
+    return b"".join(encoded), list(map(len, encoded))
+
+
 def _pack(paths: list[str], sizes: list[int], mtimes: list[float]) -> Part:
-    joined = "".join(paths)
-    if joined.isascii():  # one byte a character: the lengths without encoding each path
-        return joined.encode("ascii"), array("I", map(len, paths)), array("q", sizes), \
-            array("d", mtimes)
-    encoded = [p.encode() for p in paths]
-    return b"".join(encoded), array("I", map(len, encoded)), array("q", sizes), \
-        array("d", mtimes)
+    blob, lengths = utf8_joined(paths)
+    return blob, array("I", lengths), array("q", sizes), array("d", mtimes)
 
 
 def _pick(files: _Files, rows: list[int]) -> Part:
