@@ -67,12 +67,8 @@ def walk(root: str, wanted: tuple[str, ...] | None, *, threads: int,
             if processes > 1 and len(slots) > 2 and files * len(slots) >= PARALLEL_FROM:
                 _in_processes(slots[1:], wanted, threads, processes)
             for slot in slots[1:]:
-                if slot.parts is not None:  # (read by a worker process)
-                    continue
-                if run.pool is None:
-                    slot.result = run.read(slot.path, slot.rel)
-                else:  # (folders that wait: read side by side)
-                    slot.result = run.pool.submit(run.read, slot.path, slot.rel)
+                if slot.parts is None:  # (not read by a worker process)
+                    slot.result = run.read_or_submit(slot.path, slot.rel)
         return _flatten(top)
     finally:
         run.close()
@@ -157,15 +153,17 @@ class _Walk:
                 out.parts.append(_pick(files, run))
                 run = []
             path = os.path.join(folder, key[:-1])
-            if defer:
-                out.parts.append(_Later(path, rel + key))
-            elif self.pool is None:
-                out.parts.append(self.read(path, rel + key))
-            else:
-                out.parts.append(self.pool.submit(self.read, path, rel + key))
+            out.parts.append(_Later(path, rel + key) if defer
+                             else self.read_or_submit(path, rel + key))
         if run:
             out.parts.append(_pick(files, run))
         return out
+
+    def read_or_submit(self, folder: str, rel: str) -> _Folder | Future[_Folder]:
+        """``read`` here, or on the pool once there is one (folders that wait)."""
+        if self.pool is None:
+            return self.read(folder, rel)
+        return self.pool.submit(self.read, folder, rel)
 
 
 _Files = tuple[list[str], list[int], list[float]]
