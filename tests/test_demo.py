@@ -26,7 +26,7 @@ from dcp_volumes._exceptions import ConfigurationError
 from dcp_volumes._volume import Volume
 from dcp_volumes.demo import DemoConfig, parse_storage_options
 from dcp_volumes.demo._config import plan_crashes
-from dcp_volumes.demo._launcher import MARKER, claim
+from dcp_volumes.demo._launcher import MARKER, claim, node_cpus
 from dcp_volumes.demo._report import CrashOutcome, RunStats, _node_check, restart_lines
 from tests.dist import process_running
 
@@ -130,6 +130,24 @@ def test_sigkills_in_an_upload_the_commit_window_a_node_loss_and_a_preemption(
     # A real SIGTERM to torchrun's agent, which forwarded it; a new torchrun (leg) resumed.
     assert "Received 15 death signal" in logs["node-0.log"]
     assert (run_dir / "spec-1.json").is_file()
+    # Each simulated node ran on CPUs of its own, as a real node does.
+    if len(os.sched_getaffinity(0)) >= 2:
+        cpus_of_node: dict[int, set[int]] = {}
+        for events in run_dir.glob("events-*.jsonl"):
+            start = json.loads(events.read_text().splitlines()[0])
+            cpus_of_node.setdefault(start["node"], set()).update(start["cpus"])
+        assert len(cpus_of_node) == 2 and not cpus_of_node[0] & cpus_of_node[1], cpus_of_node
+
+
+def test_each_simulated_node_gets_cpus_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert node_cpus([1, 1]) == ["0,1", "2,3"]
+    assert node_cpus([2, 1]) == ["0,1", "2,3"]  # by ranks, a CPU each at least
+    assert node_cpus([3, 1]) == ["0,1,2", "3"]
+    assert node_cpus([1, 1, 1, 1, 1]) == [""] * 5  # fewer CPUs than nodes: no pinning
+    assert node_cpus([4]) == [""]  # one node has the machine
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 7})
+    assert node_cpus([1, 1]) == ["4", "7"]
 
 
 @pytest.mark.timeout(600)

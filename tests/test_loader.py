@@ -416,6 +416,30 @@ def test_the_fork_server_starts_with_the_loader_and_its_workers_share_one_manage
     assert found["servers"] == found["servers_when_built"], found
     assert found["workers_of_server"] == 3, found
     assert found["managers"] == 1, found  # the server's, not one per worker (3)
+    assert found["ids"] == list(range(12))
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_with_one_cpu_forks_its_workers_and_they_fetch_through_fsspec(
+    moto_server: MotoServer, s3_bucket: tuple[str, Any], tmp_path: Path
+) -> None:
+    """A fork server's second torch import has no CPU to run on beside a rank that has
+    one: it would delay every restart. Such a rank forks its workers after its obstore
+    I/O, on purpose, so the workers' fallback to fsspec is no warning."""
+    url, direct = s3_bucket
+    write_samples(url + "/data", direct, 12)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.scripts.forkserver_workers", url + "/data",
+         json.dumps(moto_server.storage_options()), str(tmp_path / "c"), "1"],
+        capture_output=True, text=True, timeout=150, cwd=Path(__file__).parent.parent,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["start_method"] == "fork", found
+    assert found["servers_when_built"] == [] and found["servers"] == [], found
+    assert found["ids"] == list(range(12))  # fetched by the workers: the cache was empty
+    assert "has 1 CPU(s), too few to start a fork server" in proc.stderr
+    assert "WARNING" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_the_fork_server_preload_does_not_import_checkpoint_code() -> None:

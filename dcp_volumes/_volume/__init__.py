@@ -16,7 +16,7 @@ from dcp_volumes._volume._retry import (
     redact_options,
     redact_url,
 )
-from dcp_volumes._volume._select import LOCAL_PROTOCOLS
+from dcp_volumes._volume._select import LOCAL_PROTOCOLS, choose_fsspec_after_fork
 from dcp_volumes._volume._urls import common_root, file_location, split_url
 from dcp_volumes._volume._volume import Volume, refuse_url_credentials
 
@@ -30,6 +30,7 @@ __all__ = [
     "FileInfo",
     "RetryPolicy",
     "Volume",
+    "choose_fsspec_after_fork",
     "common_root",
     "despite_lag",
     "file_location",

@@ -10,6 +10,7 @@ it gets the fsspec backend, with one warning saying how to avoid the slower path
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import fsspec
+from fsspec.registry import known_implementations
 
 from dcp_volumes import _env
 from dcp_volumes._exceptions import BackendNotInstalledError, ConfigurationError
@@ -49,6 +51,9 @@ _BACKENDS: dict[tuple[int, str, str, RetryPolicy, str], Backend] = {}
 _LOCK = threading.Lock()
 _LOCAL = LocalBackend()
 _warned_fork = False
+# Set in a parent that forks on purpose after its obstore I/O (the DataLoader where a
+# fork server would cost more than fsspec in the workers); its children inherit it.
+_fsspec_after_fork_chosen = False
 
 
 def _new_lock_in_child() -> None:
@@ -126,7 +131,8 @@ def _after_fork(protocol: str, options: Mapping[str, Any]) -> Backend:
         ) from exc
     if not _warned_fork:
         _warned_fork = True
-        logger.warning(
+        logger.log(
+            logging.DEBUG if _fsspec_after_fork_chosen else logging.WARNING,
             "process %d was forked after its parent did I/O through obstore, which cannot "
             "run in a forked child: %s:// goes through fsspec here (slower). Start such "
             "processes with multiprocessing_context='forkserver' or 'spawn' to keep obstore.",
@@ -134,6 +140,23 @@ def _after_fork(protocol: str, options: Mapping[str, Any]) -> Backend:
             protocol,
         )
     return backend
+
+
+def fsspec_client_installed(protocol: str) -> bool:
+    """Whether fsspec's client for ``protocol`` is installed (what a child forked after
+    obstore I/O falls back on), found without importing it (s3fs takes half a second)."""
+    implementation = known_implementations.get(protocol)
+    if implementation is None:
+        return protocol in fsspec.registry  # registered at run time (imported already)
+    module = implementation["class"].split(".", 1)[0]
+    return importlib.util.find_spec(module) is not None
+
+
+def choose_fsspec_after_fork() -> None:
+    """Children this process forks from now on use fsspec where obstore cannot run, by
+    the caller's choice: they log it at debug level, not as a warning."""
+    global _fsspec_after_fork_chosen
+    _fsspec_after_fork_chosen = True
 
 
 def _fsspec_options(options: Mapping[str, Any]) -> dict[str, Any]:

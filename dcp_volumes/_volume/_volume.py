@@ -50,7 +50,12 @@ from dcp_volumes._volume._retry import (
     translate_error,
     url_secrets,
 )
-from dcp_volumes._volume._select import LOCAL_PROTOCOLS, OBSTORE_PROTOCOLS, backend_for
+from dcp_volumes._volume._select import (
+    LOCAL_PROTOCOLS,
+    OBSTORE_PROTOCOLS,
+    backend_for,
+    fsspec_client_installed,
+)
 
 T = TypeVar("T")
 
@@ -213,6 +218,11 @@ class Volume:
         """Whether a process forked now can use this volume's client (DataLoader workers):
         a client that does not survive a fork breaks only once this process did I/O."""
         return self.capabilities.survives_fork or not obstore_used_here()
+
+    def fsspec_fallback_installed(self) -> bool:
+        """Whether a child forked after this process's obstore I/O can still reach this
+        store: through its fsspec client, which is installed."""
+        return fsspec_client_installed(self.protocol)
 
     @property
     def identity(self) -> str:

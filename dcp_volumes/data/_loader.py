@@ -35,6 +35,7 @@ from torch.utils.data import default_collate
 
 from dcp_volumes._exceptions import ConfigurationError, DatasetChangedError
 from dcp_volumes._torch.data import pin_batch
+from dcp_volumes._volume import choose_fsspec_after_fork
 from dcp_volumes._world import World, available_cpus
 from dcp_volumes.data import _batch_sharing
 from dcp_volumes.data._dataset import VolumeDataset
@@ -167,7 +168,11 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     forks could not use it, so workers of a dataset on such a volume start with
     "forkserver" (the dataset is pickled to them; the stream and state are the
     same). Its server starts as the loader is built, so its imports run beside
-    a restore rather than before the first batch. A transform that cannot be
+    a restore rather than before the first batch. A rank with fewer than two
+    CPUs has none to spare for the server's imports (a second torch import,
+    once per process, in the way of every restart's restore): its workers are
+    forked and fetch cache misses through fsspec (the ``fsspec-clients``
+    extra; without it, forkserver). A transform that cannot be
     pickled keeps fork, and its workers fetch through fsspec once this process
     used obstore (slower; logged). Pass ``multiprocessing_context`` to choose.
     A forked worker also inherits the parent's locks as they were at the fork:
@@ -198,6 +203,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         **kwargs: Any,
     ) -> None:
         local_world = self._place(dataset, rank, world_size)
+        self._cpus_per_rank = available_cpus() // max(1, local_world)
         per_rank = self._resolve_batch(batch_size, global_batch_size)
         self._volume = isinstance(dataset, VolumeDataset)
         collate, torch_drop_last = self._collation(dataset, collate_fn, drop_last, kwargs)
@@ -399,6 +405,8 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                 return
         elif not self._volume or self._dataset().volume.capabilities.survives_fork:
             return
+        elif self._fork_server_costs_more():
+            return  # forked at iter() (see _choose_start_method)
         elif self._pickle_error() is not None:
             return  # forked at iter() (see _choose_start_method), which logs why
         else:
@@ -406,6 +414,18 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         with group_signals_held():  # the server leaves the group first thing (its preload)
             multiprocessing.forkserver.ensure_running()
         self._fork_server_ahead = True
+
+    def _fork_server_costs_more(self) -> bool:
+        """Whether forked workers that fetch through fsspec cost this rank less than
+        forkserver workers that keep obstore.
+
+        The server is a second interpreter importing torch: seconds of CPU once per
+        process, which run beside the training process only where the rank has a CPU
+        to spare. With fewer, they delay the restore and the first step of every
+        restart; fsspec in the workers costs more per cache miss and nothing on a warm
+        cache. Needs the fsspec client for the volume's protocol.
+        """
+        return self._cpus_per_rank < 2 and self._dataset().volume.fsspec_fallback_installed()
 
     def _pickle_error(self) -> Exception | None:
         """Why the dataset cannot go to forkserver workers (it is pickled), or None."""
@@ -424,6 +444,17 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         volume = self._dataset().volume
         if volume.forks_cleanly():
             self.multiprocessing_context = None  # torch's default (fork): fastest to start
+            return
+        if self._fork_server_costs_more():
+            logger.info(
+                "DataLoader workers are forked, and fetch what the cache misses through "
+                "fsspec (this process used obstore, which a forked child cannot): this rank "
+                "has %d CPU(s), too few to start a fork server beside it. Pass "
+                "multiprocessing_context='forkserver' to keep obstore in the workers.",
+                self._cpus_per_rank,
+            )
+            choose_fsspec_after_fork()
+            self.multiprocessing_context = multiprocessing.get_context("fork")
             return
         exc = self._pickle_error()
         if exc is not None:

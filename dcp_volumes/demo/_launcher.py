@@ -273,6 +273,30 @@ def _spec(cfg: DemoConfig, job: JobRecord, leg: int, nodes: list[int], stop_at: 
     }
 
 
+def node_cpus(nodes: list[int]) -> list[str]:
+    """Each simulated node's own CPUs, a share by its ranks (``DCP_VOLUMES_DEMO_CPUS``).
+
+    Nodes on one machine would otherwise run on each other's CPUs, which real nodes
+    never do, and a rank would see the machine's CPUs as its node's (the DataLoader
+    sizes its workers and chooses their start method by them). Empty (no pinning) for
+    one node, or with fewer CPUs than nodes.
+    """
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return [""] * len(nodes)
+    if len(nodes) < 2 or len(cpus) < len(nodes):
+        return [""] * len(nodes)
+    shares, start, total = [], 0, sum(nodes)
+    for i, ranks in enumerate(nodes):
+        later = len(nodes) - 1 - i  # nodes still to come: a CPU each at least
+        end = start + max(1, len(cpus) * ranks // total)
+        end = len(cpus) if later == 0 else min(end, len(cpus) - later)
+        shares.append(",".join(str(c) for c in cpus[start:end]))
+        start = end
+    return shares
+
+
 def _agent_cmd(leg: Leg, node: int, port: int, run_id: str, restarts: int,
                spec_path: str) -> list[str]:
     n = len(leg.nodes)
@@ -389,15 +413,17 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
             port = _free_port()
             procs: list[subprocess.Popen[bytes]] = []
             job.launches.append(time.time())
+            cpus = node_cpus(leg.nodes)
 
             def start(node: int, leg: Leg = leg, i: int = i, spec_path: str = spec_path,
-                      port: int = port) -> subprocess.Popen[bytes]:
+                      port: int = port, cpus: list[str] = cpus) -> subprocess.Popen[bytes]:
                 log = open(os.path.join(job.run_dir, f"node-{node}.log"), "ab")  # noqa: SIM115
                 with log:
                     return subprocess.Popen(
                         _agent_cmd(leg, node, port, f"{job.name}-{i}", len(job.crashes),
                                    spec_path),
-                        env=dict(base_env, DCP_VOLUMES_DEMO_NODE=str(node)),
+                        env=dict(base_env, DCP_VOLUMES_DEMO_NODE=str(node),
+                                 DCP_VOLUMES_DEMO_CPUS=cpus[node]),
                         cwd=job.run_dir, stdout=log, stderr=subprocess.STDOUT,
                         start_new_session=True)
 
@@ -585,6 +611,10 @@ def _run_demo(cfg: DemoConfig, say: Say, *, progress: bool, started: float) -> R
             f"a save every {cfg.save_every} steps, {len(crashes)} crash(es) (seed {cfg.seed}):")
         for c in crashes:
             say(f"  {c.index + 1}. {c.describe()}")
+        shares = node_cpus(cfg.nodes)
+        if all(shares):
+            say(f"nodes: {len(shares)} on this machine, each on CPUs of its own: "
+                + " | ".join(shares))
         elastic = cfg.shrink
         jobs: dict[str, JobRecord] = {}
 

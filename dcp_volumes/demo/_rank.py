@@ -290,7 +290,9 @@ def train(spec: Mapping[str, Any]) -> None:
     events.write("start", t_proc=T_PROC, t_import=T_IMPORT, t_group=t_group, rank=rank,
                  world=world, node=node, attempt=attempt, leg=spec["leg"],
                  setup=spec["setup"], pid=os.getpid(),
-                 restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+                 restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                 cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else None)
     crashes = [Crash(**c) for c in spec["crashes"]]
     # A node loss takes down the last node (never node 0, which hosts the rendezvous).
     last = len(spec["nodes"]) - 1
