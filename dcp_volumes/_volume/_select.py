@@ -4,7 +4,8 @@ S3 and Azure go through obstore, GCS and every other protocol through fsspec,
 local paths and mounts through the local backend. ``DCP_VOLUMES_BACKEND=fsspec``
 sends S3 and Azure through s3fs / adlfs instead (options obstore cannot take).
 A process forked after obstore did I/O cannot use obstore (see ``_obstore.py``):
-it gets the fsspec backend, with one warning saying how to avoid the slower path.
+it gets the fsspec backend, with one warning saying how to avoid the slower path
+(a debug line where the parent forked it so on purpose: ``choose_fsspec_after_fork``).
 """
 
 from __future__ import annotations
