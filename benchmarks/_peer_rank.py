@@ -4,7 +4,8 @@
 
 ``BENCH_PEER`` (JSON): this node's ``storage_options`` (its own proxy: a node's
 link), ``local_dir``, ``keep_local`` and ``local_replicas``. Writes
-``OUT/rank-<r>.json`` with the times, the restore's sources, whether the
+``OUT/rank-<r>.json`` with the times, a save's peak RSS before it and after the
+replication, the restore's sources, whether the
 restored state is bit for bit the saved one, and the library's log lines (INFO
 and up) with their seconds since the save or restore began: where the time went.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import sys
 import time
 from typing import Any
@@ -24,6 +26,11 @@ import torch.distributed as dist
 from dcp_volumes import CheckpointManager
 
 _TENSOR_MIB = 16
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory so far, bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def make_state(size_mib: int, rank: int) -> dict[str, torch.Tensor]:
@@ -61,6 +68,7 @@ def main() -> None:
     library.setLevel(logging.INFO)
     library.addHandler(events)
     if mode == "save":
+        report["peak_rss_before"] = peak_rss()
         dist.barrier()
         started, events.started = time.perf_counter(), time.time()
         mgr.save(1, want)
@@ -69,6 +77,7 @@ def main() -> None:
         report["committed_s"] = time.perf_counter() - started
         mgr.close()  # waits for the replication
         report["closed_s"] = time.perf_counter() - started
+        report["peak_rss"] = peak_rss()
     else:
         target = {k: torch.empty_like(v) for k, v in want.items()}
         dist.barrier()

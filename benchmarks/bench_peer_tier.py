@@ -16,7 +16,8 @@ it), side by side:
 * ``same-node local``: both directories intact (a restart on the same nodes).
 
 Every restore is checked bit for bit. The save's cost is reported too: how
-long ``save`` blocked, the commit, and the end of the replication.
+long ``save`` blocked, the commit, the end of the replication, and how much a
+save grows a rank's peak RSS with replicas and without.
 
 ::
 
@@ -115,12 +116,16 @@ def comparison(root: str, endpoints: list[dict[str, Any]], size_mib: int, ranks:
         # The save's blocking with and without replicas (a fresh job and checkpoint
         # root each, alternated): replication runs after the commit, off the step.
         blocked: dict[str, list[float]] = {"local_replicas=1": [], "local_replicas=0": []}
+        extra_rss: dict[str, list[int]] = {label: [] for label in blocked}
         for i in range(repeats):
             for label in blocked:
                 dirs = [work / f"{label}-{i}-{n}" for n in (0, 1)]
                 reports = run_job(f"{root}-{label.replace('=', '')}-{i}", work, "save",
                                   size_mib, ranks, nodes(dirs, replicas=int(label[-1])))
                 blocked[label].append(max(r["blocked_s"] for r in reports))
+                # The save's and the replication's growth of the peak, largest rank.
+                extra_rss[label].append(max(r["peak_rss"] - r["peak_rss_before"]
+                                            for r in reports))
                 for d in dirs:
                     shutil.rmtree(d, ignore_errors=True)
         results: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
@@ -157,6 +162,9 @@ def comparison(root: str, endpoints: list[dict[str, Any]], size_mib: int, ranks:
         "save_blocked_s": blocked,
         "blocked_with_vs_without_replicas": (statistics.median(blocked["local_replicas=1"])
                                              / statistics.median(blocked["local_replicas=0"])),
+        "save_extra_peak_rss_bytes": extra_rss,
+        "replication_extra_peak_rss_bytes": (statistics.median(extra_rss["local_replicas=1"])
+                                             - statistics.median(extra_rss["local_replicas=0"])),
         "replica_bytes": replica_bytes,
         "restores": results,
         "median_seconds": med,
@@ -230,7 +238,11 @@ def main() -> None:
     blocked = {k: statistics.median(v) for k, v in res["save_blocked_s"].items()}
     print(f"save blocked (median of {args.repeats}): {blocked['local_replicas=1']:.3f} s with "
           f"replicas, {blocked['local_replicas=0']:.3f} s without: "
-          f"{res['blocked_with_vs_without_replicas']:.2f}x\n")
+          f"{res['blocked_with_vs_without_replicas']:.2f}x")
+    rss = {k: statistics.median(v) / 2**20 for k, v in res["save_extra_peak_rss_bytes"].items()}
+    print(f"a save's growth of a rank's peak RSS (median): {rss['local_replicas=1']:.0f} MiB "
+          f"with replicas, {rss['local_replicas=0']:.0f} MiB without: the replication's "
+          f"{res['replication_extra_peak_rss_bytes'] / 2**20:+.0f} MiB\n")
     print(table(res))
     stem = target.stem("peer_tier") + ("_quick" if args.quick else "")
     if args.ranks > 1:
