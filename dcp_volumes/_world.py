@@ -67,9 +67,16 @@ def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity where the system tells it)."""
+def cpu_ids() -> list[int] | None:
+    """The CPUs this process may run on, by id (its affinity); None where the system
+    does not say (not Linux)."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+
+
+def available_cpus() -> int:
+    """How many CPUs this process may run on (its affinity where the system tells it)."""
+    ids = cpu_ids()
+    return len(ids) if ids is not None else os.cpu_count() or 1

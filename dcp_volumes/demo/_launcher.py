@@ -53,6 +53,7 @@ from dcp_volumes._exceptions import ConfigurationError, DcpVolumesError, VolumeE
 from dcp_volumes._extras import DEMO_MODULES, require
 from dcp_volumes._progress import progress_bar
 from dcp_volumes._volume import Volume
+from dcp_volumes._world import cpu_ids
 from dcp_volumes.demo._config import Crash, DemoConfig, plan_crashes
 
 if TYPE_CHECKING:
@@ -281,11 +282,8 @@ def node_cpus(nodes: list[int]) -> list[str]:
     sizes its workers and chooses their start method by them). Empty (no pinning) for
     one node, or with fewer CPUs than nodes.
     """
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return [""] * len(nodes)
-    if len(nodes) < 2 or len(cpus) < len(nodes):
+    cpus = cpu_ids()
+    if cpus is None or len(nodes) < 2 or len(cpus) < len(nodes):
         return [""] * len(nodes)
     shares, start, total = [], 0, sum(nodes)
     for i, ranks in enumerate(nodes):

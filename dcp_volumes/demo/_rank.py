@@ -42,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 
 T_IMPORT = time.time()
 
+from dcp_volumes._world import cpu_ids  # noqa: E402
 from dcp_volumes.demo._config import Crash  # noqa: E402
 from dcp_volumes.demo._faults import CrashInjector, SavePhases, kills_so_far  # noqa: E402
 from dcp_volumes.demo._workload import (  # noqa: E402
@@ -291,8 +292,7 @@ def train(spec: Mapping[str, Any]) -> None:
                  world=world, node=node, attempt=attempt, leg=spec["leg"],
                  setup=spec["setup"], pid=os.getpid(),
                  restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                 cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else None)
+                 cpus=cpu_ids())
     crashes = [Crash(**c) for c in spec["crashes"]]
     # A node loss takes down the last node (never node 0, which hosts the rendezvous).
     last = len(spec["nodes"]) - 1
