@@ -4,10 +4,11 @@
 
 ``BENCH_PEER`` (JSON): this node's ``storage_options`` (its own proxy: a node's
 link), ``local_dir``, ``keep_local`` and ``local_replicas``. Writes
-``OUT/rank-<r>.json`` with the times, a save's peak RSS before it and after the
-replication, the restore's sources, whether the
-restored state is bit for bit the saved one, and the library's log lines (INFO
-and up) with their seconds since the save or restore began: where the time went.
+``OUT/rank-<r>.json`` with the times, the peak RSS before a save or restore and
+after it (a save's: after the replication), a restore's CPU seconds (all its
+threads) and sources, whether the restored state is bit for bit the saved one,
+and the library's log lines (INFO and up) with their seconds since the save or
+restore began: where the time went.
 """
 
 from __future__ import annotations
@@ -82,8 +83,12 @@ def main() -> None:
         target = {k: torch.empty_like(v) for k, v in want.items()}
         dist.barrier()
         started, events.started = time.perf_counter(), time.time()
+        report["peak_rss_before"] = peak_rss()
+        cpu = time.process_time()
         step = mgr.restore(target)
         report["restore_s"] = time.perf_counter() - started
+        report["cpu_s"] = time.process_time() - cpu
+        report["peak_rss"] = peak_rss()
         report["exact"] = step == 1 and all(torch.equal(target[k], want[k]) for k in want)
         report["sources"] = mgr.restore_sources
         mgr.close()

@@ -6,7 +6,8 @@ request, 200 Mbit/s a connection and ``--node-mbit`` (800) Mbit/s for the node
 as a whole, so parallel streams cannot beat a node's link). A job saves
 ``--size-mib`` MiB a rank with ``keep_local=True, local_replicas=1``; then fresh
 jobs restore it, timed inside the ranks (the slowest rank: every rank waits for
-it), side by side:
+it; with the CPU seconds of all ranks together, and the largest rank's growth of
+its peak RSS over the restore), side by side:
 
 * ``volume``: no local tier, every byte over the link;
 * ``node lost, no replicas``: node 1's directory is gone and node 0 has no
@@ -148,6 +149,9 @@ def comparison(root: str, endpoints: list[dict[str, Any]], size_mib: int, ranks:
                                         name != "node lost, no replicas" else 0))
                 results[name].append({
                     "seconds": max(r["restore_s"] for r in reports),
+                    "cpu_s": sum(r["cpu_s"] for r in reports),
+                    "peak_rss_growth": max(r["peak_rss"] - r["peak_rss_before"]
+                                           for r in reports),
                     "sources": {k: sum(r["sources"][k] for r in reports)
                                 for k in ("local", "peer", "volume")},
                     "events": {r["rank"]: r["events"] for r in reports},
@@ -181,9 +185,12 @@ def table(res: dict[str, Any]) -> str:
         where = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in src.items() if v)
         rows.append([name, med[name], min(r["seconds"] for r in runs),
                      res["speedup_vs_volume"][name], res["vs_same_node_local"][name],
+                     statistics.median(r["cpu_s"] for r in runs),
+                     statistics.median(r["peak_rss_growth"] for r in runs) / 2**20,
                      where or "-"])
     return format_table(["restore after", "median s", "best s", "x faster than volume",
-                         "x same-node local", "read from (MiB)"], rows)
+                         "x same-node local", "CPU s, all ranks", "peak RSS + MiB",
+                         "read from (MiB)"], rows)
 
 
 def plot(res: dict[str, Any], name: str) -> Path:

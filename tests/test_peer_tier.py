@@ -39,7 +39,8 @@ pytestmark = pytest.mark.emulator
 
 
 def _agents(root: str, out: Path, mode: str, dirs: list[Path], options: dict[str, Any],
-            *, saved_world: int = 2) -> list[subprocess.Popen[bytes]]:
+            *, saved_world: int = 2, reader_options: dict[str, Any] | None = None
+            ) -> list[subprocess.Popen[bytes]]:
     """One torchrun agent ("node") per directory, one rank each."""
     out.mkdir(parents=True, exist_ok=True)
     port, run_id = free_port(), uuid.uuid4().hex[:8]
@@ -47,8 +48,8 @@ def _agents(root: str, out: Path, mode: str, dirs: list[Path], options: dict[str
     for i, local in enumerate(dirs):
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
                "PEER_LOCAL_DIR": str(local),
-               "PEER_TEST": json.dumps({"storage_options": options,
-                                        "saved_world": saved_world})}
+               "PEER_TEST": json.dumps({"storage_options": options, "saved_world": saved_world,
+                                        "reader_options": reader_options})}
         conf = f"is_host={'true' if i == 0 else 'false'},join_timeout=60"
         log = open(out / f"agent-{i}.log", "wb")  # noqa: SIM115 - the child holds it
         procs.append(subprocess.Popen(
@@ -170,6 +171,27 @@ def test_a_lost_node_restores_from_its_peer_reading_only_metadata_and_manifest(
     by_dir = {Path(r["local_dir"]).name: r["sources"] for r in reports}
     assert by_dir["node-b"]["peer"] > 0 and by_dir["node-b"]["volume"] == 0
     assert by_dir["node-a"]["local"] > 0 and by_dir["node-a"]["peer"] == 0
+
+
+def test_peer_files_beyond_the_readers_prefetch_bytes_go_through_the_local_tier(
+        saved: tuple[str, dict[str, Any], Path], proxy: LatencyProxy, tmp_path: Path) -> None:
+    # Files that fit in prefetch_bytes are copied into the restore's tensors as they
+    # arrive (the test above); the files node b's rank needs (its 384 KiB one, rank 0's
+    # with the shared entry) do not fit in 150 KiB: they are written into the new
+    # node's local tier, checked, and read back from there.
+    root, options, base = saved
+    dirs = _copy(base, tmp_path)
+    shutil.rmtree(dirs[1])
+    proxy.reset_counts()
+    out = tmp_path / "out"
+    _finish(_agents(root, out, "restore", dirs, options,
+                    reader_options={"prefetch_bytes": "150KiB"}), out)
+    _exact(_reports(out))
+    assert _data_gets(proxy) == {}
+    held = {p.name: p.read_bytes() for p in dirs[0].glob("**/step-00000002/*.distcp")}
+    written = {p.name: p.read_bytes() for p in dirs[1].glob("step-00000002/*.distcp")}
+    assert len(written) == 2 and all(held[name] == blob for name, blob in written.items())
+    assert not list(dirs[1].glob("step-00000002/*.part"))
 
 
 def test_a_damaged_replica_file_comes_from_the_volume(
@@ -356,16 +378,19 @@ def _exchange_with_slow_chunks(rank: int, world: int, base: str) -> dict[str, An
     tier = _peers.PeerTier(local, nodes=[0, 1], rank=rank, replicas=1,
                            group=dist.new_group(backend="gloo"))
     needs = {rel: FileRecord(len(b), checksum_bytes(b)) for rel, b in blobs.items()}
+    # Each file into two buffers (a chunk crosses their boundary), as a reader's targets.
+    into = {rel: [memoryview(bytearray(1000)), memoryview(bytearray(len(b) - 1000))]
+            for rel, b in blobs.items()}
     exchange = tier.exchange(name, needs if rank == 1 else {}, os.path.join(local, name),
-                             memory_bytes=2**20)
+                             buffers=into.__getitem__, memory_bytes=2**20)
     returned = time.monotonic()
     report: dict[str, Any] = {"arrivals": sorted(exchange.arrivals)}
     if rank == 1:
         first = exchange.arrivals["__1_0_0.distcp"].result(timeout=60)
         report["last_pending_at_first"] = not exchange.arrivals["__1_0_2.distcp"].done()
         last = exchange.arrivals["__1_0_2.distcp"].result(timeout=60)
-        report["exact"] = [bytes(first.data.numpy()) == blobs["__1_0_0.distcp"],
-                           bytes(last.data.numpy()) == blobs["__1_0_2.distcp"]]
+        report["exact"] = [first.in_buffers and last.in_buffers] + [
+            b"".join(into[rel]) == blobs[rel] for rel in ("__1_0_0.distcp", "__1_0_2.distcp")]
         try:
             exchange.arrivals["__1_0_1.distcp"].result(timeout=60)
             report["damaged"] = "arrived"
@@ -387,5 +412,5 @@ def test_a_restore_exchange_runs_beside_the_load_and_files_are_usable_as_they_ar
     assert sender["arrivals"] == [] and sender["chunks"] == 12
     assert sender["returned_before_last_chunk"]
     assert receiver["arrivals"] == [f"__1_0_{i}.distcp" for i in range(3)]
-    assert receiver["last_pending_at_first"] and receiver["exact"] == [True, True]
+    assert receiver["last_pending_at_first"] and receiver["exact"] == [True, True, True]
     assert "fails its checksum" in receiver["damaged"] and "from rank 0" in receiver["damaged"]

@@ -108,12 +108,23 @@ class FileJob:
         self.spans, self.whole = [(0, size)], True
 
     def read_from_peer(self, arrival: ThreadFuture[Received], local: Volume, size: int) -> None:
-        """Take the whole file from a peer node: ``arrival`` gives its bytes once they
-        arrived and matched the manifest's checksum (or written into ``local``, then read
-        from there and checked again), or raises ``PeerCopyMissing`` (the caller reads
-        the file from the volume instead)."""
+        """Take the whole file from a peer node: ``arrival`` says when its bytes are in
+        this job's buffers (``peer_buffers``), checked against the manifest's checksum,
+        or written into ``local`` (then read from there and checked again), or raises
+        ``PeerCopyMissing`` (the caller reads the file from the volume instead)."""
         self.arrival, self.source, self.from_local = arrival, local, True
         self.spans, self.whole = [(0, size)], True
+
+    def peer_buffers(
+        self, planner: LoadPlanner, saved_dtype: Callable[[str], Any]
+    ) -> list[memoryview]:
+        """Lay out the whole file's buffers now (its target tensors, scratch between
+        them), for a peer's bytes to be copied into as they arrive: in order, covering it."""
+        assert self.record is not None
+        self.spans, self.whole = [(0, self.record.size)], True
+        self.plan_direct(planner, saved_dtype)
+        self.allocate()
+        return [view for _, view in self.pieces]
 
     def fall_back_to(self, source: Volume) -> None:
         """Read the file from ``source`` after its local copy failed (still whole)."""
@@ -130,12 +141,14 @@ class FileJob:
         """Start the reads: a local file is asked ahead from the kernel; otherwise the
         spans are cut into GETs of ``split`` (bytes per GET, whether that is a cap:
         ``split_range``) fetched by ``pool``."""
-        self.plan_direct(planner, saved_dtype)
-        if self.arrival is not None:  # into the targets and scratch, like a fetch
-            self.allocate()
+        if self.arrival is not None:
+            if not self.pieces:  # not copied into buffers: read from the file it is written to
+                self.plan_direct(planner, saved_dtype)
+                self.allocate()
             self.digest = None
             self.futures = [pool.submit(self.take_arrival, self.arrival)]
             return
+        self.plan_direct(planner, saved_dtype)
         if self.source.capabilities.local_files:
             advise_willneed(self.source.full_path(self.rel), self.spans)
             return
@@ -280,18 +293,14 @@ class FileJob:
             self.digest = self.checksum()
 
     def take_arrival(self, arrival: ThreadFuture[Received]) -> None:
-        """Wait for the peer's file and copy it into the pieces; its checksum is the one
-        taken of these bytes on arrival (a file written to disk is read and hashed)."""
+        """Wait for the peer's file: in the pieces already, its checksum the one taken
+        of those bytes on arrival; or written to disk, then read and hashed from there."""
         received = arrival.result()  # bounded: the transfer settles every arrival
-        self.arrival = None  # its bytes are dropped once copied
-        if received.data is None:
+        self.arrival = None
+        if received.in_buffers:
+            self.digest = received.checksum
+        else:
             self.fetch(0, self.spans[0][1], hash_it=True)
-            return
-        data, pos = received.data.numpy().data, 0
-        for view in self.views(0, len(data)):
-            view[:] = data[pos:pos + len(view)]
-            pos += len(view)
-        self.digest = received.checksum
 
     def checksum(self) -> str:
         """Checksum of the fetched pieces (the whole file when ``whole``)."""

@@ -30,9 +30,10 @@ Call order (each call on every rank, on the peer group)::
                       thread of its own (``Exchange``), the holders send the files a
                       rank lacks while every rank loads the files it has: each file
                       is checked against the manifest on arrival, as replicas are,
-                      and used as soon as it is in (in memory up to the reader's
-                      ``prefetch_bytes``, written into the local tier beyond); one that
-                      fails, and the files no node holds, come from the volume
+                      and used as soon as it is in (copied into the restore's
+                      tensors as it arrives, up to the reader's ``prefetch_bytes``;
+                      written into the local tier beyond); one that fails, and the
+                      files no node holds, come from the volume
 
 Only a committed checkpoint is replicated (``replicate`` runs after the commit),
 and a restore uses replicas only of the checkpoint it chose, every file checked
@@ -48,7 +49,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -125,40 +126,42 @@ class _Send:
 class _Receive:
     peer: int
     rel: str
-    dest: str | None  # None: kept in ``memory`` (a restore reads it from there)
+    dest: str | None  # None: copied into ``buffers`` (a restore reads it from there)
     size: int
     checksum: str | None  # the manifest's: checked on arrival (None: not checked here)
-    memory: torch.Tensor | None = None  # received straight into it (``dest`` None)
-    posted: int = 0  # bytes asked of the peer so far
+    buffers: Sequence[memoryview] | None = None  # where the file's bytes go, in order
     got: int = 0
     file: io.BufferedWriter | None = None
     hasher: Checksum = field(default_factory=Checksum)
     failed: str | None = None
     arrival: Future[Received] | None = None  # told when the file ends (a restore's)
+    _buffer: int = 0  # the buffer, and the offset in it, that the next byte goes to
+    _offset: int = 0
 
     @property
     def part(self) -> str:
         return f"{self.dest}.part"
 
-    def slot(self, n: int, window: torch.Tensor | None) -> torch.Tensor:
-        """Where the next ``n`` bytes are received: their place in ``memory``, or ``window``
-        (a reused buffer, written to ``dest`` once arrived)."""
-        start, self.posted = self.posted, self.posted + n
-        if self.dest is not None:
-            assert window is not None
-            return window[:n]
-        if self.memory is None:
-            self.memory = torch.empty(self.size, dtype=torch.uint8)
-        return self.memory[start:start + n]
+    def copy_in(self, data: memoryview) -> None:
+        """Copy the next received bytes into ``buffers``, across their boundaries."""
+        assert self.buffers is not None
+        while data:
+            room = self.buffers[self._buffer][self._offset:]
+            n = min(len(room), len(data))
+            room[:n], data = data[:n], data[n:]
+            self._offset += n
+            if self._offset == len(self.buffers[self._buffer]):
+                self._buffer, self._offset = self._buffer + 1, 0
 
 
 @dataclass(frozen=True)
 class Received:
-    """A file a peer sent in a restore, checked against the manifest: its bytes (``None``:
-    written into the restore's local directory instead) and their checksum."""
+    """A file a peer sent in a restore, checked against the manifest: its checksum, and
+    whether it is in the buffers the reader gave (else written into the restore's local
+    directory)."""
 
-    data: torch.Tensor | None
     checksum: str
+    in_buffers: bool
 
 
 class PeerCopyMissing(Exception):
@@ -197,21 +200,20 @@ def _next_chunk(send: _Send, buf: bytearray) -> int:
 
 
 def _take_chunk(item: _Receive, data: torch.Tensor) -> None:
-    """Hash a received chunk (in memory it is in place already; else written to the
-    file): a disk error marks the file failed, its bytes are dropped."""
+    """Copy a received chunk to its file's buffers or file, and hash it: a disk error
+    marks the file failed, its bytes are dropped."""
     item.got += data.numel()
     if item.failed is not None:
         return
     view = data.numpy().data
-    if item.dest is None:
-        if item.checksum is not None:
-            item.hasher.update(view)
-        return
     try:
-        if item.file is None:
-            os.makedirs(os.path.dirname(item.dest), exist_ok=True)
-            item.file = open(item.part, "wb")  # noqa: SIM115 - closed by _end
-        item.file.write(view)
+        if item.dest is None:
+            item.copy_in(view)
+        else:
+            if item.file is None:
+                os.makedirs(os.path.dirname(item.dest), exist_ok=True)
+                item.file = open(item.part, "wb")  # noqa: SIM115 - closed by _end
+            item.file.write(view)
         if item.checksum is not None:
             item.hasher.update(view)
     except OSError as exc:
@@ -220,10 +222,7 @@ def _take_chunk(item: _Receive, data: torch.Tensor) -> None:
 
 def _end(item: _Receive, done: set[str]) -> None:
     """Close a received file: keep it if whole and matching its checksum, else drop it."""
-    if item.dest is None:
-        if item.memory is None:
-            item.memory = torch.empty(0, dtype=torch.uint8)  # an empty file
-    elif item.failed is None:
+    if item.dest is not None and item.failed is None:
         try:
             if item.file is None:  # an empty file
                 os.makedirs(os.path.dirname(item.dest), exist_ok=True)
@@ -244,8 +243,8 @@ def _end(item: _Receive, done: set[str]) -> None:
     if item.failed is None:
         done.add(item.rel)
         if item.arrival is not None:
-            item.arrival.set_result(Received(item.memory, actual))
-        item.memory, item.arrival = None, None  # the reader holds it now, until it is used
+            item.arrival.set_result(Received(actual, in_buffers=item.dest is None))
+        item.buffers, item.arrival = None, None
         return
     logger.warning("peer tier: %s; the file is skipped (it comes from the volume if needed)",
                    item.failed)
@@ -253,7 +252,7 @@ def _end(item: _Receive, done: set[str]) -> None:
 
 
 def _discard(item: _Receive, why: str) -> None:
-    item.memory = None
+    item.buffers = None
     if item.arrival is not None and not item.arrival.done():
         item.arrival.set_exception(PeerCopyMissing(why))
     if item.dest is None:
@@ -279,9 +278,11 @@ def transfer(
     Both sides list the same files of each pair in the same order with the same
     sizes, so every message is matched by its position: in round ``n`` each
     stream (one per peer and direction) moves its ``n``-th chunk, and up to
-    ``_WINDOW`` rounds are in flight (a chunk is read or written while the
-    next one travels): ``_WINDOW * _CHUNK`` bytes a stream at most, besides the
-    files received into memory (straight into their place, no copy). A file
+    ``_WINDOW`` rounds are in flight (a chunk is read, or copied to its file or
+    buffers, while the next one travels): ``_WINDOW * _CHUNK`` bytes a stream.
+    Chunks arrive in these reused windows, never straight into a receive's
+    buffers: a peer that sends after the transfer gave up on it cannot write
+    into memory the reader has taken back. A file
     that cannot be written or fails its checksum is dropped (its bytes still
     drain, the stream stays in step); a peer that fails raises
     ``PeerTransferError``. Each receive's ``arrival`` is settled when its file ends,
@@ -290,10 +291,8 @@ def transfer(
     outgoing = _chunks(sends)
     incoming = _chunks(receives)
     send_bufs = {peer: [bytearray(_CHUNK) for _ in range(_WINDOW)] for peer in outgoing}
-    # Files kept in memory are received in place; those written to disk through these.
     recv_bufs = {peer: [torch.empty(_CHUNK, dtype=torch.uint8) for _ in range(_WINDOW)]
-                 for peer in incoming
-                 if any(item.peer == peer and item.dest is not None for item in receives)}
+                 for peer in incoming}
     wait = timedelta(seconds=timeout_s)
     rounds: deque[tuple[list[Any], list[tuple[_Receive, torch.Tensor]]]] = deque()
     failure: str | None = None
@@ -331,8 +330,7 @@ def transfer(
                     del outgoing[peer]
             for peer, rqueue in list(incoming.items()):
                 item, n = rqueue.popleft()
-                window = recv_bufs[peer][r % _WINDOW] if peer in recv_bufs else None
-                chunk = item.slot(n, window)
+                chunk = recv_bufs[peer][r % _WINDOW][:n]
                 works.append(dist.irecv(chunk, src=peer, group=group))
                 arriving.append((item, chunk))
                 if not rqueue:
@@ -517,7 +515,13 @@ class PeerTier:
     # -- restore --------------------------------------------------------------------------
 
     def exchange(
-        self, name: str, needs: Mapping[str, FileRecord], dest: str, *, memory_bytes: int = 0
+        self,
+        name: str,
+        needs: Mapping[str, FileRecord],
+        dest: str,
+        *,
+        buffers: Callable[[str], Sequence[memoryview]] | None = None,
+        memory_bytes: int = 0,
     ) -> Exchange:
         """Every rank, in a load: agree with the peers (one collective) on who sends which
         of the files in ``needs`` (rel -> its manifest record) that another node holds,
@@ -525,10 +529,12 @@ class PeerTier:
         their own files, and each file can be used as soon as it has arrived.
 
         Every file is checked against the manifest's checksum on arrival: the first
-        ``memory_bytes`` of them (in name order) arrive in memory, the rest are written
-        into ``dest``. The returned ``Exchange`` says, per file, when it arrived or that
-        it will not (a damaged replica, a failed peer: the reader reads it from the
-        volume); ``Exchange.join`` before the group is used again.
+        ``memory_bytes`` of them (in name order) are copied into ``buffers(rel)`` (the
+        reader's: its target tensors and scratch, covering the file in order; asked
+        before the transfer starts), the rest are written into ``dest``. The returned
+        ``Exchange`` says, per file, when it arrived or that it will not (a damaged
+        replica, a failed peer: the reader reads it from the volume); ``Exchange.join``
+        before the group is used again.
         """
         if self._broken is not None:
             logger.warning("peer tier: not asking peers for %s (the peer group failed earlier: "
@@ -567,11 +573,11 @@ class PeerTier:
                     sends.append(_Send(rank, _find(dirs, rel, size), size))
                 if rank == self.rank:
                     _layout.inside(rel, f"a peer's listing of {name}")
-                    in_memory = size <= memory_bytes
-                    memory_bytes -= size if in_memory else 0
-                    path = None if in_memory else os.path.join(dest, *rel.split("/"))
+                    into = buffers(rel) if buffers is not None and size <= memory_bytes else None
+                    memory_bytes -= size if into is not None else 0
+                    path = None if into is not None else os.path.join(dest, *rel.split("/"))
                     receives.append(_Receive(holder, rel, path, size, needs[rel].checksum,
-                                             arrival=Future()))
+                                             buffers=into, arrival=Future()))
         return Exchange(self, name, sends, receives)
 
     def held_dirs(self, name: str) -> list[str]:

@@ -344,7 +344,7 @@ class VolumeReader(AtLocation, StorageReader):
             if self._peers is not None:  # the other ranks wait in the exchange: take part
                 self._peers.exchange(self._name(), {}, "").join()
             raise
-        exchange = self._fetch_from_peers(jobs)
+        exchange = self._fetch_from_peers(jobs, planner)
         try:
             self._read_jobs(jobs, plan, planner)
         finally:
@@ -603,7 +603,7 @@ class VolumeReader(AtLocation, StorageReader):
         else:
             logger.debug("no local copy of %s", job.rel)
 
-    def _fetch_from_peers(self, jobs: Sequence[FileJob]) -> Exchange | None:
+    def _fetch_from_peers(self, jobs: Sequence[FileJob], planner: LoadPlanner) -> Exchange | None:
         """Every rank: files no local copy has are asked of the peers (one collective);
         they arrive while the load goes on, each checked against the manifest, and are
         read like local copies (one that does not arrive: from the volume)."""
@@ -613,10 +613,14 @@ class VolumeReader(AtLocation, StorageReader):
             return None
         needs = {job.rel: job.record for job in jobs
                  if job.record is not None and not job.from_local and local_dir is not None}
-        # Up to prefetch_bytes arrive in memory and are read from there (no disk write on
-        # the restore's path); the rest is written into the local tier and read back.
-        exchange = peers.exchange(self._name(), needs, local_dir or "",
-                                  memory_bytes=self.options.prefetch_bytes)
+        # Up to prefetch_bytes are copied into the jobs' target tensors (and scratch) as
+        # they arrive: no disk write, no buffer of their own; the rest is written into
+        # the local tier and read back.
+        by_rel = {job.rel: job for job in jobs}
+        exchange = peers.exchange(
+            self._name(), needs, local_dir or "",
+            buffers=lambda rel: by_rel[rel].peer_buffers(planner, self._saved_dtype),
+            memory_bytes=self.options.prefetch_bytes)
         if local_dir is None:
             return exchange
         self._from_peers = set(exchange.arrivals)

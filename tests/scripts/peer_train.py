@@ -8,7 +8,8 @@ that saved). ``save`` saves steps 1 and 2 with ``keep_local=True,
 local_replicas=1`` and closes (which waits for the replication); ``hold`` saves
 step 1, then step 2 with a slow replication, and waits in a collective until it
 is killed; ``restore`` restores into a state holding every saved rank's entry
-that this rank loads and checks it exactly. Each rank writes ``OUT/rank-<r>.json``.
+that this rank loads and checks it exactly (with ``PEER_TEST``'s ``reader_options``,
+if any). Each rank writes ``OUT/rank-<r>.json``.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main() -> None:
                               "pid": os.getpid(), "local_dir": os.environ["PEER_LOCAL_DIR"]}
     mgr = CheckpointManager(root, storage_options=opts["storage_options"], keep_local=True,
                             local_dir=os.environ["PEER_LOCAL_DIR"], local_replicas=1,
-                            writer_options={"file_size": "128KiB"})
+                            writer_options={"file_size": "128KiB"},
+                            reader_options=opts.get("reader_options"))
     if mode in ("save", "hold"):
         mgr.save(1, state(1, [rank]))
         if mode == "hold":
