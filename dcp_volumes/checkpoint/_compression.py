@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import io
-import os
 from types import ModuleType
 from typing import IO, Any, cast
 
@@ -25,6 +24,7 @@ from dcp_volumes._exceptions import BackendNotInstalledError, ConfigurationError
 # Torch's extension API appeared in 2.7 (experimental): without it compression
 # is refused with a message, not an ImportError at import time.
 from dcp_volumes._torch.checkpoint import EXTENSIONS_AVAILABLE, StreamTransformExtension, ZStandard
+from dcp_volumes._world import available_cpus
 
 REGISTRY_NAME = "stream.zstd"
 DESCRIPTOR = f"{REGISTRY_NAME}/1"
@@ -134,7 +134,7 @@ class ZstdCompression(StreamTransformExtension):
             tensor data gives about level 3's ratio at twice its speed.
         threads: compressor worker threads per item: 0 compresses in the
             save's serialising thread; ``N >= 1`` uses N workers (helps large
-            tensors); -1 one per CPU core.
+            tensors); -1 one per CPU this process may run on.
     """
 
     def __init__(self, level: int = DEFAULT_LEVEL, threads: int = 0) -> None:
@@ -149,7 +149,7 @@ class ZstdCompression(StreamTransformExtension):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < -1:
             raise ConfigurationError(
                 f"zstd threads={threads!r}: use 0 (compress in the saving thread), a number "
-                "of worker threads >= 1, or -1 (one per CPU core)."
+                "of worker threads >= 1, or -1 (one per CPU this process may run on)."
             )
         _require_backend()
         self.level = level
@@ -178,7 +178,7 @@ class ZstdCompression(StreamTransformExtension):
         return DESCRIPTOR
 
     def _workers(self) -> int:
-        return (os.cpu_count() or 1) if self.threads == -1 else self.threads
+        return available_cpus() if self.threads == -1 else self.threads
 
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
         """A stream that compresses what is written to it into ``output`` (one frame)."""

@@ -43,6 +43,7 @@ from dcp_volumes._exceptions import (
 )
 from dcp_volumes._sizes import parse_size
 from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, Volume, redact_url
+from dcp_volumes._world import available_cpus
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._discovery import (
     NO_STEP,
@@ -527,7 +528,7 @@ class VolumeReader(AtLocation, StorageReader):
         if not any(getattr(info, "transform_descriptors", None)
                    for job in jobs for _, info in job.reqs):
             return None
-        workers = max(1, min(8, os.cpu_count() or 1))
+        workers = max(1, min(8, available_cpus()))
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcpv-decode")
         return Decoders(pool, window=2 * workers, budget=_DECODE_AHEAD_BYTES)
 
