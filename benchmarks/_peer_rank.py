@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import sys
 import time
 from typing import Any
@@ -24,14 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks._common import max_rss_lifetime
 from dcp_volumes import CheckpointManager
 
 _TENSOR_MIB = 16
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory so far, bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def make_state(size_mib: int, rank: int) -> dict[str, torch.Tensor]:
@@ -69,7 +64,7 @@ def main() -> None:
     library.setLevel(logging.INFO)
     library.addHandler(events)
     if mode == "save":
-        report["peak_rss_before"] = peak_rss()
+        report["peak_rss_before"] = max_rss_lifetime()
         dist.barrier()
         started, events.started = time.perf_counter(), time.time()
         mgr.save(1, want)
@@ -78,17 +73,17 @@ def main() -> None:
         report["committed_s"] = time.perf_counter() - started
         mgr.close()  # waits for the replication
         report["closed_s"] = time.perf_counter() - started
-        report["peak_rss"] = peak_rss()
+        report["peak_rss"] = max_rss_lifetime()
     else:
         target = {k: torch.empty_like(v) for k, v in want.items()}
         dist.barrier()
         started, events.started = time.perf_counter(), time.time()
-        report["peak_rss_before"] = peak_rss()
+        report["peak_rss_before"] = max_rss_lifetime()
         cpu = time.process_time()
         step = mgr.restore(target)
         report["restore_s"] = time.perf_counter() - started
         report["cpu_s"] = time.process_time() - cpu
-        report["peak_rss"] = peak_rss()
+        report["peak_rss"] = max_rss_lifetime()
         report["exact"] = step == 1 and all(torch.equal(target[k], want[k]) for k in want)
         report["sources"] = mgr.restore_sources
         mgr.close()

@@ -99,6 +99,11 @@ def run_job(root: str, work: Path, mode: str, size_mib: int, ranks: int,
     return reports
 
 
+def _peak_growth(reports: list[dict[str, Any]]) -> int:
+    """The largest rank's growth of its peak RSS over the timed save or restore."""
+    return max(r["peak_rss"] - r["peak_rss_before"] for r in reports)
+
+
 def comparison(root: str, endpoints: list[dict[str, Any]], size_mib: int, ranks: int,
                repeats: int) -> dict[str, Any]:
     """Save once, then time every restore of ``ROWS`` ``repeats`` times (interleaved)."""
@@ -125,8 +130,7 @@ def comparison(root: str, endpoints: list[dict[str, Any]], size_mib: int, ranks:
                                   size_mib, ranks, nodes(dirs, replicas=int(label[-1])))
                 blocked[label].append(max(r["blocked_s"] for r in reports))
                 # The save's and the replication's growth of the peak, largest rank.
-                extra_rss[label].append(max(r["peak_rss"] - r["peak_rss_before"]
-                                            for r in reports))
+                extra_rss[label].append(_peak_growth(reports))
                 for d in dirs:
                     shutil.rmtree(d, ignore_errors=True)
         results: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
@@ -150,8 +154,7 @@ def comparison(root: str, endpoints: list[dict[str, Any]], size_mib: int, ranks:
                 results[name].append({
                     "seconds": max(r["restore_s"] for r in reports),
                     "cpu_s": sum(r["cpu_s"] for r in reports),
-                    "peak_rss_growth": max(r["peak_rss"] - r["peak_rss_before"]
-                                           for r in reports),
+                    "peak_rss_growth": _peak_growth(reports),
                     "sources": {k: sum(r["sources"][k] for r in reports)
                                 for k in ("local", "peer", "volume")},
                     "events": {r["rank"]: r["events"] for r in reports},

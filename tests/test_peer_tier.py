@@ -378,11 +378,15 @@ def _exchange_with_slow_chunks(rank: int, world: int, base: str) -> dict[str, An
     tier = _peers.PeerTier(local, nodes=[0, 1], rank=rank, replicas=1,
                            group=dist.new_group(backend="gloo"))
     needs = {rel: FileRecord(len(b), checksum_bytes(b)) for rel, b in blobs.items()}
-    # Each file into two buffers (a chunk crosses their boundary), as a reader's targets.
-    into = {rel: [memoryview(bytearray(1000)), memoryview(bytearray(len(b) - 1000))]
-            for rel, b in blobs.items()}
+    into = {rel: bytearray(len(b)) for rel, b in blobs.items()}
+
+    def copy_to(rel: str) -> Any:
+        def put(at: int, data: memoryview) -> None:
+            into[rel][at:at + len(data)] = data
+        return put
+
     exchange = tier.exchange(name, needs if rank == 1 else {}, os.path.join(local, name),
-                             buffers=into.__getitem__, memory_bytes=2**20)
+                             copy_to=copy_to, memory_bytes=2**20)
     returned = time.monotonic()
     report: dict[str, Any] = {"arrivals": sorted(exchange.arrivals)}
     if rank == 1:
@@ -390,7 +394,7 @@ def _exchange_with_slow_chunks(rank: int, world: int, base: str) -> dict[str, An
         report["last_pending_at_first"] = not exchange.arrivals["__1_0_2.distcp"].done()
         last = exchange.arrivals["__1_0_2.distcp"].result(timeout=60)
         report["exact"] = [first.in_buffers and last.in_buffers] + [
-            b"".join(into[rel]) == blobs[rel] for rel in ("__1_0_0.distcp", "__1_0_2.distcp")]
+            bytes(into[rel]) == blobs[rel] for rel in ("__1_0_0.distcp", "__1_0_2.distcp")]
         try:
             exchange.arrivals["__1_0_1.distcp"].result(timeout=60)
             report["damaged"] = "arrived"

@@ -109,22 +109,29 @@ class FileJob:
 
     def read_from_peer(self, arrival: ThreadFuture[Received], local: Volume, size: int) -> None:
         """Take the whole file from a peer node: ``arrival`` says when its bytes are in
-        this job's buffers (``peer_buffers``), checked against the manifest's checksum,
+        this job's buffers (``lay_out_for_peer``), checked against the manifest's checksum,
         or written into ``local`` (then read from there and checked again), or raises
         ``PeerCopyMissing`` (the caller reads the file from the volume instead)."""
         self.arrival, self.source, self.from_local = arrival, local, True
         self.spans, self.whole = [(0, size)], True
 
-    def peer_buffers(
+    def lay_out_for_peer(
         self, planner: LoadPlanner, saved_dtype: Callable[[str], Any]
-    ) -> list[memoryview]:
+    ) -> Callable[[int, memoryview], None]:
         """Lay out the whole file's buffers now (its target tensors, scratch between
-        them), for a peer's bytes to be copied into as they arrive: in order, covering it."""
+        them) for a peer's bytes, which arrive in pieces: returns ``put``."""
         assert self.record is not None
         self.spans, self.whole = [(0, self.record.size)], True
         self.plan_direct(planner, saved_dtype)
         self.allocate()
-        return [view for _, view in self.pieces]
+        return self.put
+
+    def put(self, start: int, data: memoryview) -> None:
+        """Copy ``data``, the file's bytes from ``start`` on, into the buffers."""
+        pos = 0
+        for view in self.views(start, start + len(data)):
+            view[:] = data[pos:pos + len(view)]
+            pos += len(view)
 
     def fall_back_to(self, source: Volume) -> None:
         """Read the file from ``source`` after its local copy failed (still whole)."""

@@ -76,6 +76,9 @@ TIMEOUT_S = 60.0
 _CHUNK = 8 * 2**20
 _WINDOW = 2
 
+#: ``copy_to(offset, data)``: puts a file's received bytes at their offset in a reader's buffers.
+CopyTo = Callable[[int, memoryview], None]
+
 
 # -- pairing --------------------------------------------------------------------------------
 
@@ -126,38 +129,26 @@ class _Send:
 class _Receive:
     peer: int
     rel: str
-    dest: str | None  # None: copied into ``buffers`` (a restore reads it from there)
+    dest: str | None  # None: handed to ``copy_to`` (a restore reads it from there)
     size: int
     checksum: str | None  # the manifest's: checked on arrival (None: not checked here)
-    buffers: Sequence[memoryview] | None = None  # where the file's bytes go, in order
+    copy_to: CopyTo | None = None  # puts the file's bytes in the reader's buffers
     got: int = 0
     file: io.BufferedWriter | None = None
     hasher: Checksum = field(default_factory=Checksum)
     failed: str | None = None
     arrival: Future[Received] | None = None  # told when the file ends (a restore's)
-    _buffer: int = 0  # the buffer, and the offset in it, that the next byte goes to
-    _offset: int = 0
 
     @property
     def part(self) -> str:
         return f"{self.dest}.part"
 
-    def copy_in(self, data: memoryview) -> None:
-        """Copy the next received bytes into ``buffers``, across their boundaries."""
-        assert self.buffers is not None
-        while data:
-            room = self.buffers[self._buffer][self._offset:]
-            n = min(len(room), len(data))
-            room[:n], data = data[:n], data[n:]
-            self._offset += n
-            if self._offset == len(self.buffers[self._buffer]):
-                self._buffer, self._offset = self._buffer + 1, 0
 
 
 @dataclass(frozen=True)
 class Received:
     """A file a peer sent in a restore, checked against the manifest: its checksum, and
-    whether it is in the buffers the reader gave (else written into the restore's local
+    whether it went to the reader's buffers (else written into the restore's local
     directory)."""
 
     checksum: str
@@ -202,13 +193,14 @@ def _next_chunk(send: _Send, buf: bytearray) -> int:
 def _take_chunk(item: _Receive, data: torch.Tensor) -> None:
     """Copy a received chunk to its file's buffers or file, and hash it: a disk error
     marks the file failed, its bytes are dropped."""
-    item.got += data.numel()
+    at, item.got = item.got, item.got + data.numel()
     if item.failed is not None:
         return
     view = data.numpy().data
     try:
         if item.dest is None:
-            item.copy_in(view)
+            assert item.copy_to is not None  # a receive has a file or a copy_to
+            item.copy_to(at, view)
         else:
             if item.file is None:
                 os.makedirs(os.path.dirname(item.dest), exist_ok=True)
@@ -244,7 +236,7 @@ def _end(item: _Receive, done: set[str]) -> None:
         done.add(item.rel)
         if item.arrival is not None:
             item.arrival.set_result(Received(actual, in_buffers=item.dest is None))
-        item.buffers, item.arrival = None, None
+        item.copy_to, item.arrival = None, None
         return
     logger.warning("peer tier: %s; the file is skipped (it comes from the volume if needed)",
                    item.failed)
@@ -252,7 +244,7 @@ def _end(item: _Receive, done: set[str]) -> None:
 
 
 def _discard(item: _Receive, why: str) -> None:
-    item.buffers = None
+    item.copy_to = None
     if item.arrival is not None and not item.arrival.done():
         item.arrival.set_exception(PeerCopyMissing(why))
     if item.dest is None:
@@ -520,7 +512,7 @@ class PeerTier:
         needs: Mapping[str, FileRecord],
         dest: str,
         *,
-        buffers: Callable[[str], Sequence[memoryview]] | None = None,
+        copy_to: Callable[[str], CopyTo] | None = None,
         memory_bytes: int = 0,
     ) -> Exchange:
         """Every rank, in a load: agree with the peers (one collective) on who sends which
@@ -529,9 +521,9 @@ class PeerTier:
         their own files, and each file can be used as soon as it has arrived.
 
         Every file is checked against the manifest's checksum on arrival: the first
-        ``memory_bytes`` of them (in name order) are copied into ``buffers(rel)`` (the
-        reader's: its target tensors and scratch, covering the file in order; asked
-        before the transfer starts), the rest are written into ``dest``. The returned
+        ``memory_bytes`` of them (in name order) go to ``copy_to(rel)`` (asked before the
+        transfer starts: it copies bytes to their offset in the reader's target tensors
+        and scratch), the rest are written into ``dest``. The returned
         ``Exchange`` says, per file, when it arrived or that it will not (a damaged
         replica, a failed peer: the reader reads it from the volume); ``Exchange.join``
         before the group is used again.
@@ -573,11 +565,11 @@ class PeerTier:
                     sends.append(_Send(rank, _find(dirs, rel, size), size))
                 if rank == self.rank:
                     _layout.inside(rel, f"a peer's listing of {name}")
-                    into = buffers(rel) if buffers is not None and size <= memory_bytes else None
-                    memory_bytes -= size if into is not None else 0
-                    path = None if into is not None else os.path.join(dest, *rel.split("/"))
+                    to = copy_to(rel) if copy_to is not None and size <= memory_bytes else None
+                    memory_bytes -= size if to is not None else 0
+                    path = None if to is not None else os.path.join(dest, *rel.split("/"))
                     receives.append(_Receive(holder, rel, path, size, needs[rel].checksum,
-                                             buffers=into, arrival=Future()))
+                                             copy_to=to, arrival=Future()))
         return Exchange(self, name, sends, receives)
 
     def held_dirs(self, name: str) -> list[str]:

@@ -620,7 +620,7 @@ class VolumeReader(AtLocation, StorageReader):
         by_rel = {job.rel: job for job in jobs}
         exchange = peers.exchange(
             self._name(), needs, local_dir or "",
-            buffers=lambda rel: by_rel[rel].peer_buffers(planner, self._saved_dtype),
+            copy_to=lambda rel: by_rel[rel].lay_out_for_peer(planner, self._saved_dtype),
             memory_bytes=self.options.prefetch_bytes)
         if local_dir is None:
             return exchange
