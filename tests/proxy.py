@@ -190,7 +190,8 @@ class LatencyProxy:
         self.log: list[tuple[str, str]] = []
         self.connections = 0
         self._seq = 0
-        self._drops: collections.deque[tuple[int, str | None]] = collections.deque()
+        # (response bytes before the reset, method, request bytes before the reset)
+        self._drops: collections.deque[tuple[int, str | None, int | None]] = collections.deque()
         self._answers: collections.deque[tuple[int, str | None]] = collections.deque()
         self._stalls: collections.deque[tuple[str | None, int]] = collections.deque()
         self._hooks: collections.deque[tuple[Callable[[], None], str | None]] = (
@@ -267,18 +268,27 @@ class LatencyProxy:
         self.stop()
 
     # -- faults and counts ---------------------------------------------------
-    def drop_next(self, n: int = 1, *, after_bytes: int = 0, method: str | None = None) -> None:
+    def drop_next(
+        self, n: int = 1, *, after_bytes: int = 0, method: str | None = None,
+        request_bytes: int | None = None,
+    ) -> None:
         """Reset the connection (TCP RST) on each of the next ``n`` requests.
 
         ``after_bytes=0`` drops the request before it reaches the server;
         ``after_bytes=k`` forwards it and then cuts the response after ``k``
-        bytes (headers included), i.e. mid-stream. ``method`` limits which
-        requests are hit (e.g. ``"GET"``).
+        bytes (headers included), i.e. mid-stream. ``request_bytes=k`` forwards
+        the first ``k`` bytes of the request (its line and headers included) and
+        then resets: the server saw part of it (an upload cut part-way); a
+        request shorter than that is not cut. ``method`` limits which requests
+        are hit (e.g. ``"GET"``).
         """
-        if n < 0 or after_bytes < 0:
-            raise ValueError("n and after_bytes must be >= 0")
+        if n < 0 or after_bytes < 0 or (request_bytes is not None and request_bytes < 1):
+            raise ValueError("n and after_bytes must be >= 0, request_bytes >= 1 (or None)")
+        if request_bytes is not None and after_bytes:
+            raise ValueError("a request is cut either on its way (request_bytes) or in its "
+                             "answer (after_bytes), not both")
         with self._lock:
-            self._drops.extend([(after_bytes, method)] * n)
+            self._drops.extend([(after_bytes, method, request_bytes)] * n)
 
     def answer_next(self, n: int = 1, *, status: int = 503, method: str | None = None) -> None:
         """Answer each of the next ``n`` requests with HTTP ``status`` (503 SlowDown, 500,
@@ -338,9 +348,10 @@ class LatencyProxy:
         with self._lock:
             return self.requests[(method, path)]
 
-    def _on_request(self, method: str, target: str) -> tuple[int | None, bool]:
+    def _on_request(self, method: str, target: str) -> tuple[int | None, bool, int | None]:
         """Record a request; returns the bytes of response to pass before a reset (or
-        None), and whether the connection is then held open instead of reset."""
+        None), whether the connection is then held open instead of reset, and the
+        bytes of the request to forward before a reset (or None)."""
         path = urllib.parse.unquote(urllib.parse.urlsplit(target).path)
         key = (method, path)
         hook = None
@@ -354,6 +365,7 @@ class LatencyProxy:
             self.log.append((method, target))
             self._seq += 1
             drop: int | None = None
+            cut_request: int | None = None
             if self._answers and self._answers[0][1] in (None, method):
                 status = self._answers.popleft()[0]
                 self.answered[status] += 1
@@ -363,9 +375,12 @@ class LatencyProxy:
                 self.stalled[key] += 1
                 if not after:
                     raise _Stall
-                return after, True
+                return after, True, None
             if self._drops and self._drops[0][1] in (None, method):
-                drop = self._drops.popleft()[0]
+                drop, _, cut_request = self._drops.popleft()
+                if cut_request is not None:
+                    drop = None
+                    self.dropped[key] += 1
             elif self.fail_every and self._seq % self.fail_every == 0:
                 drop = 0
             elif self.fault_rate and self._rng.random() < self.fault_rate:
@@ -380,10 +395,10 @@ class LatencyProxy:
                 drop = 0 if kind == "reset" else self._rng.randint(200, 4096)
                 if kind == "hold":
                     self.stalled[key] += 1
-                    return drop, True
+                    return drop, True, None
             if drop is not None:
                 self.dropped[key] += 1
-        return drop, False
+        return drop, False, cut_request
 
     # -- plumbing ------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -455,6 +470,7 @@ class LatencyProxy:
         expect_request = True  # next client bytes may start a request
         pending = b""
         cut_after: int | None = None  # response bytes left before a mid-stream reset
+        cut_request: int | None = None  # request bytes left to forward before a reset
         hold = False  # at cut_after, hold the connection open instead of resetting it
         open_ = {client: True, upstream: True}
         while not self._stopping.is_set():
@@ -478,7 +494,7 @@ class LatencyProxy:
                         m = _REQUEST_LINE.match(data)
                         if m:
                             expect_request = False
-                            drop, hold = self._on_request(
+                            drop, hold, cut_request = self._on_request(
                                 m.group(1).decode(), m.group(2).decode()
                             )
                             if drop == 0:
@@ -486,6 +502,11 @@ class LatencyProxy:
                             cut_after = drop
                             if self.latency_s:
                                 time.sleep(self.latency_s)
+                    if cut_request is not None:
+                        if len(data) >= cut_request:
+                            upstream.sendall(data[:cut_request])
+                            raise _Drop
+                        cut_request -= len(data)
                     if up_bucket:
                         up_bucket.take(len(data))
                     if self._total_up:

@@ -26,6 +26,7 @@ from dcp_volumes._volume._errors import (
     NotFound,
     ServerError,
     Throttled,
+    UploadGone,
 )
 from dcp_volumes._volume._retry import call_with_retries
 
@@ -92,6 +93,30 @@ def test_fsspec_maps_botocore_errors_by_their_structured_codes() -> None:
                       ConnectionFailed)
     assert isinstance(_neutral(FileNotFoundError("k")), NotFound)
     assert _neutral(ValueError("status code: 503")) is None  # unknown: final, as raised
+
+
+def test_obstore_maps_a_vanished_multipart_upload_to_a_transient_kind_not_a_missing_bucket(
+) -> None:
+    """A completion whose answer was lost, retried by the client, finds no such upload; the
+    client's abort then raises "not found" (a ``FileNotFoundError``). That is neither the
+    object nor the bucket missing: the volume sends the object again."""
+    from dcp_volumes._volume._obstore import ObstoreBackend
+    from dcp_volumes._volume._obstore_options import StoreSettings
+
+    backend = ObstoreBackend("s3", StoreSettings())
+    body = ('<?xml version="1.0" encoding="utf-8"?>\n<Error><Code>NoSuchUpload</Code><Message>'
+            "The specified upload does not exist.</Message></Error>")
+    # obstore's text (its Debug source abridged): the one client whose errors carry no codes.
+    lost = FileNotFoundError(
+        "Object at location k not found: Error performing DELETE http://127.0.0.1:9/b/k?"
+        "uploadId=x in 3ms - Server returned non-2xx status code: 404 Not Found: " + body)
+    kind = backend._neutral(lost)
+    assert isinstance(kind, UploadGone) and kind.transient and kind.code == "NoSuchUpload"
+    tries, final = _run(kind)
+    assert tries == NO_WAIT.attempts
+    assert type(final) is VolumeError and "multipart upload" in str(final)
+    assert isinstance(backend._neutral(FileNotFoundError("Object at location k not found")),
+                      NotFound)
 
 
 def test_the_local_backend_maps_os_errors(tmp_path) -> None:

@@ -6,10 +6,16 @@ save must commit and load back bit-equal, every load of a committed checkpoint
 must succeed (a transient error is never a "missing" or "damaged" file), and a
 cold VolumeDataset epoch must deliver every sample exactly once, byte-equal.
 The counts (trials, faults by kind, failures, anything lost) are printed.
+
+Uploads are also put through a reset at every stage of each of their requests
+(before the server sees it, in its head or body, in the answer), twice in a row
+so the volume's retry runs too: single PUTs and multipart uploads, from a mapped
+file and from memory. Every one must land whole.
 """
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +25,7 @@ import pytest
 import torch.distributed as dist
 
 from dcp_volumes import CheckpointManager, DataLoader, VolumeDataset, VolumeReader
+from dcp_volumes._volume import RetryPolicy, Volume
 from tests.dist import run_ranks
 from tests.emulators import LatencyProxy, MotoServer
 from tests.scripts.states import differences, empty_state, state_for
@@ -132,3 +139,83 @@ def _read_checked(path: str) -> int:
         if f.read() != payload(file_id, 16384):
             raise AssertionError(f"sample {file_id} differs from what was written")
     return file_id
+
+
+# -- connection resets at every stage of an upload -------------------------------------------
+
+_PART = 5 * 2**20
+# Where a reset lands in one request (``LatencyProxy.drop_next``'s arguments), and whether
+# only requests with a large body (an object's or a part's bytes: PUT) have that stage.
+_STAGES: dict[str, tuple[dict[str, int], bool]] = {
+    "before the server sees it": ({"after_bytes": 0}, False),
+    "in the request's head": ({"request_bytes": 64}, False),
+    "in the request's body": ({"request_bytes": 2 * 2**20}, True),
+    "as the answer starts": ({"after_bytes": 1}, False),
+    "in the answer's head": ({"after_bytes": 20}, False),
+}
+
+
+@pytest.fixture
+def resetting_s3(moto_server: MotoServer, s3_bucket: tuple[str, Any]
+                 ) -> Iterator[tuple[Volume, LatencyProxy]]:
+    url, _ = s3_bucket
+    with LatencyProxy.in_front_of(moto_server) as proxy:
+        policy = RetryPolicy(attempts=4, base_delay_s=0.01, max_delay_s=0.05)
+        yield Volume(url, storage_options=moto_server.storage_options(proxy.endpoint),
+                     retry=policy), proxy
+
+
+def _reset_at(proxy: LatencyProxy, index: int, method: str, where: dict[str, int]) -> None:
+    """Reset the ``index``-th request from now (0-based) at ``where``, and the client's
+    own retry of it: the client gives up, so the volume's retry runs as well."""
+    for _ in range(index):
+        proxy.call_next(lambda: None)
+    proxy.call_next(lambda: proxy.drop_next(2, method=method, **where))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("source", ["file", "bytes"])  # mmap-backed (put_file) or in memory
+@pytest.mark.parametrize("size", [4 * 2**20, 2 * _PART], ids=["single PUT", "multipart"])
+def test_connection_resets_at_every_stage_of_an_upload_never_fail_it(
+    resetting_s3: tuple[Volume, LatencyProxy], tmp_path: Path, source: str, size: int,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    volume, proxy = resetting_s3
+    data = random.Random(size).randbytes(size)
+    src = tmp_path / "staged"
+    src.write_bytes(data)
+
+    def upload(key: str) -> None:
+        if source == "file":  # sent from a map of the file (parts in order, one at a time)
+            volume.put_file(src, key, part_size=_PART, concurrency=1)
+        else:  # sent from the bytes object
+            volume.publish(key, data)
+
+    upload("clean")
+    requests = [method for method, _ in proxy.log]  # the upload's requests, in order
+    assert ("POST" in requests) == (size > _PART)  # the shape this case is about
+    trials, failures = 0, []
+    for index, method in enumerate(requests):
+        for n, (stage, (where, bodies_only)) in enumerate(_STAGES.items()):
+            if bodies_only and method != "PUT":
+                continue
+            trials += 1
+            key = f"request{index}-stage{n}"
+            _reset_at(proxy, index, method, where)
+            try:
+                upload(key)
+            except Exception as exc:  # every one must commit: collect them for the report
+                failures.append(f"request {index} ({method}) reset {stage}: {exc}")
+                proxy.clear_faults()
+                continue
+            if proxy.pending_drops:
+                failures.append(f"request {index} ({method}) {stage}: the resets never came")
+                proxy.clear_faults()
+            elif volume.read_bytes(key) != data:
+                failures.append(f"request {index} ({method}) reset {stage}: other bytes")
+    with capsys.disabled():
+        print(f"\n[resets in an upload, {source}, {size >> 20} MiB] requests={requests} "
+              f"uploads={trials} resets={sum(proxy.dropped.values())} "
+              f"committed={trials - len(failures)} failures={failures[:3]}")
+    assert failures == []
+    assert sum(proxy.dropped.values()) >= 2 * trials

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import pickle
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from dcp_volumes._volume._mapped import mapped, mapped_parts
 
@@ -56,3 +63,42 @@ def test_part_maps_cover_the_file_exactly_and_drop_their_pages(tmp_path: Path) -
     assert _dropped_after_reading(parts[0]) <= 1024
     with open(path, "rb") as f, mapped(f, 0) as empty:
         assert empty == b""
+
+
+# What a client may still hold of an upload's body once its request has ended: a buffer
+# of the view itself (obstore's runtime takes one, and may drop it only after the request's
+# error reached the caller; the view's release then refuses), or another view of the same
+# memory (the map's close refuses).
+_HOLDERS = {"a buffer of the body": pickle.PickleBuffer, "a view of its memory": memoryview}
+
+
+@pytest.mark.parametrize("hold", list(_HOLDERS.values()), ids=list(_HOLDERS))
+@pytest.mark.parametrize("fails", [True, False], ids=["request failed", "request succeeded"])
+def test_a_map_a_client_still_holds_stays_valid_until_it_lets_go(
+    tmp_path: Path, hold: Callable[[memoryview], Any], fails: bool
+) -> None:
+    data = os.urandom(2 * 2**20 + 7)
+    path = tmp_path / "staged"
+    path.write_bytes(data)
+    holders: list[Any] = []
+    maps: list[weakref.ref[Any]] = []
+
+    def send() -> None:
+        with open(path, "rb") as f, mapped(f, len(data)) as body:
+            assert isinstance(body, memoryview)
+            maps.append(weakref.ref(body.obj))
+            holders.append(hold(body))
+            if fails:
+                raise ConnectionResetError("connection reset mid-request")
+
+    if fails:
+        # The request's own (transient) error comes out, never a BufferError of the close.
+        with pytest.raises(ConnectionResetError):
+            send()
+    else:
+        send()
+    # Never unmapped under the holder (a read of an unmapped page would crash the process).
+    assert bytes(holders[0]) == data
+    holders.clear()
+    gc.collect()
+    assert maps[0]() is None  # closed once the holder let go

@@ -118,6 +118,14 @@ class ConnectionFailed(BackendError):
     transient = True
 
 
+class UploadGone(BackendError):
+    """A multipart upload this client started is no longer on the store (S3's
+    ``NoSuchUpload``): a try whose answer was lost on the way completed it, or it
+    was aborted. The object's bytes are still here: sending them again is safe."""
+
+    transient = True
+
+
 class RequestFailed(BackendError):
     """The server refused the request for a reason no other kind names (a 4xx)."""
 

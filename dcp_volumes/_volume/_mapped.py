@@ -17,6 +17,7 @@ holds; a shorter period bought little RSS for more CPU (benchmarks/HISTORY.md).
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import threading
@@ -24,6 +25,8 @@ import time
 import weakref
 from collections.abc import Iterator
 from typing import IO
+
+logger = logging.getLogger("dcp_volumes._volume")
 
 # How often the pages of open upload maps are dropped.
 _DROP_EVERY_S = 0.01
@@ -81,16 +84,46 @@ def _open_map(f: IO[bytes], length: int, offset: int) -> mmap.mmap:
 
 @contextlib.contextmanager
 def mapped(f: IO[bytes], size: int) -> Iterator[memoryview | bytes]:
-    """The bytes of the open file ``f`` as one read-only map (``b""`` when empty)."""
+    """The bytes of the open file ``f`` as one read-only map (``b""`` when empty).
+
+    On leaving, the map is closed unless a client still holds the buffer: a
+    request that failed or was cancelled can hand its error back before the
+    client's runtime has let go of the body (obstore drops it on one of its
+    threads, later). Such a map is left to close itself when the last holder
+    lets go, never unmapped under it, and the block's own outcome (the
+    request's error, which may be a transient one) is what propagates. A retry
+    maps the file again: it never shares a buffer with an abandoned request.
+    """
     if size == 0:
         yield b""
         return
-    with _open_map(f, size, 0) as mapping:
-        view = memoryview(mapping)
-        try:
-            yield view
-        finally:
-            view.release()
+    mapping = _open_map(f, size, 0)
+    view = memoryview(mapping)
+    try:
+        yield view
+    finally:
+        _let_go(view, mapping)
+        # The request's error keeps this frame in its traceback: not the map too.
+        del view, mapping
+
+
+def _let_go(view: memoryview, mapping: mmap.mmap) -> None:
+    """Release ``view`` and close ``mapping``, or leave both to close when their holders let go.
+
+    A client's buffer of ``view`` refuses its release, and a buffer of ``mapping``
+    its close (``BufferError``); either is no failure of the upload. The holder's
+    buffer keeps ``view`` (and ``view`` keeps ``mapping``) alive: once it is
+    released, reference counting releases the view and unmaps the file.
+    """
+    try:
+        view.release()
+        mapping.close()
+    except BufferError:
+        logger.debug(
+            "a finished or abandoned request still holds its upload buffer (%d bytes): "
+            "the map closes when the client lets go of it",
+            len(mapping),
+        )
 
 
 def mapped_parts(f: IO[bytes], size: int, part_size: int) -> Iterator[memoryview]:

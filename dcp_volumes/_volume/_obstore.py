@@ -44,6 +44,7 @@ from dcp_volumes._volume._errors import (
     PreconditionFailed,
     RequestFailed,
     ServerError,
+    UploadGone,
     describe,
     from_builtin,
     map_exceptions,
@@ -174,6 +175,9 @@ class ObstoreBackend:
     def _neutral(self, exc: Exception) -> BackendError | None:
         """The neutral kind of one of obstore's exceptions (by its type), or ``None``."""
         errors = self._obs.exceptions
+        gone = self._upload_gone(exc)
+        if gone is not None:
+            return gone
         if isinstance(exc, errors.GenericError):
             return self._generic(exc)
         detail = describe(exc)
@@ -189,6 +193,32 @@ class ObstoreBackend:
         if isinstance(exc, errors.InvalidPathError):
             return InvalidKey(detail)
         return from_builtin(exc)
+
+    def _upload_gone(self, exc: Exception) -> UploadGone | None:
+        """``UploadGone`` where the store says it has no such multipart upload, or ``None``.
+
+        The upload's last request (its completion) can succeed on the store while
+        its answer is lost; the client's retry then finds no such upload, aborts it
+        (which finds none either) and reports "not found". Neither the object nor
+        the bucket is missing: the bytes are still here, and a new try sends them
+        again whole.
+        """
+        errors = self._obs.exceptions
+        if not isinstance(exc, (FileNotFoundError, errors.NotFoundError, errors.GenericError)):
+            return None
+        failure = read_failure(exc)
+        if failure.code != "NoSuchUpload":
+            return None
+        return UploadGone(
+            f"the store no longer has the multipart upload of this write ({failure.server_said}): "
+            "a try whose answer was lost on the way may have completed it, or it was aborted. "
+            "Fix: retry the save; if this keeps happening, look for a lifecycle rule or another "
+            "client that aborts incomplete multipart uploads in this bucket.",
+            explained=True,
+            status=failure.status,
+            code=failure.code,
+            server_said=failure.server_said,
+        )
 
     def _generic(self, exc: Exception) -> BackendError:
         """The kind of obstore's untyped error, from what its message says (``read_failure``).
@@ -358,7 +388,9 @@ class ObstoreBackend:
         # without a copy (see _mapped): read from a path, every part would be a
         # fresh allocation in one of its runtime's threads, and glibc keeps such
         # memory in per-thread arenas (an async save's peak RSS grew to 2.1x
-        # the state that way instead of 1.1x).
+        # the state that way instead of 1.1x). Each try (the volume's retries call
+        # this again) maps the file afresh: a buffer that an abandoned request may
+        # still hold is never handed to the next one, nor unmapped under it.
         with self._client_errors(), open(local_path, "rb") as f:
             store, key = self._upload_split(path, min(size, part_size))
             if size > part_size:
@@ -418,6 +450,7 @@ class _Failure:
     url: str | None  # where the request went
     status: int | None  # the HTTP status the server answered, if it answered
     server_said: str | None  # that status, and the error code and message of its body
+    code: str | None  # the error code of its body ("NoSuchUpload", "SlowDown", ...)
 
 
 # The fields of obstore's "Debug source" (Rust's {:?} of object_store's error) read below.
@@ -449,10 +482,12 @@ def read_failure(exc: BaseException) -> _Failure:
     status_found = _STATUS.search(text)
     status = int(status_found.group(1)) if status_found else None
     said = [f"status {status}"] if status else []
-    for pattern in _BODY_FIELDS.values():
+    fields = {}
+    for tag, pattern in _BODY_FIELDS.items():
         field = pattern.search(text)
         if field:
-            said.append(field.group(1).strip()[:300])
+            fields[tag] = field.group(1).strip()[:300]
+            said.append(fields[tag])
     http_kind = _HTTP_KIND.search(text)
     reqwest_kind = _REQWEST_KIND.search(text)
     os_kind = _OS_KIND.search(text)
@@ -479,6 +514,7 @@ def read_failure(exc: BaseException) -> _Failure:
         url=uri.group(1) if uri else None,
         status=status,
         server_said=": ".join(said) if said else None,
+        code=fields.get("Code") or None,
     )
 
 
