@@ -25,6 +25,7 @@ from dcp_volumes._exceptions import (
     rank_failures,
     storage_error,
 )
+from dcp_volumes._torchrun import forget_stale_addresses
 from dcp_volumes._world import World, distributed
 
 logger = logging.getLogger(__name__)
@@ -77,11 +78,15 @@ class Coordinator:
             collective call: every rank must construct its manager), so that
             a background save never interleaves with the training loop's
             collectives on the default group.
+
+    Under torchrun, first clears its shared store of the killed attempt's addresses
+    (``_torchrun``), so that this group and those made after it connect.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.distributed = distributed()
         if self.distributed:
+            forget_stale_addresses()
             self.group: dist.ProcessGroup | None = process_group or dist.new_group(
                 backend="gloo"
             )

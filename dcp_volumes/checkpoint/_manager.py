@@ -241,6 +241,7 @@ class CheckpointManager:
         self._restore_sources: dict[str, int] = {}
         self._committed_step: int | None = None  # the newest step this manager committed
         self._abandoned = False  # a preemption stopped waiting for the save in flight
+        self._unwinding = False  # an exception leaves the manager's with-block
         self._writer: VolumeWriter | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpv-manager")
         self._job: Future[None] | None = None
@@ -650,7 +651,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            if self._peers is not None:
+            if self._peers is not None and not self._abandoned:
                 self._peers.wait()  # each of its operations is bounded by its timeout
             if self._watch is not None:
                 self._watch.close()
@@ -671,7 +672,10 @@ class CheckpointManager:
         if exc is None:
             self.close()
             return
-        # An exception is already propagating: do not mask it with a save error.
+        # An exception is already propagating: do not mask it with a save error. A stop
+        # signal during it means the job is being torn down (torchrun stops the survivors
+        # of a dead rank): the save in flight is abandoned, not waited on (_drain).
+        self._unwinding = True
         try:
             self.close()
         except Exception as pending:
@@ -708,21 +712,27 @@ class CheckpointManager:
     def _result_within_grace(self, job: Future[None]) -> None:
         """``job.result()``; once a preemption is noticed, only while the watch allows."""
         watch = self._watch
-        while watch is not None and watch.noticed:
-            if watch.gave_up:
+        while watch is not None and (watch.noticed or self._unwinding):
+            torn_down = self._unwinding and watch.noticed
+            if watch.gave_up or torn_down:
                 self._abandoned = True
                 if self._writer is not None:
                     self._writer.abandon()
                 survivor = self._committed_step
+                fix = ("Fix: raise preemption_grace_s (and the platform's grace period), or "
+                       "save more often.")
+                if torn_down:
+                    why, fix = "a stop signal came while the job was failing", ""
+                elif watch.remaining_s() > 0:
+                    why = "a second signal came"
+                else:
+                    why = f"the {watch.grace_s:.0f} s of preemption_grace_s ran out"
                 raise CheckpointError(
-                    "Preempted: stopped waiting for the save in flight ("
-                    + ("a second signal came" if watch.remaining_s() > 0 else
-                       f"the {watch.grace_s:.0f} s of preemption_grace_s ran out")
+                    f"Preempted: stopped waiting for the save in flight ({why}"
                     + "). It is abandoned and never taken for complete (no .metadata); the "
                     + (f"newest checkpoint this job committed is step {survivor}"
                        if survivor is not None else "job committed no checkpoint")
-                    + ", where a restart resumes. Fix: raise preemption_grace_s (and the "
-                    "platform's grace period), or save more often."
+                    + f", where a restart resumes. {fix}".rstrip()
                 )
             try:
                 job.result(timeout=0.1)

@@ -39,6 +39,7 @@ import torch.multiprocessing
 
 from dcp_volumes._exceptions import ConfigurationError
 from dcp_volumes._torch.data import start_shm_manager
+from dcp_volumes.data._worker_exit import keep_connections_from_children
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ def start_manager_here() -> None:
     global _manager_pid
     if _manager_pid == os.getpid():
         return
+    keep_connections_from_children()  # the manager is exec'd, and outlives a killed rank
     try:
         # What the process itself shares keeps its own strategy (see start_shm_manager).
         start_shm_manager()

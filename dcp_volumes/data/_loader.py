@@ -41,7 +41,7 @@ from dcp_volumes.data import _batch_sharing
 from dcp_volumes.data._dataset import VolumeDataset
 from dcp_volumes.data._metrics import LoaderMetrics, worker_stats
 from dcp_volumes.data._order import ORDER_ALGORITHM, Plan
-from dcp_volumes.data._worker_exit import ExitWithTrainingProcess, group_signals_held
+from dcp_volumes.data._worker_exit import ExitWithTrainingProcess, starting_workers
 
 logger = logging.getLogger(__name__)
 
@@ -379,7 +379,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             self._dataset().publish_plan(
                 plan, num_workers=self.num_workers, prefetch_factor=self.prefetch_factor or 2
             )
-        with group_signals_held():  # worker processes may start here
+        with starting_workers():  # worker processes may start here
             inner = super().__iter__()
         # torch keeps persistent workers (its iterator) from here on, for the loader's life.
         self._workers_running = bool(self.persistent_workers and self.num_workers)
@@ -411,7 +411,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             return  # forked at iter() (see _choose_start_method), which logs why
         else:
             self.multiprocessing_context = _forkserver()
-        with group_signals_held():  # the server leaves the group first thing (its preload)
+        with starting_workers():  # the server leaves the group first thing (its preload)
             multiprocessing.forkserver.ensure_running()
         self._fork_server_ahead = True
 
@@ -423,9 +423,10 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         process, which run beside the training process only where the rank has a CPU
         to spare. With fewer, they delay the restore and the first step of every
         restart; fsspec in the workers costs more per cache miss and nothing on a warm
-        cache. Needs the fsspec client for the volume's protocol.
+        cache. Needs the fsspec client for the volume's protocol, and one that honours
+        every storage option.
         """
-        return self._cpus_per_rank < 2 and self._dataset().volume.fsspec_fallback_installed()
+        return self._cpus_per_rank < 2 and self._dataset().volume.fsspec_fallback_usable()
 
     def _pickle_error(self) -> Exception | None:
         """Why the dataset cannot go to forkserver workers (it is pickled), or None."""

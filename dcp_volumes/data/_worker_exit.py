@@ -17,6 +17,14 @@ fork server, not the training process, and each worker holds the server's
 rank) the server and its workers keep each other alive for good, holding
 memory and shared-memory segments across every restart. Each worker waits on
 the training process's sentinel (``multiprocessing.parent_process``) instead.
+
+A forked worker also inherits the training process's network connections: its
+process groups' sockets, its store's, its HTTP clients'. While a worker holds one,
+the connection outlives a killed training process, and its peers, blocked in a
+collective with it, fail only once that worker has noticed and exited. Each worker
+lets go of them first thing (``release_inherited_connections``), and the training
+process keeps them from what it execs (``keep_connections_from_children``): torch's
+shared-memory manager is one such helper.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import socket
+import stat
 import threading
 from collections.abc import Callable, Iterator
 
@@ -41,6 +51,15 @@ def group_signals_held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+@contextlib.contextmanager
+def starting_workers() -> Iterator[None]:
+    """Around whatever may start worker processes or the fork server: the group signals
+    held, and the training process's connections kept from what it execs."""
+    keep_connections_from_children()
+    with group_signals_held():
+        yield
 
 
 def leave_training_group() -> None:
@@ -63,6 +82,7 @@ class ExitWithTrainingProcess:
 
     def __call__(self, worker_id: int) -> None:
         leave_training_group()
+        release_inherited_connections()
         parent = multiprocessing.parent_process()
         if parent is not None:
             threading.Thread(
@@ -75,3 +95,47 @@ class ExitWithTrainingProcess:
 def _exit_when_gone(parent: multiprocessing.process.BaseProcess) -> None:
     parent.join()  # returns once the training process has ended, however it ended
     os._exit(1)  # nobody is left to take a batch; no cleanup could reach it either
+
+
+
+def keep_connections_from_children() -> None:
+    """In the training process, before it starts workers: its TCP sockets (process
+    groups, store, HTTP clients) are closed across exec, so a helper that torch execs
+    (``torch_shm_manager``, which outlives a killed rank for seconds) holds none."""
+    for fd in _network_sockets():
+        os.set_inheritable(fd, False)
+
+
+def release_inherited_connections() -> None:
+    """In a forked worker, before it opens any of its own: every TCP socket it holds was
+    the training process's; each fd is pointed at /dev/null instead, so the connection
+    closes with the training process. The fd number stays taken: whatever object still
+    names it later closes /dev/null, never a reused fd."""
+    fds = _network_sockets()
+    if not fds:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in fds:
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+def _network_sockets() -> list[int]:
+    """This process's open TCP/UDP sockets by fd (none where /proc is absent)."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc (not Linux): nothing to find by this route
+        return []
+    return [fd for fd in fds if _is_network_socket(fd)]
+
+
+def _is_network_socket(fd: int) -> bool:
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return False
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            return sock.family in (socket.AF_INET, socket.AF_INET6)
+    except OSError:  # closed meanwhile (the listing's own fd), or not a socket we can ask
+        return False
