@@ -65,16 +65,35 @@ def test_obstore_keys_pass_through_and_a_custom_endpoint_uses_path_style() -> No
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        ({"key": "k", "secret": "secret-3", "acl": "private"}, "'acl'"),
-        ({"key": "k", "secret": "secret-3", "client_kwargs": {"verify_ssl": 1}}, "'verify_ssl'"),
+        ({"key": "k", "secret": "secret-3", "s3_additional_kwargs": {"ACL": "private"}},
+         "'s3_additional_kwargs'"),
+        ({"key": "k", "secret": "secret-3", "client_kwargs": {"api_version": "2006-03-01"}},
+         "'api_version'"),
         ({"key": "k", "secret": "secret-3", "config_kwargs": {"proxies": {}}}, "'proxies'"),
     ],
 )
-def test_an_unmappable_option_is_an_error_naming_it(options: dict, named: str) -> None:
+def test_an_s3fs_option_obstore_cannot_take_is_an_error_naming_it(
+    options: dict, named: str
+) -> None:
     with pytest.raises(ConfigurationError, match=named) as err:
         s3_settings(options, POLICY)
     assert "secret-3" not in str(err.value)
-    assert "DCP_VOLUMES_BACKEND=fsspec" in str(err.value)
+    assert "DCP_VOLUMES_BACKEND=fsspec" in str(err.value)  # s3fs takes it
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"key": "k", "secret": "secret-3", "acl": "private"}, "'acl'"),
+        ({"key": "k", "secret": "secret-3", "client_kwargs": {"verify_ssl": 1}}, "'verify_ssl'"),
+    ],
+)
+def test_an_option_no_client_takes_is_an_error_naming_it(options: dict, named: str) -> None:
+    # s3fs would hand it to botocore, which raises a TypeError in every worker.
+    with pytest.raises(ConfigurationError, match=named) as err:
+        s3_settings(options, POLICY)
+    assert "secret-3" not in str(err.value)
+    assert "DCP_VOLUMES_BACKEND" not in str(err.value)  # another client does not take it
 
 
 @pytest.mark.parametrize(

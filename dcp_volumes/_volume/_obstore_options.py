@@ -1,18 +1,16 @@
-"""The ``storage_options`` users already pass (s3fs / adlfs names) as obstore store settings.
+"""The ``storage_options`` of an S3 or Azure volume as obstore store settings.
 
-Users of fsspec-based tools pass ``key``/``secret``/``client_kwargs`` (s3fs) or
-``account_name``/``account_key``/``connection_string`` (adlfs). Those are mapped
-here to obstore's config keys, and obstore's own keys (``access_key_id``,
-``endpoint``, ``client_options``, ``retry_config``, ...) pass through as they are.
-A key that is neither is a ``ConfigurationError`` naming it: a credential or an
-endpoint that was silently dropped would send the job to another store.
+``_options.spell`` reads the names (s3fs's, adlfs's and obstore's own) into
+obstore's spelling, alongside the fsspec client's; this module completes them
+with what the volume adds: the retry policy's settings, the endpoint and
+credentials the environment gives, plain http for an ``http://`` endpoint,
+unsigned bodies over TLS, and the stall detector's deadlines.
 """
 
 from __future__ import annotations
 
-import difflib
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -20,157 +18,14 @@ from urllib.parse import urlsplit
 
 from dcp_volumes import _env
 from dcp_volumes._exceptions import ConfigurationError, VolumeAccessError
+from dcp_volumes._volume._options import ObstoreArgs, Spelling, refuse, spell
 from dcp_volumes._volume._retry import RetryPolicy
 from dcp_volumes._volume._stall import StallGuard
 
 logger = logging.getLogger("dcp_volumes._volume")
 
-# s3fs / adlfs settings of their own client caches and event loops: they mean
-# nothing to obstore's data path, and tools pass them routinely.
-_CLIENT_CACHE_OPTIONS = frozenset(
-    {
-        "use_listings_cache",
-        "listings_expiry_time",
-        "max_paths",
-        "skip_instance_cache",
-        "default_block_size",
-        "default_fill_cache",
-        "default_cache_type",
-        "asynchronous",
-        "loop",
-        "max_concurrency",
-        "fixed_upload_size",
-        "cache_regions",
-        "version_aware",
-        "blocksize",
-    }
-)
-_CLIENT_OPTIONS = frozenset(
-    {
-        "allow_http",
-        "allow_invalid_certificates",
-        "connect_timeout",
-        "default_content_type",
-        "default_headers",
-        "http1_only",
-        "http2_keep_alive_interval",
-        "http2_keep_alive_timeout",
-        "http2_keep_alive_while_idle",
-        "http2_only",
-        "pool_idle_timeout",
-        "pool_max_idle_per_host",
-        "proxy_url",
-        "proxy_ca_certificate",
-        "proxy_excludes",
-        "root_certificate",
-        "randomize_addresses",
-        "read_timeout",
-        "timeout",
-        "user_agent",
-    }
-)
-# obstore's own S3 / Azure config keys (its ``S3Config`` / ``AzureConfig``).
-_S3_KEYS = frozenset(
-    {
-        "access_key_id",
-        "secret_access_key",
-        "session_token",
-        "bucket",
-        "checksum_algorithm",
-        "conditional_put",
-        "container_credentials_relative_uri",
-        "container_credentials_full_uri",
-        "container_authorization_token_file",
-        "copy_if_not_exists",
-        "default_region",
-        "disable_tagging",
-        "disable_bulk_delete",
-        "endpoint",
-        "imdsv1_fallback",
-        "metadata_endpoint",
-        "region",
-        "request_payer",
-        "role_arn",
-        "role_session_name",
-        "server_side_encryption",
-        "skip_signature",
-        "sse_bucket_key_enabled",
-        "sse_kms_key_id",
-        "sts_endpoint",
-        "unsigned_payload",
-        "virtual_hosted_style_request",
-        "web_identity_token_file",
-        "s3_express",
-    }
-)
-_AZURE_KEYS = frozenset(
-    {
-        "account_name",
-        "account_key",
-        "client_id",
-        "client_secret",
-        "credential_type",
-        "tenant_id",
-        "authority_host",
-        "sas_key",
-        "token",
-        "use_emulator",
-        "use_fabric_endpoint",
-        "encryption_key",
-        "endpoint",
-        "msi_endpoint",
-        "object_id",
-        "msi_resource_id",
-        "federated_token_file",
-        "use_azure_cli",
-        "skip_signature",
-        "container_name",
-        "disable_tagging",
-    }
-)
 # obstore's (object_store's) own request timeout when none is configured.
 _CLIENT_DEFAULT_TIMEOUT_S = 30.0
-# Options the store takes as keyword arguments of its own, not config keys.
-_STORE_ARGUMENTS = frozenset({"client_options", "retry_config", "credential_provider"})
-# s3fs's names (top level and in client_kwargs) and what obstore calls them.
-_S3FS_RENAMES = {
-    "key": "access_key_id",
-    "aws_access_key_id": "access_key_id",
-    "secret": "secret_access_key",
-    "aws_secret_access_key": "secret_access_key",
-    "token": "session_token",
-    "aws_session_token": "session_token",
-    "endpoint_url": "endpoint",
-    "region_name": "region",
-    "requester_pays": "request_payer",
-}
-# s3fs options handled here besides the renames (client_kwargs' own: verify, use_ssl).
-_S3FS_OPTIONS = frozenset({"client_kwargs", "config_kwargs", "use_ssl", "anon", "profile"})
-_S3FS_CLIENT_KWARGS = frozenset({*_S3FS_RENAMES, "verify", "use_ssl"})
-_BOTOCORE_CONFIG = frozenset(
-    {
-        "s3",
-        "connect_timeout",
-        "read_timeout",
-        "max_pool_connections",
-        "retries",
-        "request_checksum_calculation",
-        "response_checksum_validation",
-        "signature_version",
-    }
-)
-_ADLFS_OPTIONS = frozenset(
-    {"connection_string", "sas_token", "account_host", "credential", "anon"}
-)
-# Every top-level option name an S3 or an Azure volume takes, for "did you mean".
-_S3_NAMES = frozenset(
-    {*_S3FS_RENAMES, *_S3FS_OPTIONS, *_S3_KEYS, *_CLIENT_OPTIONS, *_CLIENT_CACHE_OPTIONS,
-     *_STORE_ARGUMENTS}
-)
-_AZURE_NAMES = frozenset(
-    {*_ADLFS_OPTIONS, *_AZURE_KEYS, *_CLIENT_OPTIONS, *_CLIENT_CACHE_OPTIONS, *_STORE_ARGUMENTS}
-)
-
 
 # A class of requests that share a store (``_stall.py``): ("read" | "upload" | "server",
 # seconds).
@@ -256,28 +111,10 @@ def request_timeout_s(policy: RetryPolicy) -> float:
 
 def s3_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSettings:
     """``S3Store`` settings for s3fs-style (or obstore) ``options``."""
-    out = _start(options, policy)
-    opts = dict(options)
-    client_kwargs = dict(opts.pop("client_kwargs", None) or {})
-    config_kwargs = dict(opts.pop("config_kwargs", None) or {})
-    for source in (client_kwargs, opts):
-        for name in list(source):
-            if name in _S3FS_RENAMES:
-                value = source.pop(name)
-                if value is not None:
-                    out.config[_S3FS_RENAMES[name]] = value
-    if client_kwargs.pop("verify", True) is False:
-        out.client_options["allow_invalid_certificates"] = True
-    if client_kwargs.pop("use_ssl", True) is False or opts.pop("use_ssl", True) is False:
-        out.client_options["allow_http"] = True
-    if opts.pop("anon", False):
-        out.config["skip_signature"] = True
-    profile = opts.pop("profile", None)
-    if profile is not None:
-        out.credential_provider = _boto3_chain(profile)
-    _config_kwargs(config_kwargs, out)
-    _unmapped("client_kwargs", client_kwargs, "s3fs", _S3FS_CLIENT_KWARGS)
-    _rest(opts, out, _S3_KEYS, "s3fs", _S3_NAMES)
+    spelling = _obstore_spelling("s3", options)
+    out = _start(spelling.obstore, policy)
+    if spelling.obstore.profile is not None:
+        out.credential_provider = _boto3_chain(spelling.obstore.profile)
     if out.config.get("endpoint"):
         out.endpoint_source = "storage_options"
     else:
@@ -364,29 +201,7 @@ def _check_aws_credentials(out: StoreSettings) -> None:
 
 def azure_settings(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSettings:
     """``AzureStore`` settings for adlfs-style (or obstore) ``options``."""
-    out = _start(options, policy)
-    opts = dict(options)
-    connection_string = opts.pop("connection_string", None)
-    if connection_string:
-        _connection_string(str(connection_string), out)
-    renames = {"sas_token": "sas_key", "account_host": "endpoint", "credential": None}
-    for name, target in renames.items():
-        if name in opts:
-            value = opts.pop(name)
-            if target is None:
-                raise ConfigurationError(
-                    f"storage_options['{name}'] (an azure-identity credential object) cannot be "
-                    "used with obstore. Fix: pass client_id/client_secret/tenant_id, "
-                    "account_key or sas_token, or a credential_provider "
-                    "(obstore.auth.azure.AzureCredentialProvider)."
-                )
-            if value is not None:
-                if target == "endpoint" and "://" not in str(value):
-                    value = f"https://{value}"
-                out.config[target] = value
-    if opts.pop("anon", False):
-        out.config["skip_signature"] = True
-    _rest(opts, out, _AZURE_KEYS, "adlfs", _AZURE_NAMES)
+    out = _start(_obstore_spelling("azure", options).obstore, policy)
     if out.config.get("endpoint"):
         out.endpoint_source = "storage_options"
     _allow_plain_http(out)
@@ -402,114 +217,25 @@ def azure_account_from_url(netloc: str) -> tuple[str, str | None]:
     return container, host.split(".", 1)[0] or None
 
 
-def _start(options: Mapping[str, Any], policy: RetryPolicy) -> StoreSettings:
-    if not isinstance(options, Mapping):
-        raise ConfigurationError(
-            f"storage_options must be a mapping (a dict), not {type(options).__name__}."
-        )
+def _obstore_spelling(kind: str, options: Mapping[str, Any]) -> Spelling:
+    """``options`` in obstore's spelling; an error naming any that obstore cannot take."""
+    spelling = spell(kind, options)
+    refuse(spelling.beyond_obstore, "which serves this volume")
+    return spelling
+
+
+def _start(args: ObstoreArgs, policy: RetryPolicy) -> StoreSettings:
     out = StoreSettings(retry_config=retry_config(policy))
     if policy.timeout_s is not None:
         out.client_options["timeout"] = timedelta(seconds=policy.timeout_s)
-    # The user's own client options (here and as top-level keys, see _rest) win.
-    out.client_options.update(dict(options.get("client_options") or {}))
-    if options.get("retry_config"):
-        out.retry_config = dict(options["retry_config"])
+    # The user's own client options win.
+    out.client_options.update(args.client_options)
+    out.config.update(args.config)
+    if args.retry_config:
+        out.retry_config = dict(args.retry_config)
         out.own_retry_config = False
-    out.credential_provider = options.get("credential_provider")
+    out.credential_provider = args.credential_provider
     return out
-
-
-def _rest(
-    opts: dict[str, Any],
-    out: StoreSettings,
-    keys: frozenset[str],
-    peer: str,
-    known: Collection[str],
-) -> None:
-    """obstore's own keys pass through; s3fs/adlfs cache settings are ignored; anything else
-    is an error naming it (``known``: the names it may be a misspelling of)."""
-    for name, value in opts.items():
-        if name in _STORE_ARGUMENTS:
-            continue
-        if name in _CLIENT_CACHE_OPTIONS:
-            logger.debug("storage option %r configures %s's own cache: not used", name, peer)
-            continue
-        if name in _CLIENT_OPTIONS:
-            out.client_options[name] = value
-        elif name in keys:
-            out.config[name] = value
-        else:
-            _unmapped("storage_options", {name: value}, peer, known)
-
-
-def _unmapped(where: str, rest: Mapping[str, Any], peer: str, known: Collection[str]) -> None:
-    """Refuse the option names in ``rest`` (never their values: they may be secrets).
-
-    A name close to one in ``known`` is most likely a misspelling, and the fix is
-    the right spelling, not another client.
-    """
-    if not rest:
-        return
-    names = sorted(rest)
-    listed = ", ".join(repr(n) for n in names)
-    guesses = {name: guess for name in names if (guess := _close_name(name, known))}
-    meant = ", ".join(f"{guess!r}" if len(names) == 1 else f"{guess!r} for {name!r}"
-                      for name, guess in guesses.items())
-    if len(guesses) == len(names):
-        raise ConfigurationError(
-            f"{where} {listed}: no such {peer} option or obstore setting; did you mean "
-            f"{meant}? Fix: correct the name (a misspelt option would otherwise leave a "
-            "credential or an endpoint unset)."
-        )
-    hint = f" (did you mean {meant}?)" if guesses else ""
-    raise ConfigurationError(
-        f"{where} {listed} cannot be passed to the object-store client (obstore): it is "
-        f"neither a {peer} option this library maps nor one of obstore's own settings{hint}. "
-        "Fix: remove it, use obstore's name for it (see the obstore store docs), or "
-        "set DCP_VOLUMES_BACKEND=fsspec to use the fsspec client, which takes it."
-    )
-
-
-def _close_name(name: str, known: Collection[str]) -> str | None:
-    """The known option name ``name`` most likely misspells, if one is close enough."""
-    found = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.8)
-    return found[0] if found else None
-
-
-def _config_kwargs(config_kwargs: dict[str, Any], out: StoreSettings) -> None:
-    """botocore ``Config`` settings that have an obstore equivalent."""
-    s3 = dict(config_kwargs.pop("s3", None) or {})
-    style = s3.pop("addressing_style", None)
-    if style is not None:
-        out.config["virtual_hosted_style_request"] = style == "virtual"
-    _unmapped("config_kwargs['s3']", s3, "botocore", ("addressing_style",))
-    for name, target in (("connect_timeout", "connect_timeout"), ("read_timeout", "timeout")):
-        if name in config_kwargs:
-            out.client_options[target] = timedelta(seconds=float(config_kwargs.pop(name)))
-    # Connection pools, botocore's own retries and checksums: obstore has its own.
-    for name in _BOTOCORE_CONFIG:
-        config_kwargs.pop(name, None)
-    _unmapped("config_kwargs", config_kwargs, "botocore", _BOTOCORE_CONFIG)
-
-
-def _connection_string(text: str, out: StoreSettings) -> None:
-    """Azure's ``Key=Value;...`` connection string as config keys."""
-    parts: dict[str, str] = {}
-    for item in text.split(";"):
-        name, eq, value = item.partition("=")
-        if eq:
-            parts[name.strip().lower()] = value.strip()
-    if "accountname" in parts:
-        out.config["account_name"] = parts["accountname"]
-    if "accountkey" in parts:
-        out.config["account_key"] = parts["accountkey"]
-    if "sharedaccesssignature" in parts:
-        out.config["sas_key"] = parts["sharedaccesssignature"]
-    if "blobendpoint" in parts:
-        endpoint = parts["blobendpoint"].rstrip("/")
-        out.config["endpoint"] = endpoint
-        if urlsplit(endpoint).scheme == "http":
-            out.client_options["allow_http"] = True
 
 
 def _boto3_installed() -> bool:

@@ -6,6 +6,8 @@ sends S3 and Azure through s3fs / adlfs instead (options obstore cannot take).
 A process forked after obstore did I/O cannot use obstore (see ``_obstore.py``):
 it gets the fsspec backend, with one warning saying how to avoid the slower path
 (a debug line where the parent forked it so on purpose: ``choose_fsspec_after_fork``).
+Each client gets the same options in its own spelling (``_options.py``), checked
+when the volume is built (``check_options``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ from dcp_volumes._volume._backend import Backend
 from dcp_volumes._volume._fsspec import FsspecBackend
 from dcp_volumes._volume._local import LocalBackend
 from dcp_volumes._volume._obstore_options import azure_settings, s3_settings
+from dcp_volumes._volume._options import (
+    fallback_refusal,
+    fsspec_client,
+    fsspec_kwargs,
+    other_fsspec_kwargs,
+    refuse,
+    spell,
+    split_ours,
+)
 from dcp_volumes._volume._retry import RetryPolicy
 
 logger = logging.getLogger("dcp_volumes._volume")
@@ -36,19 +47,7 @@ LOCAL_PROTOCOLS = frozenset({"file", "local"})
 # URL protocol -> obstore store kind.
 OBSTORE_PROTOCOLS = {"s3": "s3", "s3a": "s3", "az": "azure", "abfs": "azure", "abfss": "azure"}
 
-# Storage options of ours, not the client's: what the server does with a ranged
-# read (``Capabilities.ranged_reads_cost_whole_object``), and whether its listings
-# may lag its writes (``Capabilities.listing_lags``).
-WHOLE_OBJECT_RANGES = "ranged_reads_cost_whole_object"
-LISTING_LAGS = "listing_lags"
-_OUR_OPTIONS = {
-    WHOLE_OBJECT_RANGES: "True: the server reads the whole object for each ranged read, "
-    "as moto's does",
-    LISTING_LAGS: "True: the store's listings may leave out objects written just before, "
-    "as some S3-compatible servers and caching gateways do",
-}
-
-_BACKENDS: dict[tuple[int, str, str, RetryPolicy, str], Backend] = {}
+_BACKENDS: dict[tuple[int, str, str, RetryPolicy, str, str], Backend] = {}
 _LOCK = threading.Lock()
 _LOCAL = LocalBackend()
 _warned_fork = False
@@ -69,13 +68,16 @@ def backend_for(protocol: str, storage_options: Mapping[str, Any], retry: RetryP
     """This process's backend for ``protocol`` and ``storage_options``."""
     if protocol in LOCAL_PROTOCOLS:
         return _LOCAL
-    # The environment's endpoint is part of an S3 client's settings (see s3_settings).
+    # The environment's endpoint is part of an S3 client's settings (see s3_settings),
+    # and DCP_VOLUMES_BACKEND decides which client serves S3 and Azure.
+    obstore_protocol = protocol in OBSTORE_PROTOCOLS
     key = (
         os.getpid(),
         protocol,
         fsspec.utils.tokenize(storage_options),
         retry,
-        _env.aws_endpoint() if protocol in OBSTORE_PROTOCOLS else "",
+        _env.aws_endpoint() if obstore_protocol else "",
+        _env.backend() if obstore_protocol else "",
     )
     backend = _BACKENDS.get(key)
     if backend is None:
@@ -87,18 +89,7 @@ def backend_for(protocol: str, storage_options: Mapping[str, Any], retry: RetryP
 
 
 def _create(protocol: str, options: Mapping[str, Any], retry: RetryPolicy) -> Backend:
-    ours: dict[str, bool] = {}
-    if isinstance(options, Mapping) and any(name in options for name in _OUR_OPTIONS):
-        options = dict(options)
-        for name, meaning in _OUR_OPTIONS.items():
-            if name not in options:
-                continue
-            value = options.pop(name)
-            if not isinstance(value, bool):
-                raise ConfigurationError(
-                    f"storage_options['{name}']={value!r} must be True or False ({meaning})."
-                )
-            ours[name] = value
+    ours, options = split_ours(options)
     backend = _client_backend(protocol, options, retry)
     if ours:
         backend.capabilities = dataclasses.replace(backend.capabilities, **ours)
@@ -107,27 +98,70 @@ def _create(protocol: str, options: Mapping[str, Any], retry: RetryPolicy) -> Ba
 
 def _client_backend(protocol: str, options: Mapping[str, Any], retry: RetryPolicy) -> Backend:
     kind = OBSTORE_PROTOCOLS.get(protocol)
-    if kind is None or _env.backend() == "fsspec":
-        return FsspecBackend(protocol, options)
+    if kind is None:
+        return FsspecBackend(protocol, other_fsspec_kwargs(options))
+    if _env.backend() == "fsspec":
+        return FsspecBackend(protocol, fsspec_kwargs(kind, options, _CHOSEN))
     if not _obstore.usable_here():
-        return _after_fork(protocol, options)
+        return _after_fork(protocol, kind, options)
     _obstore.require()  # "not installed" before any complaint about the options
     settings = s3_settings(options, retry) if kind == "s3" else azure_settings(options, retry)
     return _obstore.ObstoreBackend(kind, settings)
 
 
-def _after_fork(protocol: str, options: Mapping[str, Any]) -> Backend:
+_CHOSEN = "which serves this volume here (DCP_VOLUMES_BACKEND=fsspec)"
+_FORKED = (
+    "which serves this volume in this process: it was forked after its parent did I/O "
+    "through obstore, which cannot run in such a child (it would hang)"
+)
+_FORK_FIX = (
+    "or start such processes with multiprocessing_context='forkserver' or 'spawn', which keep "
+    "obstore (the DataLoader does so by itself for these options)"
+)
+
+
+def check_options(protocol: str, options: Mapping[str, Any]) -> None:
+    """Refuse, when a volume is built, options that the client serving it cannot honour.
+
+    Every name is read into each client's spelling now (``_options.spell``), so a name
+    no client takes, or one the serving client cannot honour, is an error here, not
+    later in a worker. A name beyond only the fsspec fallback of an obstore volume is
+    no error: the fallback is then off for this volume (``fallback_usable``).
+    """
+    _, options = split_ours(options)  # checks ours too
+    kind = OBSTORE_PROTOCOLS.get(protocol)
+    if kind is None:
+        return  # fsspec alone serves it, with its own names
+    spelling = spell(kind, options)
+    if _env.backend() == "fsspec":
+        refuse(spelling.beyond_fsspec, _CHOSEN)
+    elif importlib.util.find_spec("obstore") is not None:  # else "not installed" at first use
+        refuse(spelling.beyond_obstore, "which serves this volume")
+
+
+def fallback_usable(protocol: str, options: Mapping[str, Any]) -> bool:
+    """Whether a child forked after obstore I/O can reach this store through fsspec: its
+    client is installed, and it honours every option."""
+    kind = OBSTORE_PROTOCOLS.get(protocol)
+    if not fsspec_client_installed(protocol):
+        return False
+    return kind is None or not fallback_refusal(kind, options)
+
+
+def _after_fork(protocol: str, kind: str, options: Mapping[str, Any]) -> Backend:
     """The fsspec backend for a child forked after its parent used obstore."""
     global _warned_fork
     try:
-        backend = FsspecBackend(protocol, _fsspec_options(options))
+        backend = FsspecBackend(
+            protocol, fsspec_kwargs(kind, options, _FORKED, _FORK_FIX)
+        )
     except BackendNotInstalledError as exc:
         raise ConfigurationError(
             f"This process was forked after its parent did I/O through obstore, which cannot "
             f"run in such a child (it would hang), and no fsspec client for '{protocol}://' "
-            "is installed to fall back on. Fix: start worker processes with "
-            "multiprocessing_context='forkserver' or 'spawn' (DataLoader does so by "
-            "default), or install the fsspec clients (pip install "
+            f"({fsspec_client(kind)}) is installed to fall back on. Fix: start worker "
+            "processes with multiprocessing_context='forkserver' or 'spawn' (DataLoader does "
+            "so by default), or install the fsspec clients (pip install "
             "'dcp_volumes[fsspec-clients]')."
         ) from exc
     if not _warned_fork:
@@ -158,12 +192,3 @@ def choose_fsspec_after_fork() -> None:
     the caller's choice: they log it at debug level, not as a warning."""
     global _fsspec_after_fork_chosen
     _fsspec_after_fork_chosen = True
-
-
-def _fsspec_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` without obstore's own store arguments, which fsspec clients reject."""
-    return {
-        k: v
-        for k, v in options.items()
-        if k not in ("client_options", "retry_config", "credential_provider")
-    }

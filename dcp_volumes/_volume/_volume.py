@@ -41,6 +41,7 @@ from dcp_volumes._volume._fsspec import strip_protocol
 from dcp_volumes._volume._local import LocalBackend, download_atomically, fill_in_parts
 from dcp_volumes._volume._obstore import used_here as obstore_used_here
 from dcp_volumes._volume._obstore_options import azure_account_from_url
+from dcp_volumes._volume._options import endpoint_of
 from dcp_volumes._volume._retry import (
     RetryPolicy,
     call_with_retries,
@@ -54,7 +55,8 @@ from dcp_volumes._volume._select import (
     LOCAL_PROTOCOLS,
     OBSTORE_PROTOCOLS,
     backend_for,
-    fsspec_client_installed,
+    check_options,
+    fallback_usable,
 )
 
 T = TypeVar("T")
@@ -114,6 +116,9 @@ class Volume:
                     f"The URL {redact_url(url)!r} names no bucket or container; use "
                     f"'{self.protocol}://BUCKET/PREFIX'."
                 )
+            # Every option in each client's spelling now: a name a client cannot take
+            # is refused here, not in a worker that falls back on another client.
+            check_options(self.protocol, self.storage_options)
         self._backend: Backend | None = None
         self._backend_pid = -1
         # Values of a signed URL's query (``?sig=``) and its ``user:password@`` are secrets too.
@@ -219,10 +224,11 @@ class Volume:
         a client that does not survive a fork breaks only once this process did I/O."""
         return self.capabilities.survives_fork or not obstore_used_here()
 
-    def fsspec_fallback_installed(self) -> bool:
+    def fsspec_fallback_usable(self) -> bool:
         """Whether a child forked after this process's obstore I/O can still reach this
-        store: through its fsspec client, which is installed."""
-        return fsspec_client_installed(self.protocol)
+        store: through its fsspec client, which is installed and honours every one of
+        this volume's options (``_options.py``)."""
+        return fallback_usable(self.protocol, self.storage_options)
 
     @property
     def identity(self) -> str:
@@ -230,11 +236,7 @@ class Volume:
         bucket name on two endpoints is two stores); a connection string, which holds a
         secret, only as a hash."""
         opts = self.storage_options
-        client = opts.get("client_kwargs") or {}
-        endpoint = str(
-            opts.get("endpoint_url") or client.get("endpoint_url") or opts.get("account_name")
-            or ""
-        )
+        endpoint = endpoint_of(opts)  # whichever client's spelling names it
         conn = opts.get("connection_string")
         if conn:
             endpoint += "#" + hashlib.sha256(str(conn).encode()).hexdigest()[:16]
