@@ -67,8 +67,7 @@ def _free_port() -> int:
 
 
 def _torchrun(nproc: int, args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     with open(log, "ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

@@ -26,7 +26,7 @@ from dcp_volumes._exceptions import ConfigurationError
 from dcp_volumes._volume import Volume
 from dcp_volumes.demo import DemoConfig, parse_storage_options
 from dcp_volumes.demo._config import plan_crashes
-from dcp_volumes.demo._launcher import MARKER, claim, node_cpus
+from dcp_volumes.demo._launcher import MARKER, busy_processes, claim, node_cpus
 from dcp_volumes.demo._report import CrashOutcome, RunStats, _node_check, restart_lines
 from tests.dist import process_running
 
@@ -139,6 +139,21 @@ def test_sigkills_in_an_upload_the_commit_window_a_node_loss_and_a_preemption(
         assert len(cpus_of_node) == 2 and not cpus_of_node[0] & cpus_of_node[1], cpus_of_node
 
 
+def test_load_spins_its_processes_while_the_demo_runs_and_ends_them() -> None:
+    with busy_processes(2):
+        time.sleep(0.5)
+        pids = [int(p) for p in subprocess.run(
+            ["pgrep", "-f", "while time.monotonic"], capture_output=True, text=True
+        ).stdout.split()]
+        spinning = [p for p in pids if os.path.exists(f"/proc/{p}/stat")
+                    and int(Path(f"/proc/{p}/stat").read_text().split()[13]) > 0]
+        assert len(spinning) >= 2  # each has run on a CPU (utime ticks) already
+    time.sleep(0.2)
+    assert not [p for p in pids if process_running(p)]
+    with pytest.raises(ConfigurationError, match="--load"):
+        DemoConfig(load=-1)
+
+
 def test_each_simulated_node_gets_cpus_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     assert node_cpus([1, 1]) == ["0,1", "2,3"]
@@ -156,9 +171,10 @@ def test_local_directory_volume_shrinking_with_the_naive_baseline(tmp_path: Path
     # Half the default batch: three jobs train here (the naive one too), and the steps'
     # compute is most of their time; the checks are about the crashes, not the steps.
     proc, doc = _demo(tmp_path, "--volume", str(volume), *SHORT, "--crashes", "2", "--shrink",
-                      "--global-batch", "16")
+                      "--global-batch", "16", "--load", "1")
     _assert_correct(proc, doc)
     assert doc is not None
+    assert "--load 1" in doc["command"]  # on a busy machine, and the report says so
     # The node loss: every job, the reference too, comes back on fewer ranks.
     checks = _checks(doc)
     assert checks["shrink"]["ok"], checks["shrink"]

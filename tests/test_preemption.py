@@ -36,7 +36,7 @@ SCRIPT = REPO / "tests" / "scripts" / "preempt_train.py"
 def _launch(root: str, total: int, out: Path, opts: dict[str, Any]) -> subprocess.Popen[str]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PREEMPT_TEST": json.dumps(opts)}
+           "PREEMPT_TEST": json.dumps(opts)}
     log = open(out / "torchrun.log", "w")  # noqa: SIM115 - closed by _finish
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

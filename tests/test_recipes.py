@@ -152,8 +152,7 @@ def _preempt(tmp_path: Path, deliver: Callable[[subprocess.Popen[str], Path], No
     """Run the preemptible recipe, stop it with ``deliver`` once it saved, requeue it."""
     script = _write(tmp_path, "preemptible_train.py")["preemptible_train.py"]
     root = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(_torchrun(str(script), str(root), "10000000"), cwd=tmp_path,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

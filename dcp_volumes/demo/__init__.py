@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the last crash loses a node and nothing replaces it: the job comes "
                         "back on fewer ranks")
     p.add_argument("--quick", action="store_true", help="skip the naive (before) run")
+    p.add_argument("--load", type=int, default=d.load, metavar="N",
+                   help="N busy processes beside the jobs, on any CPU: a machine that is "
+                        "not idle, reproducibly (default: 0)")
     p.add_argument("--files", type=int, default=d.files, help="training files to create")
     p.add_argument("--global-batch", type=int, default=d.global_batch,
                    help="samples per step over all ranks")
@@ -110,5 +113,5 @@ def config_from_args(args: argparse.Namespace, base_options: Mapping[str, Any]) 
         seed=args.seed, shrink=args.shrink, quick=args.quick, files=args.files,
         global_batch=args.global_batch, hidden=args.hidden, keep_last=args.keep_last,
         volume=args.volume, storage_options=options, fresh=args.fresh, workdir=args.workdir,
-        failures_per_day=args.failures_per_day,
+        failures_per_day=args.failures_per_day, load=args.load,
     )

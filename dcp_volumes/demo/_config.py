@@ -102,6 +102,7 @@ class DemoConfig:
     fresh: bool = False
     workdir: str | None = None
     failures_per_day: float = 8.6
+    load: int = 0
 
     def __post_init__(self) -> None:
         for name in ("nproc", "steps", "save_every", "files", "global_batch", "hidden",
@@ -111,6 +112,8 @@ class DemoConfig:
                 raise ConfigurationError(f"--{name.replace('_', '-')} {value!r}: must be >= 1.")
         if self.crashes < 0:
             raise ConfigurationError(f"--crashes {self.crashes}: must be >= 0.")
+        if isinstance(self.load, bool) or not isinstance(self.load, int) or self.load < 0:
+            raise ConfigurationError(f"--load {self.load!r}: must be a count >= 0.")
         cpus = available_cpus()
         if self.nproc > cpus:
             raise ConfigurationError(

@@ -68,6 +68,8 @@ PREFIXES = ("train", "ckpt")
 
 #: A job that takes longer than this is stopped (its agents' sessions are killed).
 JOB_TIMEOUT_S = 1800.0
+#: torchrun's opt-out of its shared rendezvous store: for the naive setup only (run_job).
+NAIVE_RESTART_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 Say = Callable[[str], None]
 
@@ -387,12 +389,14 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
     A leg that was preempted before it finished is started again (requeued).
     """
     os.makedirs(job.run_dir, exist_ok=True)
-    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the rendezvous store shared (the default),
-    # gloo ranks of a restarted attempt find the killed attempt's addresses and fail to
-    # connect (seen with torch 2.13); a fresh store per attempt makes restarts work.
     base_env = dict(os.environ, DCP_VOLUMES_DEMO_OPTIONS=json.dumps(dict(options)),
-                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if job.setup == "naive":
+        # Without the library nothing clears torchrun's shared store of a killed attempt's
+        # addresses, and torch's own restart then fails in init_process_group (see
+        # dcp_volumes._torchrun): the naive setup gets torchrun's opt-out of that store.
+        base_env[NAIVE_RESTART_ENV] = "1"
+
     monitor = _Progress(job.run_dir, cfg.steps, job.name, say, progress, len(job.crashes))
     # With --shrink the lost node stays lost (its agent's exit code is the kill's).
     lost_nodes = {len(cfg.nodes) - 1} if cfg.shrink and any(
@@ -581,6 +585,22 @@ def _terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def busy_processes(count: int) -> Iterator[None]:
+    """``count`` processes that spin on a CPU while the block runs (``--load``). Each
+    also stops by itself after ``JOB_TIMEOUT_S`` for every job, should nothing stop it."""
+    limit = 3 * JOB_TIMEOUT_S
+    code = f"import time\nend = time.monotonic() + {limit}\nwhile time.monotonic() < end: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+             for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def _run_demo(cfg: DemoConfig, say: Say, *, progress: bool, started: float) -> Report:
     from dcp_volumes.demo._report import build_report
 
@@ -609,6 +629,9 @@ def _run_demo(cfg: DemoConfig, say: Say, *, progress: bool, started: float) -> R
             f"a save every {cfg.save_every} steps, {len(crashes)} crash(es) (seed {cfg.seed}):")
         for c in crashes:
             say(f"  {c.index + 1}. {c.describe()}")
+        if cfg.load:
+            stack.enter_context(busy_processes(cfg.load))
+            say(f"load: {cfg.load} busy process(es) beside the jobs, on any CPU")
         shares = node_cpus(cfg.nodes)
         if all(shares):
             say(f"nodes: {len(shares)} on this machine, each on CPUs of its own: "

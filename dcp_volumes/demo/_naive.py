@@ -176,6 +176,9 @@ class NaiveSetup:
     def close(self) -> None:
         pass  # saves are synchronous: nothing in flight
 
+    def fail(self, exc: BaseException) -> None:
+        pass  # nothing in flight to give up
+
     # -- inputs ---------------------------------------------------------------------------
 
     def batches(self, start_step: int) -> Iterator[Batch]:

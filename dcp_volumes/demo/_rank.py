@@ -104,6 +104,7 @@ class Setup(Protocol):
     def save(self, step: int, state: TrainState) -> None: ...
     def reached_preemption(self, step: int) -> bool: ...
     def close(self) -> None: ...
+    def fail(self, exc: BaseException) -> None: ...
 
 
 class LibrarySetup:
@@ -175,6 +176,10 @@ class LibrarySetup:
 
     def close(self) -> None:
         self.mgr.close()
+
+    def fail(self, exc: BaseException) -> None:
+        # As a with-block would: a stop signal now abandons the save in flight.
+        self.mgr.__exit__(type(exc), exc, exc.__traceback__)
 
     def _evidence(self, step: int) -> dict[str, Any]:
         """What the volume holds for ``step`` right now (from the commit-window kill)."""
@@ -325,8 +330,12 @@ def train(spec: Mapping[str, Any]) -> None:
     if rank == 0:
         logger.info("attempt %d on %d ranks: %s", attempt, world,
                     f"resumed from step {restored}" if restored else "starting fresh")
-    step, preempted = _train_steps(spec, setup, state, injector, events, world,
-                                   start=restored or 0)
+    try:
+        step, preempted = _train_steps(spec, setup, state, injector, events, world,
+                                       start=restored or 0)
+    except BaseException as exc:  # a dead peer's collective, or a kill's signal
+        setup.fail(exc)
+        raise
     w0 = time.time()
     setup.close()
     if preempted:  # the job is requeued and resumes; it has not ended

@@ -794,7 +794,7 @@ def command_line(cfg: DemoConfig, volume: str | None = None) -> str:
     default = DemoConfig()
     parts = ["dcp-volumes demo"]
     for name in ("nproc", "steps", "save_every", "crashes", "seed", "files", "global_batch",
-                 "hidden", "keep_last"):
+                 "hidden", "keep_last", "load"):
         if getattr(cfg, name) != getattr(default, name):
             parts.append(f"--{name.replace('_', '-')} {getattr(cfg, name)}")
     for flag in ("shrink", "quick", "fresh"):
