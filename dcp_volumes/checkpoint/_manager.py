@@ -651,7 +651,10 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            if self._peers is not None and not self._abandoned:
+            # A preempted job exits: a replica is for a node lost while the job runs, and
+            # the step it stopped at is committed on the volume (and in the local tier).
+            preempted = self._watch is not None and self._watch.agreed
+            if self._peers is not None and not self._abandoned and not preempted:
                 self._peers.wait()  # each of its operations is bounded by its timeout
             if self._watch is not None:
                 self._watch.close()

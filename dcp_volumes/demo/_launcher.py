@@ -68,8 +68,8 @@ PREFIXES = ("train", "ckpt")
 
 #: A job that takes longer than this is stopped (its agents' sessions are killed).
 JOB_TIMEOUT_S = 1800.0
-#: torchrun's opt-out of its shared rendezvous store: for the naive setup only (run_job).
-NAIVE_RESTART_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+#: torchrun's opt-out of its shared rendezvous store (see ``needs_fresh_store``).
+FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 Say = Callable[[str], None]
 
@@ -382,6 +382,17 @@ def _preempt(job: JobRecord, procs: list[subprocess.Popen[bytes]], crash: Crash,
         f"{crash.describe(job.setup)} (sent at step {step})")
 
 
+def needs_fresh_store(cfg: DemoConfig, job: JobRecord) -> bool:
+    """Whether ``job`` runs with torchrun's opt-out of its shared store, for what no
+    library in the ranks can mend: the naive setup's restarts (nothing clears the killed
+    attempt's addresses from the store: ``dcp_volumes._torchrun``), and a replaced node
+    (torch's agents deadlock re-admitting it over the shared store: the new agent waits
+    for the store's address under the new round, which the rank-0 agent publishes only
+    in its first round)."""
+    replaced = not cfg.shrink and any(c.kind == "node" for c in job.crashes)
+    return job.setup == "naive" or replaced
+
+
 def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
             options: Mapping[str, Any], workdir: str, say: Say, progress: bool) -> None:
     """Run ``job``'s legs one after the other under torchrun; raise if one fails.
@@ -391,11 +402,8 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
     os.makedirs(job.run_dir, exist_ok=True)
     base_env = dict(os.environ, DCP_VOLUMES_DEMO_OPTIONS=json.dumps(dict(options)),
                     OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if job.setup == "naive":
-        # Without the library nothing clears torchrun's shared store of a killed attempt's
-        # addresses, and torch's own restart then fails in init_process_group (see
-        # dcp_volumes._torchrun): the naive setup gets torchrun's opt-out of that store.
-        base_env[NAIVE_RESTART_ENV] = "1"
+    if needs_fresh_store(cfg, job):
+        base_env[FRESH_STORE_ENV] = "1"
 
     monitor = _Progress(job.run_dir, cfg.steps, job.name, say, progress, len(job.crashes))
     # With --shrink the lost node stays lost (its agent's exit code is the kill's).
@@ -644,7 +652,9 @@ def _run_demo(cfg: DemoConfig, say: Say, *, progress: bool, started: float) -> R
                             run_dir=os.path.join(workdir, "runs", name))
             jobs[name] = job
             note = f"{len(planned)} crash(es)" if planned else "no crash"
-            say(f"\n== {name}: {setup} setup, {note}")
+            store = ("a fresh rendezvous store per attempt" if needs_fresh_store(cfg, job)
+                     else "torchrun's shared store")
+            say(f"\n== {name}: {setup} setup, {note}, {store}")
             run_job(cfg, job, legs, root, options, workdir, say, progress)
 
         run("dcp_volumes", "dcp_volumes", crashes, [Leg(cfg.nodes, elastic=elastic)])
