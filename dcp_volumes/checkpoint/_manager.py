@@ -458,7 +458,9 @@ class CheckpointManager:
         self._committed_step = step
         if self._local is not None:
             self._local.keep_only(name)
-        if self._peers is not None:
+        if self._peers is not None and not (self._watch is not None and self._watch.agreed):
+            # Not a preempted job's last step: the job exits now, and a replica is for a node
+            # lost while it runs (the step is committed on the volume and in the local tier).
             self._peers.submit(name)
         if self.is_coordinator:
             try:
@@ -651,10 +653,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            # A preempted job exits: a replica is for a node lost while the job runs, and
-            # the step it stopped at is committed on the volume (and in the local tier).
-            preempted = self._watch is not None and self._watch.agreed
-            if self._peers is not None and not self._abandoned and not preempted:
+            if self._peers is not None and not self._abandoned:
                 self._peers.wait()  # each of its operations is bounded by its timeout
             if self._watch is not None:
                 self._watch.close()
