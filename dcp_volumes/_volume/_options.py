@@ -594,15 +594,25 @@ class _Reader:
             self.s3_client_kwargs(_mapping(value, name))
         elif name == "config_kwargs":
             self.s3_config_kwargs(_mapping(value, name))
-        elif name in _S3FS_BEYOND_OBSTORE:
+        else:
+            return self.shared_name(name, value, source, client=S3FS, kind="S3",
+                                    beyond=_S3FS_BEYOND_OBSTORE, tuning=_S3FS_TUNING)
+        return True
+
+    def shared_name(self, name: str, value: Any, source: str, *, client: str, kind: str,
+                    beyond: Collection[str], tuning: Collection[str]) -> bool:
+        """The names every kind of store takes alike: its fsspec client's own options and
+        caches, obstore's client options, the store's arguments; False for none of them."""
+        if name in beyond:
             self.fs.set((name,), value, source)
-            self.beyond(OBSTORE, source, f"it is an {S3FS} option with no obstore setting",
+            self.beyond(OBSTORE, source, f"it is an {client} option with no obstore setting",
                         "")
-        elif name in _S3FS_TUNING:
+        elif name in tuning:
             self.fs.set((name,), value, source)
-            self.not_for(OBSTORE, source, "it configures s3fs's own cache")
+            self.not_for(OBSTORE, source, f"it configures {client}'s own cache")
         elif name in _ANY_TUNING:
-            self.not_for("any S3 client", source, "it configures adlfs's own cache")
+            other = ADLFS if client == S3FS else S3FS
+            self.not_for(f"any {kind} client", source, f"it configures {other}'s own cache")
         elif name in CLIENT_OPTIONS:
             self.client_option(name, value, source)
         elif name in STORE_ARGUMENTS:
@@ -735,20 +745,8 @@ class _Reader:
                 self.not_for(ADLFS, name, "adlfs tags nothing")
             elif name in _ADLFS_TIMEOUTS:
                 self.client_option(_ADLFS_TIMEOUTS[name], value, name)
-            elif name in _ADLFS_BEYOND_OBSTORE:
-                self.fs.set((name,), value, name)
-                self.beyond(OBSTORE, name, f"it is an {ADLFS} option with no obstore setting",
-                            "")
-            elif name in _ADLFS_TUNING:
-                self.fs.set((name,), value, name)
-                self.not_for(OBSTORE, name, "it configures adlfs's own cache")
-            elif name in _ANY_TUNING:
-                self.not_for("any Azure client", name, "it configures s3fs's own cache")
-            elif name in CLIENT_OPTIONS:
-                self.client_option(name, value, name)
-            elif name in STORE_ARGUMENTS:
-                self.store_arguments(name, value)
-            else:
+            elif not self.shared_name(name, value, name, client=ADLFS, kind="Azure",
+                                      beyond=_ADLFS_BEYOND_OBSTORE, tuning=_ADLFS_TUNING):
                 unknown.append(name)
         self.unknown("storage_options", unknown, AZURE_NAMES, ADLFS)
         self.azure_endpoint_for_adlfs()
