@@ -79,14 +79,16 @@ class Coordinator:
             a background save never interleaves with the training loop's
             collectives on the default group.
 
-    Under torchrun, first clears its shared store of the killed attempt's addresses
-    (``_torchrun``), so that this group and those made after it connect.
+    Under torchrun, when it makes the group, first clears torchrun's shared store of a
+    killed attempt's addresses (``_torchrun``), so that this group and those made after
+    it connect.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.distributed = distributed()
         if self.distributed:
-            forget_stale_addresses()
+            if process_group is None:  # every rank is here (a group over the world follows)
+                forget_stale_addresses()
             self.group: dist.ProcessGroup | None = process_group or dist.new_group(
                 backend="gloo"
             )
