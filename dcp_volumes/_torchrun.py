@@ -41,7 +41,7 @@ def uses_shared_store() -> bool:
 
 def forget_stale_addresses() -> int:
     """Every rank (collective on the default group): delete the process groups' address
-    keys from torchrun's shared store; the number deleted (on rank 0; 0 elsewhere).
+    keys from torchrun's shared store; how many rank 0 deleted (other ranks return 0).
 
     A barrier before (every rank has finished connecting the groups it has) and after
     (no rank publishes a new group's address while rank 0 deletes). Nothing to do
