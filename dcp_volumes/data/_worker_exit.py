@@ -97,7 +97,6 @@ def _exit_when_gone(parent: multiprocessing.process.BaseProcess) -> None:
     os._exit(1)  # nobody is left to take a batch; no cleanup could reach it either
 
 
-
 def keep_connections_from_children() -> None:
     """In the training process, before it starts workers: its TCP sockets (process
     groups, store, HTTP clients) are closed across exec, so a helper that torch execs
