@@ -469,7 +469,7 @@ class Saver:
 
 def free_pooled_buffers() -> None:
     """Empty dcp_volumes' staging pool (what ``CheckpointManager.close`` does)."""
-    from dcp_volumes.checkpoint._stager import free_pooled_buffers as free
+    from dcp_volumes.checkpoint._state_copy import free_pooled_buffers as free
 
     free()
 

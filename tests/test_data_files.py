@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
+from dcp_volumes.checkpoint._byte_format import HashingFile, plain_cpu_tensor
 from dcp_volumes.checkpoint._manifest import checksum_bytes
-from dcp_volumes.checkpoint._shards import HashingFile, plain_cpu_tensor
 
 
 def test_a_data_file_holds_stock_bytes_and_locates_every_tensor(tmp_path: Path) -> None:

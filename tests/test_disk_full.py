@@ -263,11 +263,11 @@ def test_staging_dirs_of_killed_processes_are_removed_by_the_next_one(
     """A process killed mid-save (SIGKILL: no cleanup runs) leaves its private staging
     dir and the shards in it; the next process that makes one removes it. A live
     process's dir (its lock held) and a dir without an owner file stay."""
-    from dcp_volumes import _staging
+    from dcp_volumes import _staging_disk
 
     child = (
         "import sys, time\n"
-        "from dcp_volumes._staging import StagingArea\n"
+        "from dcp_volumes._staging_disk import StagingArea\n"
         "area = StagingArea()\n"
         "shard = area.new_dir('step-00000007-r0')\n"
         "open(shard + '/__0_0.distcp', 'wb').write(b'x' * 2**20)\n"
@@ -287,8 +287,8 @@ def test_staging_dirs_of_killed_processes_are_removed_by_the_next_one(
         assert os.path.isdir(dead) and os.path.isdir(alive)
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
         monkeypatch.delenv("DCP_VOLUMES_STAGING", raising=False)
-        monkeypatch.setattr(_staging, "_swept", set())
-        area = _staging.StagingArea()
+        monkeypatch.setattr(_staging_disk, "_swept", set())
+        area = _staging_disk.StagingArea()
         try:
             assert not os.path.exists(dead)
             assert os.path.isdir(alive) and os.listdir(os.path.join(alive))
@@ -296,10 +296,10 @@ def test_staging_dirs_of_killed_processes_are_removed_by_the_next_one(
             # Once a process: its next area does not look again, and the live one stays.
             procs[1].send_signal(signal.SIGKILL)
             procs[1].wait()
-            second = _staging.StagingArea()
+            second = _staging_disk.StagingArea()
             assert os.path.isdir(alive)
             second.close()
-            assert _staging.sweep_abandoned(str(tmp_path)) == [alive]
+            assert _staging_disk.sweep_abandoned(str(tmp_path)) == [alive]
             assert os.path.isdir(area.path)
         finally:
             area.close()

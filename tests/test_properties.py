@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from dcp_volumes import FileCache
 from dcp_volumes.checkpoint._discovery import CheckpointInfo, sort_key, step_dir
-from dcp_volumes.checkpoint._file_job import coalesce, find_span, split_range
+from dcp_volumes.checkpoint._file_reads import coalesce, find_span, split_range
 from dcp_volumes.checkpoint._retention import retention_victims
 from dcp_volumes.data._order import NextUse, Plan, epoch_permutation
 

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_volumes import VolumeReader, VolumeWriter
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._rank_save import InFlightBytes
-from dcp_volumes.checkpoint._stager import CpuStager, free_pooled_buffers
+from dcp_volumes.checkpoint._state_copy import CpuStager, free_pooled_buffers
 from tests.checkpoint_helpers import assert_same, blank_like, join
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

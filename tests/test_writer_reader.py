@@ -32,7 +32,7 @@ from dcp_volumes import (
 )
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint import _layout
-from dcp_volumes.checkpoint._file_job import coalesce, find_span, split_range
+from dcp_volumes.checkpoint._file_reads import coalesce, find_span, split_range
 from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from dcp_volumes.checkpoint._manifest import Manifest
 from tests import faulty_backend

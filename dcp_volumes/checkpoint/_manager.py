@@ -82,7 +82,7 @@ from dcp_volumes.checkpoint._retention import (
     apply_retention,
     delete_checkpoint,
 )
-from dcp_volumes.checkpoint._stager import free_pooled_buffers
+from dcp_volumes.checkpoint._state_copy import free_pooled_buffers
 from dcp_volumes.checkpoint._writer import VolumeWriter
 
 logger = logging.getLogger(__name__)

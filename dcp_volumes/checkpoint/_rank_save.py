@@ -1,6 +1,6 @@
 """One rank's part of a save: its items serialised into staged files, each uploaded once closed.
 
-Items are written in stock DCP's byte format (``_shards``), into files hashed
+Items are written in stock DCP's byte format (``_byte_format``), into files hashed
 on their way to disk, and each file is handed to the upload pool the moment
 it is closed, so serialisation of later files overlaps the upload of earlier
 ones (``RankSave``).
@@ -38,18 +38,18 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes._exceptions import DiskFullError
 from dcp_volumes._exit_safe import submit
-from dcp_volumes._staging import StagingArea, disk_full_error
+from dcp_volumes._staging_disk import StagingArea, disk_full_error
 from dcp_volumes._torch.checkpoint import StorageInfo, StreamTransforms
 from dcp_volumes._volume import Volume, redact_url
 from dcp_volumes.checkpoint import _layout
-from dcp_volumes.checkpoint._manifest import FileRecord
-from dcp_volumes.checkpoint._shards import (
+from dcp_volumes.checkpoint._byte_format import (
     HashingFile,
     data_bytes,
     estimate_bytes,
     without_zip_crc32,
     write_item,
 )
+from dcp_volumes.checkpoint._manifest import FileRecord
 from dcp_volumes.checkpoint._writer_options import WriterOptions
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ and from the volume otherwise.
 
 This module plans the reads and schedules, verifies and finishes them; the
 reads of one file, up to handing its items to DCP's planner, are a ``FileJob``
-(``_file_job.py``).
+(``_file_reads.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
 )
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
-from dcp_volumes.checkpoint._file_job import DEFAULT_COALESCE_GAP, Decoders, FileJob
+from dcp_volumes.checkpoint._file_reads import DEFAULT_COALESCE_GAP, Decoders, FileJob
 from dcp_volumes.checkpoint._layout import (
     MANIFEST_NAME,
     METADATA_NAME,

@@ -44,19 +44,19 @@ from dcp_volumes._exceptions import (
     ConfigurationError,
 )
 from dcp_volumes._sizes import parse_size
-from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES, StagingArea
+from dcp_volumes._staging_disk import DEFAULT_HEADROOM_BYTES, StagingArea
 from dcp_volumes._torch.checkpoint import DCP_VERSION, STAGING_FUTURES, StorageInfo
 from dcp_volumes._volume import FileInfo, RetryPolicy
 from dcp_volumes._world import World, distributed
 from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._byte_format import estimate_bytes
 from dcp_volumes.checkpoint._commit import Commit
 from dcp_volumes.checkpoint._compression import ZstdCompression
 from dcp_volumes.checkpoint._extensions import check_serialization_format, writer_transforms
 from dcp_volumes.checkpoint._layout import AtLocation, Location
 from dcp_volumes.checkpoint._manifest import FileRecord
 from dcp_volumes.checkpoint._rank_save import RankSave, WrittenItem
-from dcp_volumes.checkpoint._shards import estimate_bytes
-from dcp_volumes.checkpoint._stager import CpuStager
+from dcp_volumes.checkpoint._state_copy import CpuStager
 from dcp_volumes.checkpoint._writer_options import WriterOptions
 
 logger = logging.getLogger(__name__)
@@ -247,10 +247,10 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
             staging_root: str | None = self.options.local_copy_dir
         else:
             staging_root = self.options.staging_dir
-        self._staging = StagingArea(staging_root, headroom_bytes=self.options.staging_headroom)
+        self._staging_disk = StagingArea(staging_root, headroom_bytes=self.options.staging_headroom)
         # Remove a temp staging dir we created when this writer goes away.
         self._finalizer: weakref.finalize[[], VolumeWriter] | None = weakref.finalize(
-            self, self._staging.close
+            self, self._staging_disk.close
         )
         self._save_id = uuid.uuid4().hex
         self._abandoned = False  # abandon(): the save in flight must not commit
@@ -260,7 +260,7 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         self._world_size: int | None = None
         # The listing of the checkpoint's top level, started at set-up (see there).
         self._root_listing: ThreadFuture[list[FileInfo]] | None = None
-        self._stager = CpuStager(
+        self._state_copy = CpuStager(
             cache=self.options.cache_staged_state_dict, background=self.options.async_staging
         )
 
@@ -270,7 +270,7 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
     @property
     def staging_dir(self) -> str:
         """The local staging directory (the local tier root when ``local_copy_dir`` is set)."""
-        return self._staging.path
+        return self._staging_disk.path
 
     def __getstate__(self) -> dict[str, Any]:
         # The PROCESS async checkpointer pickles the writer on every save: the
@@ -297,7 +297,7 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         With ``async_staging`` the copy runs in a background thread and a
         future of the staged copy is returned at once.
         """
-        return self._stager.stage(state_dict)
+        return self._state_copy.stage(state_dict)
 
     def synchronize_staging(self) -> None:
         """No-op: ``stage`` returns only once the copy is complete."""
@@ -308,7 +308,7 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         The buffers of the last two state-dict shapes are kept for later
         writers in this process; ``CheckpointManager.close`` frees them.
         """
-        self._stager.close()
+        self._state_copy.close()
         if self._finalizer is not None:
             self._finalizer()
 
@@ -358,8 +358,8 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Check the staging directory can take this rank's bytes (all ranks)."""
-        self._staging.check()
-        self._staging.ensure_space(estimate_bytes(plan.items))
+        self._staging_disk.check()
+        self._staging_disk.ensure_space(estimate_bytes(plan.items))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -395,14 +395,14 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
             rank=self._rank,
             prefix=prefix,
             items=plan.items,
-            staging=self._staging,
+            staging=self._staging_disk,
             local_copy=self.local_copy_path,
             transforms=self._transforms,
         )
         try:
             results = save.run(planner)
         finally:
-            self._stager.release()  # serialised: the buffers may serve the next save
+            self._state_copy.release()  # serialised: the buffers may serve the next save
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut

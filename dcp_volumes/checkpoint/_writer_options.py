@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dcp_volumes._exceptions import ConfigurationError
-from dcp_volumes._staging import DEFAULT_HEADROOM_BYTES
+from dcp_volumes._staging_disk import DEFAULT_HEADROOM_BYTES
 
 # S3 rejects multipart parts below 5 MiB (except the last one).
 MIN_PART_SIZE = 5 * 2**20

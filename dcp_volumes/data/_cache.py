@@ -22,7 +22,7 @@ from typing import Any
 from dcp_volumes import _env
 from dcp_volumes._exceptions import CacheError, ConfigurationError
 from dcp_volumes._sizes import parse_size
-from dcp_volumes._staging import probe_writable
+from dcp_volumes._staging_disk import probe_writable
 from dcp_volumes._volume import (
     FileInfo,
     Volume,

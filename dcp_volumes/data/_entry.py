@@ -54,7 +54,7 @@ from dcp_volumes._exceptions import (
     VolumeNotFoundError,
 )
 from dcp_volumes._sizes import format_size
-from dcp_volumes._staging import disk_full_error
+from dcp_volumes._staging_disk import disk_full_error
 from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, Volume, despite_lag, write_all
 from dcp_volumes.data._locks import ByteLock, EntryLock, byte_locks_supported
 
