@@ -1,11 +1,13 @@
-"""The neutral errors every backend raises, whatever client it speaks through.
+"""The neutral errors every backend raises, whatever client it speaks through, and the
+``dcp_volumes`` error each one becomes.
 
 Each backend maps its own client's exceptions to these kinds at its boundary
 (``map_exceptions``: httpx's ``map_httpcore_exceptions`` pattern), from the client's
 exception types and structured attributes; the client's error stays the
-``__cause__``. ``_retry.py`` decides "retry" or "final" and picks the
-``dcp_volumes`` error from the kind alone (``isinstance``), so nothing above a
-backend knows a client's class names, codes or message texts.
+``__cause__``. ``_retry.py`` decides "retry" or "final" from the kind alone
+(``transient``), and ``translate_error`` picks the ``dcp_volumes`` error from it
+(``isinstance``), so nothing above a backend knows a client's class names, codes
+or message texts.
 
 Python's own exceptions (``OSError`` and its errnos, ``ConnectionError``,
 ``TimeoutError``) are the local backend's client, and what code run inside a
@@ -18,7 +20,15 @@ import contextlib
 import errno
 from collections.abc import Callable, Iterator
 
-from dcp_volumes._exceptions import DcpVolumesError
+from dcp_volumes._exceptions import (
+    BucketNotFoundError,
+    ConfigurationError,
+    DcpVolumesError,
+    VolumeAccessError,
+    VolumeError,
+    VolumeExistsError,
+    VolumeNotFoundError,
+)
 
 
 class BackendError(Exception):
@@ -194,3 +204,105 @@ def map_exceptions(to_neutral: Callable[[Exception], BackendError | None]) -> It
         if neutral is None or neutral is exc:
             raise
         raise neutral from exc
+
+
+def client_detail(exc: BaseException, scrub: Callable[[str], str]) -> str:
+    """What went wrong, as the client said it (credentials removed)."""
+    if isinstance(exc, BackendError):
+        text = str(exc) if exc.explained else str(exc).split("\n", 1)[0]
+        return scrub(text)
+    return scrub(describe(exc))
+
+
+def _sentence(text: str) -> str:
+    return text if text.endswith(".") else f"{text}."
+
+
+def translate_error(
+    exc: BaseException,
+    op: str,
+    where: str,
+    scrub: Callable[[str], str],
+    *,
+    create_only: bool = False,
+) -> DcpVolumesError:
+    """The ``dcp_volumes`` exception for a backend error on ``where``, by its neutral kind;
+    ``exc`` and what it chains lose their secrets (``scrub``) in place, as ours chains it.
+
+    ``create_only``: the operation was a write that must not replace an object,
+    the only kind for which a refused precondition (412, or obstore's reading of
+    any 409) means the object is there; a plain write that gets one met another
+    conflict (e.g. Azure's 409 for a full in-memory store or a leased blob).
+    """
+    scrub_chain(exc, scrub)
+    if isinstance(exc, DcpVolumesError):
+        return exc
+    kind = from_builtin(exc)
+    detail = client_detail(exc, scrub)
+    if isinstance(kind, Misconfigured) and kind.explained:
+        return ConfigurationError(f"Cannot {op} {where}: {detail}")
+    if isinstance(kind, Misconfigured) or (isinstance(kind, InvalidKey) and op != "list"):
+        return ConfigurationError(
+            f"Cannot {op} {where}: the object-store client refused its settings ({detail}). "
+            "Fix: correct storage_options (the message names the setting)."
+        )
+    # A write names a key that need not exist: its "not found" is the bucket's (S3's
+    # NoSuchBucket, Azure's ContainerNotFound), whether or not the answer says which.
+    if isinstance(kind, BucketNotFound) or (
+        isinstance(kind, NotFound) and op in ("upload", "publish")
+    ):
+        return BucketNotFoundError(
+            f"Cannot {op} {where}: the bucket or container does not exist ({detail}). "
+            "Fix: create it first, or correct the URL."
+        )
+    if isinstance(kind, InvalidKey):
+        # The store holds a key (someone else's upload) that names a path segment
+        # "." or "..": not a settings problem, and serving it could reach outside.
+        return VolumeError(
+            f"Cannot {op} {where}: the store holds an object whose key has a '.', '..' or "
+            f"empty path segment ({detail}). Such keys are refused, since they could name "
+            "files outside this prefix. Fix: rename or delete that object, or use a prefix "
+            "that does not contain it."
+        )
+    if isinstance(kind, PreconditionFailed):
+        if create_only or isinstance(kind, AlreadyExists):
+            return VolumeExistsError(
+                f"Cannot {op} {where}: it already exists and this write must not replace it."
+            )
+        said = scrub(kind.server_said) if kind.server_said else detail
+        return VolumeError(
+            f"Cannot {op} {where}: the store refused it with a conflict ({said}). Nothing "
+            "was replaced. Fix: as the store's message says; e.g. a lease held by another "
+            "client, or a server out of space."
+        )
+    if isinstance(kind, NotAFile) and op == "stat":
+        return VolumeNotFoundError(f"{where} is a directory/prefix, not a file.")
+    if isinstance(kind, NotFound):
+        return VolumeNotFoundError(f"Cannot {op} {where}: not found ({detail}).")
+    if isinstance(kind, AccessDenied):
+        return VolumeAccessError(
+            f"Cannot {op} {where}: access denied or credentials missing/invalid ({detail}). "
+            "Fix: check the credentials in storage_options or the environment and that "
+            "they grant this operation."
+        )
+    return VolumeError(f"Cannot {op} {where}: {_sentence(detail)}")
+
+
+def scrub_chain(exc: BaseException, scrub: Callable[[str], str]) -> None:
+    """Remove secrets from the texts of ``exc`` and what it chains, in place.
+
+    A backend's error stays the ``__cause__`` of ours (tracebacks show it), and
+    clients put the URL they were given, signature and all, into their messages.
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        with contextlib.suppress(Exception):  # exotic exception types: best effort
+            cur.args = tuple(scrub(a) if isinstance(a, str) else a for a in cur.args)
+            if isinstance(cur, OSError):
+                for attr in ("filename", "filename2", "strerror"):
+                    value = getattr(cur, attr, None)
+                    if isinstance(value, str):
+                        setattr(cur, attr, scrub(value))
+        cur = cur.__cause__ or cur.__context__

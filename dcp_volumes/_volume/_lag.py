@@ -15,11 +15,16 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from dcp_volumes._exceptions import BucketNotFoundError, VolumeNotFoundError
-from dcp_volumes._volume._retry import LAG_DELAYS_S
 
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
+
+# The waits between asking again: a file missing from a listing, or not found
+# although a manifest or listing says it exists, is looked for again after each
+# before it is called missing (about 4 s in all).
+LAG_DELAYS_S = (0.25, 0.5, 1.0, 2.0)
+LAG_TOTAL_S = sum(LAG_DELAYS_S)
 
 
 def until_shown(attempt: Callable[[], T], shown: Callable[[T], bool], *, what: str) -> T:

@@ -51,7 +51,6 @@ from dcp_volumes._volume._errors import (
 )
 from dcp_volumes._volume._mapped import mapped, mapped_parts
 from dcp_volumes._volume._obstore_options import RequestClass, StoreSettings
-from dcp_volumes._volume._retry import redact_url
 
 logger = logging.getLogger("dcp_volumes._volume")
 
@@ -280,7 +279,7 @@ class ObstoreBackend:
             return "the configured endpoint"
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         port = f":{parts.port}" if parts.port else ""
-        return redact_url(f"{parts.scheme}://{host}{port}")
+        return f"{parts.scheme}://{host}{port}"
 
     def _endpoint_fix(self) -> str:
         """Where to correct the endpoint, by where it came from."""

@@ -1,22 +1,40 @@
-"""URLs of files on a store: protocol and path, the store's top and a file below it, a common root.
+"""URLs of files on a store: protocol and path, the store's top and a file below it, a common
+root, and a URL as messages show it.
 
 ``Volume`` takes a URL of a root and resolves the rest (buckets, Azure's
 ``container@account``, credentials); these helpers cut file URLs the same way
 for callers that hold URLs of single files (the file cache) or of many files
 (a dataset given a list). They only cut strings: building the ``Volume`` of
-the result is what resolves it.
+the result is what resolves it. ``redact_url`` is how every message and log
+shows a URL: without the credentials or signature it may carry.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 from fsspec.core import split_protocol
 
 from dcp_volumes._exceptions import ConfigurationError
-from dcp_volumes._volume._retry import redact_url
 from dcp_volumes._volume._select import LOCAL_PROTOCOLS
+
+
+def redact_url(url: str) -> str:
+    """The URL with any ``user:password@`` part and query string removed."""
+    if "@" not in url and "?" not in url and "#" not in url:
+        return url  # nothing to remove (and no parse: this runs once per cached file)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if not parts.scheme:
+        return url
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def split_url(url: str) -> tuple[str, str]:

@@ -4,8 +4,8 @@ Everything above this package speaks ``Volume``; backends differ only behind
 it (``_backend.py`` has the protocol, ``_select.py`` picks one). The backend is
 created lazily in each process and never pickled, so a ``Volume`` survives
 fork and pickling. Every backend call goes through ``_call``, which retries
-transient errors and translates failures (``_retry.py``), so no caller handles
-backend exceptions.
+transient errors (``_retry.py``) and translates failures (``_errors.py``), so
+no caller handles backend exceptions.
 """
 
 from __future__ import annotations
@@ -37,20 +37,14 @@ from dcp_volumes._volume._backend import (
     Listing,
     scatter,
 )
+from dcp_volumes._volume._errors import translate_error
 from dcp_volumes._volume._fsspec import strip_protocol
 from dcp_volumes._volume._local import LocalBackend, download_atomically, fill_in_parts
 from dcp_volumes._volume._obstore import used_here as obstore_used_here
 from dcp_volumes._volume._obstore_options import azure_account_from_url
 from dcp_volumes._volume._options import endpoint_of
-from dcp_volumes._volume._retry import (
-    RetryPolicy,
-    call_with_retries,
-    redact_url,
-    scrub_chain,
-    secret_values,
-    translate_error,
-    url_secrets,
-)
+from dcp_volumes._volume._retry import RetryPolicy, call_with_retries
+from dcp_volumes._volume._secrets import secret_values, url_secrets
 from dcp_volumes._volume._select import (
     LOCAL_PROTOCOLS,
     OBSTORE_PROTOCOLS,
@@ -58,6 +52,7 @@ from dcp_volumes._volume._select import (
     check_options,
     fallback_usable,
 )
+from dcp_volumes._volume._urls import redact_url
 
 T = TypeVar("T")
 
@@ -266,7 +261,6 @@ class Volume:
 
     def _translate(self, exc: BaseException, op: str, relpath: str) -> DcpVolumesError:
         scrub = self._scrubber(relpath)
-        scrub_chain(exc, scrub)
         where = self.display_url if not relpath else redact_url(self.url_of(relpath))
         return translate_error(exc, op, where, scrub)
 
