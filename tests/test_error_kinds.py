@@ -2,8 +2,8 @@
 
 The retry layer once matched class-name strings of five client stacks and
 regexes over messages; now a backend maps its own client's exceptions (by type
-and structured attributes) at its boundary, and ``_retry`` decides retry or
-final and picks the ``dcp_volumes`` error from the kind alone. The emulator
+and structured attributes) at its boundary; ``_retry`` decides retry or final
+and ``_errors.translate_error`` picks the ``dcp_volumes`` error, from the kind alone. The emulator
 suites (test_volume, test_faults, test_endpoints...) check the mapping end to
 end; these check the seam itself.
 """
