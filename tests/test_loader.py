@@ -281,6 +281,37 @@ def test_client_start_timeout_takes_seconds(monkeypatch: pytest.MonkeyPatch) -> 
     assert _env.client_start_timeout() == 120.0
 
 
+def test_a_stuck_client_outside_a_worker_is_only_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dcp_volumes._volume._client_watchdog import watch_client_start
+
+    monkeypatch.setenv("DCP_VOLUMES_CLIENT_START_TIMEOUT", "0.05")
+    watchdog_log = "dcp_volumes._volume._client_watchdog"
+    with caplog.at_level(logging.ERROR, logger=watchdog_log), watch_client_start("S3"):
+        time.sleep(0.5)  # stuck past the limit; this process goes on
+    assert "has not finished after 0 s" in caplog.text
+    assert "Stopping" not in caplog.text
+
+
+def test_the_volume_layer_imports_nothing_of_the_layers_above() -> None:
+    """The data layer registers what the watchdog stops (a DataLoader worker); the
+    volume layer knows neither it nor torch's loader."""
+    import ast
+
+    import dcp_volumes._volume
+
+    above = ("torch.utils.data", "dcp_volumes.data", "dcp_volumes.checkpoint")
+    found = []
+    for path in Path(dcp_volumes._volume.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found += [f"{path.name}: {n}" for n in names if n.startswith(above)]
+    assert not found, found
+
+
 def test_counters_survive_the_pin_memory_step() -> None:
     from dcp_volumes.data._loader import _Delivery
 

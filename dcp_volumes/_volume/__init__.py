@@ -5,7 +5,7 @@ URL, and how each one talks to its store, stays inside this package.
 """
 
 from dcp_volumes._volume._backend import Capabilities, FileInfo
-from dcp_volumes._volume._client_watchdog import STUCK_EXIT_CODE
+from dcp_volumes._volume._client_watchdog import STUCK_EXIT_CODE, stop_when_stuck
 from dcp_volumes._volume._lag import LAG_DELAYS_S, LAG_TOTAL_S, despite_lag, until_shown
 from dcp_volumes._volume._local import WRITE_PIECE, pieces, write_all
 from dcp_volumes._volume._obstore import used_here as obstore_used_here
@@ -35,6 +35,7 @@ __all__ = [
     "redact_url",
     "refuse_url_credentials",
     "split_url",
+    "stop_when_stuck",
     "until_shown",
     "write_all",
 ]

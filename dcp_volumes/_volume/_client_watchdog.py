@@ -6,9 +6,10 @@ uploader, a client shutting down, a thread exiting), the child blocks forever
 at its first TLS or hashing call, which is typically the creation of its
 object-store client. Creating a client takes well under a second, so past
 ``DCP_VOLUMES_CLIENT_START_TIMEOUT`` seconds (default 120; 0 turns it off) the
-watchdog logs what happened and how to avoid it. A DataLoader worker then
-exits, so the training loop fails at once ("worker exited unexpectedly") and a
-restart can resume, instead of waiting forever; other processes only log.
+watchdog logs what happened and how to avoid it. A process that is better
+ended than left waiting then exits with ``STUCK_EXIT_CODE``; which one that
+is, the layer above says (``stop_when_stuck``: the data layer names its
+DataLoader workers); other processes only log.
 """
 
 from __future__ import annotations
@@ -17,14 +18,30 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from dcp_volumes import _env
 
 logger = logging.getLogger(__name__)
 
-# The exit status of a DataLoader worker the watchdog stopped.
+# The exit status of a process the watchdog stopped.
 STUCK_EXIT_CODE = 75
+
+
+def _never_stopped() -> str | None:
+    return None
+
+
+# Names this process where it is to stop when stuck, else None (see stop_when_stuck).
+_stoppable: Callable[[], str | None] = _never_stopped
+
+
+def stop_when_stuck(which: Callable[[], str | None]) -> None:
+    """Have the watchdog end this process (``STUCK_EXIT_CODE``) when a client creation
+    is stuck and ``which()`` names the process ("DataLoader worker", for the log);
+    where it returns ``None``, the watchdog only logs."""
+    global _stoppable
+    _stoppable = which
 
 
 @contextlib.contextmanager
@@ -44,9 +61,7 @@ def watch_client_start(what: str) -> Iterator[None]:
 
 
 def _stuck(what: str, limit: float) -> None:
-    from torch.utils.data import get_worker_info
-
-    in_worker = get_worker_info() is not None
+    stopping = _stoppable()
     logger.error(
         "Creating the %s client in process %d has not finished after %.0f s. This process "
         "was probably forked while another thread of its parent held an OpenSSL lock, and "
@@ -57,8 +72,8 @@ def _stuck(what: str, limit: float) -> None:
         os.getpid(),
         limit,
         _env.CLIENT_START_TIMEOUT,
-        " Stopping this DataLoader worker." if in_worker else "",
+        f" Stopping this {stopping}." if stopping else "",
     )
-    if in_worker:
+    if stopping:
         logging.shutdown()
         os._exit(STUCK_EXIT_CODE)

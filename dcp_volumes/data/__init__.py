@@ -7,3 +7,6 @@ global order split over ranks and workers; ``DataLoader`` delivers batches,
 records exactly what it delivered (a global, world-size independent state)
 and reports how long the training loop waited for input.
 """
+
+# Imported for its registration: DataLoader workers stuck creating a client exit.
+from dcp_volumes.data import _stuck_worker_exit as _stuck_worker_exit
