@@ -173,3 +173,59 @@ def test_the_users_read_timeout_wins_and_stall_s_none_turns_detection_off() -> N
 def test_a_policy_with_no_time_for_a_request_is_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ConfigurationError, match="RetryPolicy"):
         RetryPolicy(**bad)  # type: ignore[arg-type]
+
+
+# -- the stores: one per bucket and request class, reused, bounded ------------------------------
+
+
+def test_stores_are_kept_by_recent_use_and_made_once_while_kept() -> None:
+    from dcp_volumes._volume._obstore_stores import Stores
+
+    made: list[str] = []
+
+    def make(key: str) -> Any:
+        made.append(key)
+        return object()
+
+    stores = Stores(bound=2)
+    a = stores.get("a", lambda: make("a"))
+    stores.get("b", lambda: make("b"))
+    assert stores.get("a", lambda: make("a")) is a  # reused: made once
+    stores.get("c", lambda: make("c"))  # drops b, the least recently used
+    assert len(stores) == 2
+    assert stores.get("a", lambda: make("a")) is a
+    stores.get("b", lambda: make("b"))
+    assert made == ["a", "b", "c", "b"]
+
+
+def test_many_buckets_and_deadlines_never_grow_the_stores_past_the_bound() -> None:
+    from dcp_volumes._volume._errors import BackendError
+    from dcp_volumes._volume._obstore import ObstoreBackend
+    from dcp_volumes._volume._obstore_stores import MAX_STORES
+
+    # Nothing listens at the endpoint: every request fails at once, after its store
+    # (its client) was made or reused.
+    settings = _settings({}, RetryPolicy(attempts=1, stall_s=2.0))
+    assert settings.stall is not None
+    backend = ObstoreBackend("s3", settings)
+
+    def requests(bucket: str) -> None:
+        for request in (
+            lambda: backend.head(f"{bucket}/k"),  # a read
+            lambda: backend.put(f"{bucket}/k", b"x", create_only=False),  # an upload
+            lambda: backend.put(f"{bucket}/k", bytes(3 * 2**20), create_only=False),
+            lambda: backend.delete([f"{bucket}/k"]),  # the server's work
+        ):
+            with pytest.raises(BackendError):
+                request()
+
+    requests("one")
+    per_bucket = len(backend.stores)
+    assert per_bucket == 4  # a read, two upload sizes, the server's work
+    requests("one")
+    assert len(backend.stores) == per_bucket  # the same classes: the same stores
+    for level in range(8):  # every deadline the detector can learn, and past it
+        for bucket in range(12):
+            requests(f"bucket-{bucket}")
+        settings.stall.saw_timeout(level)
+    assert len(backend.stores) == MAX_STORES

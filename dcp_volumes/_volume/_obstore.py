@@ -5,8 +5,9 @@ straight from the staged file, ranged reads, HEAD, listings, batch deletes,
 create-only puts and server-side copies, all with the GIL released and retried
 by the client itself (``retry_config``, set from the volume's ``RetryPolicy``).
 Stores are created lazily, one per bucket, in the process that uses them;
-uploads go through stores of their own, one per deadline class (``_stall.py``:
-a stalled request is found in seconds, a slow one that moves is never cut).
+with stall detection, one per bucket and deadline class (``_stall.py``: a
+stalled request is found in seconds, a slow one that moves is never cut), a
+few at most, reused (``_obstore_stores.py``).
 
 Fork: obstore's runtime threads do not exist in a child forked after the
 parent did I/O through it, and the child hangs on its first call (tokio does
@@ -23,7 +24,6 @@ import logging
 import math
 import os
 import re
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -51,6 +51,7 @@ from dcp_volumes._volume._errors import (
 )
 from dcp_volumes._volume._mapped import mapped, mapped_parts
 from dcp_volumes._volume._obstore_options import RequestClass, StoreSettings
+from dcp_volumes._volume._obstore_stores import Stores
 
 logger = logging.getLogger("dcp_volumes._volume")
 
@@ -109,8 +110,7 @@ class ObstoreBackend:
     def __init__(self, kind: str, settings: StoreSettings) -> None:
         self._kind = kind  # "s3" or "azure"
         self._settings = settings
-        self._stores: dict[tuple[str, RequestClass | None], Any] = {}
-        self._lock = threading.Lock()
+        self.stores = Stores()  # bounded and reused (``_obstore_stores.py``)
         self._obs = require()
 
     # -- stores ---------------------------------------------------------------------------
@@ -118,23 +118,21 @@ class ObstoreBackend:
     def _store(self, bucket: str, request: RequestClass | None = None) -> Any:
         """The bucket's store for a class of requests (``_stall.py``); by default reads."""
         stall = self._settings.stall
-        if request is None and stall is not None:
+        if stall is None:
+            request = None  # one deadline for every request: one store per bucket
+        elif request is None:
             request = ("read", stall.read_timeout_s())
-        key = (bucket, request)
-        store = self._stores.get(key)
-        if store is None:
-            with self._lock:
-                store = self._stores.get(key)
-                if store is None:
-                    from obstore.store import AzureStore, S3Store
-
-                    cls = S3Store if self._kind == "s3" else AzureStore
-                    with watch_client_start(self._kind.upper()):
-                        store = cls(bucket, **self._settings.kwargs(request))
-                    self._stores[key] = store
+        store = self.stores.get((bucket, request), lambda: self._new_store(bucket, request))
         global _io_pid
         _io_pid = os.getpid()
         return store
+
+    def _new_store(self, bucket: str, request: RequestClass | None) -> Any:
+        from obstore.store import AzureStore, S3Store
+
+        cls = S3Store if self._kind == "s3" else AzureStore
+        with watch_client_start(self._kind.upper()):
+            return cls(bucket, **self._settings.kwargs(request))
 
     def _split(self, path: str) -> tuple[Any, str]:
         bucket, _, key = path.partition("/")
