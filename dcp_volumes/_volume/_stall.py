@@ -22,7 +22,8 @@ Design (obstore; its client is reqwest):
   (multipart parts of ``part_size``, single PUTs up to ``part_size``, small
   control files), and sizes are rounded up to a power of two, so a few
   request classes cover them, each with its own store (reqwest fixes its
-  timeouts per client).
+  timeouts per client; the stores are reused and bounded,
+  ``_obstore_stores.py``).
 - **Work the server does before it answers**, in proportion to what was
   asked (a listing page, a server-side copy, a batch delete), keeps the
   request timeout alone: such requests are few (one listing per commit or
