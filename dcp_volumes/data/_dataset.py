@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +41,9 @@ from dcp_volumes.data._rng import SampleTransform
 from dcp_volumes.data._shared_plan import SharedPlan
 
 logger = logging.getLogger(__name__)
+
+# ``VolumeDataset.manifest`` (the file table's old name) has warned in this process.
+_MANIFEST_WARNED = False
 
 @dataclass(frozen=True)
 class DatasetOptions:
@@ -210,18 +214,18 @@ class VolumeDataset(IterableDataset[Any]):
             # while the files are listed.
             made = None if in_place else pool.submit(FileCache, cache_dir, limit=cache_limit)
             try:
-                # The files, listed once (a FileTable; its digest is the state's "manifest").
-                self.volume, self.manifest = self._list(
+                # The files, listed once (a FileTable; its digest is the state's "file_table").
+                self.volume, self.file_table = self._list(
                     url_or_file_list, storage_options, suffixes, share=share_listing
                 )
             finally:
                 self.cache = made.result() if made is not None else None
         # Workers map the table instead of copying it (see FileTable.share).
-        self.manifest.share()
+        self.file_table.share()
         if self.cache is not None and self.volume.capabilities.local_files and not cache_local:
             self.cache = None  # a list of local files, read in place
         if self.cache is not None and self.cache.limit is not None:
-            largest = int(self.manifest.sizes.max())
+            largest = int(self.file_table.sizes.max())
             if largest > self.cache.limit:
                 raise CacheError(
                     f"cache_limit={self.cache.limit} bytes is smaller than the largest file of "
@@ -236,12 +240,12 @@ class VolumeDataset(IterableDataset[Any]):
         self.set_cursor(epoch=0, start=0)
         self._key_index: KeyIndex | None = None
         # Copies verified by any worker of this dataset are hits in all of them.
-        self._shared_hot = SharedHot(len(self.manifest)) if self.cache is not None else None
+        self._shared_hot = SharedHot(len(self.file_table)) if self.cache is not None else None
         logger.info(
             "dataset %s: %d files, %.1f MiB",
             self.volume.display_url,
-            len(self.manifest),
-            self.manifest.total_bytes / 2**20,
+            len(self.file_table),
+            self.file_table.total_bytes / 2**20,
         )
 
     def _list(
@@ -292,7 +296,20 @@ class VolumeDataset(IterableDataset[Any]):
 
     @property
     def num_files(self) -> int:
-        return len(self.manifest)
+        return len(self.file_table)
+
+    @property
+    def manifest(self) -> FileTable:
+        """Deprecated name of ``file_table`` (warns once per process)."""
+        global _MANIFEST_WARNED
+        if not _MANIFEST_WARNED:
+            _MANIFEST_WARNED = True
+            warnings.warn(
+                "VolumeDataset.manifest is deprecated; use VolumeDataset.file_table.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return self.file_table
 
     @property
     def epoch(self) -> int:
@@ -386,7 +403,7 @@ class VolumeDataset(IterableDataset[Any]):
         self, plan: Plan, positions: np.ndarray, file_ids: np.ndarray
     ) -> Iterator[Any]:
         stats = worker_stats(self._id)
-        files = self.manifest
+        files = self.file_table
         seeds = self._seeds(plan, positions)
         for k, fid in enumerate(_ints(file_ids)):
             path = self.volume.full_path(files.path(fid))
@@ -404,8 +421,9 @@ class VolumeDataset(IterableDataset[Any]):
         # Built on first eviction only: one hash per file.
         if self._key_index is None:
             cache, volume = self.cache, self.volume
-            keys = (cache.key_of(volume, p) for p in self.manifest.paths()) if cache else iter(())
-            self._key_index = KeyIndex(keys, len(self.manifest) if cache else 0)
+            table = self.file_table
+            keys = (cache.key_of(volume, p) for p in table.paths()) if cache else iter(())
+            self._key_index = KeyIndex(keys, len(table) if cache else 0)
         return self._key_index
 
     def _schedule_evictions(
@@ -432,7 +450,7 @@ class VolumeDataset(IterableDataset[Any]):
     def _prefetcher(self, cache: FileCache, file_ids: np.ndarray) -> Prefetcher[int, int, Any]:
         """The worker's files, fetched ahead on a thread pool; each taken item is pinned
         (a miss) or a verified hit (unpinned)."""
-        files, volume, shared = self.manifest, self.volume, self._shared_hot
+        files, volume, shared = self.file_table, self.volume, self._shared_hot
 
         def fetch(fid: int) -> Any:
             info = files.info(fid)  # the listing's entry: the expected size/etag
@@ -467,7 +485,7 @@ class VolumeDataset(IterableDataset[Any]):
         except FileNotFoundError:
             if cached.pinned or os.path.exists(cached.path):
                 raise
-        info = self.manifest.info(fid)
+        info = self.file_table.info(fid)
         with cache.fetch_from(
             self.volume, info.path, expected=info, pin=True, shared=self._shared_hot, slot=fid
         ) as again:
