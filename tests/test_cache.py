@@ -519,6 +519,40 @@ def test_a_cache_of_the_previous_layout_is_never_served(tmp_path: Path) -> None:
     assert Path(cache.fetch(str(src / second))).read_bytes() == data1
 
 
+def test_records_written_by_this_format_are_served(tmp_path: Path) -> None:
+    """The on-disk record is a format: "dcv2", size (int64), mtime (float64, NaN for
+    none), then the etag's UTF-8, as an xattr or a .meta file. Entries written in it by
+    earlier versions are hits; a record of another size or etag is a miss, refilled."""
+    import math
+    import struct
+
+    src = tmp_path / "src"
+    files = write_samples(str(src), None, 3, size=500)
+    cache = FileCache(tmp_path / "cache")
+    urls = [str(src / rel) for rel in files]
+    refs = [cache._entry(Volume(os.path.dirname(u)), os.path.basename(u)) for u in urls]
+    stale = b"y" * 500  # not the source's bytes: a hit is served from the cache
+    for i, ref in enumerate(refs):
+        os.makedirs(os.path.dirname(ref.data), exist_ok=True)
+        Path(ref.data).write_bytes(stale)
+        size = 500 if i < 2 else 499  # the third record says another size: never served
+        record = struct.pack("<4sqd", b"dcv2", size, math.nan) + b"etag-1"
+        if i == 0 and hasattr(os, "setxattr"):
+            try:
+                os.setxattr(ref.data, RECORD_XATTR, record)
+                continue
+            except OSError:
+                pass  # no user xattrs here: the .meta file below
+        Path(ref.meta).write_bytes(record)
+    for url in urls[:2]:
+        assert Path(cache.fetch(url, size=500, etag="etag-1")).read_bytes() == stale
+    assert cache.counters.misses == 0 and cache.counters.hits == 2
+    data = list(files.values())
+    assert Path(cache.fetch(urls[0], size=500, etag="etag-2")).read_bytes() == data[0]
+    assert Path(cache.fetch(urls[2])).read_bytes() == data[2]  # its record's size is wrong
+    assert cache.counters.misses == 2
+
+
 def test_without_xattrs_records_are_meta_files(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the filesystem takes no user xattrs the record is a .meta file; both kinds

@@ -190,7 +190,7 @@ class FileCache:
     def _entry(self, volume: Volume, relpath: str) -> Entry:
         url = volume.url_of(relpath)
         name = _sanitize(relpath.rstrip("/").rsplit("/", 1)[-1])
-        return Entry.named(self._store.layout, _key(volume, url), name, redact_url(url))
+        return Entry.named(self._store.layout, _key(volume, url), name, redact_url(url), relpath)
 
     # -- public API -----------------------------------------------------------------------
 
@@ -340,6 +340,6 @@ class FileCache:
             self._store.count_hit(entry.key)
         if served.stat is not None:
             self._hot.remember(
-                volume, relpath, entry, served.sidecar, served.stat, expected, shared, slot
+                volume, relpath, entry, served.record, served.stat, expected, shared, slot
             )
         return served.file

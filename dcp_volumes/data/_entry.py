@@ -2,7 +2,7 @@
 
 An entry lives below ``objects/<k2>/`` (``<key>``: 128-bit hash of source + URL)::
 
-    <key>-<name>   the cached file; its record (``Sidecar``: size, etag/mtime) in
+    <key>-<name>   the cached file; its record (the source's size, etag, mtime) in
                    its ``user.dcpv`` xattr, set before the file is renamed into place
     <key>.fill     the download in progress; created at the fill's full size (sparse)
                    when the bytes are reserved, so a killed fill's count is its size
@@ -162,53 +162,38 @@ def file_size(path: str) -> int | None:
         return None
 
 
-@dataclass(frozen=True)
-class Sidecar:
-    """What the cache knows of a complete copy: its record (see the module docstring).
+def encode_record(info: FileInfo) -> bytes:
+    """The record of a copy of ``info`` (its size, mtime and etag), as stored."""
+    mtime = math.nan if info.mtime is None else float(info.mtime)
+    return _RECORD.pack(_RECORD_MAGIC, info.size, mtime) + (info.etag or "").encode()
 
-    ``size``/``etag``/``mtime`` are the source file's as listed or asked when
-    it was fetched; ``url`` is the entry's (not stored).
-    """
 
-    url: str
-    size: int
-    etag: str | None = None
-    mtime: float | None = None
+def decode_record(raw: bytes, path: str) -> FileInfo | None:
+    """The record in ``raw`` as the ``FileInfo`` of the source file ``path`` it copies, or
+    None for anything that is not a record of this version."""
+    if len(raw) < _RECORD.size:
+        return None
+    magic, size, mtime = _RECORD.unpack_from(raw)
+    if magic != _RECORD_MAGIC or size < 0:
+        return None
+    try:
+        etag = raw[_RECORD.size :].decode()
+    except UnicodeDecodeError:
+        return None
+    return FileInfo(path, size, etag or None, None if math.isnan(mtime) else mtime)
 
-    @classmethod
-    def of(cls, info: FileInfo, url: str) -> Sidecar:
-        """The record of a copy of ``info``."""
-        return cls(url=url, size=info.size, etag=info.etag, mtime=info.mtime)
 
-    def to_bytes(self) -> bytes:
-        mtime = math.nan if self.mtime is None else float(self.mtime)
-        return _RECORD.pack(_RECORD_MAGIC, self.size, mtime) + (self.etag or "").encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, url: str = "") -> Sidecar | None:
-        """The record in ``raw``, or None for anything that is not one of this version."""
-        if len(raw) < _RECORD.size:
-            return None
-        magic, size, mtime = _RECORD.unpack_from(raw)
-        if magic != _RECORD_MAGIC or size < 0:
-            return None
-        try:
-            etag = raw[_RECORD.size :].decode()
-        except UnicodeDecodeError:
-            return None
-        return cls(url, size, etag or None, None if math.isnan(mtime) else mtime)
-
-    def describes(self, listed: FileInfo | None) -> bool:
-        """Whether this copy is the file ``listed`` says (None: any complete copy is)."""
-        if listed is None:
-            return True
-        if listed.size != self.size:
-            return False
-        if listed.etag:
-            return listed.etag == self.etag
-        if listed.mtime is not None and self.mtime is not None:
-            return abs(self.mtime - listed.mtime) < 1e-6
+def describes(record: FileInfo, listed: FileInfo | None) -> bool:
+    """Whether the copy ``record`` is the file ``listed`` says (None: any complete copy is)."""
+    if listed is None:
         return True
+    if listed.size != record.size:
+        return False
+    if listed.etag:
+        return listed.etag == record.etag
+    if listed.mtime is not None and record.mtime is not None:
+        return abs(record.mtime - listed.mtime) < 1e-6
+    return True
 
 
 class CachedFile:
@@ -267,7 +252,7 @@ class Served:
     """What ``Entry.serve`` did: the file, its record, and its data file's ``stat`` then."""
 
     file: CachedFile
-    sidecar: Sidecar
+    record: FileInfo
     stat: os.stat_result | None
     filled: bool
 
@@ -277,24 +262,30 @@ class Entry:
 
     Built once per file a process first sees (a few string operations), so it
     holds paths only; everything it knows of the copy is read from disk. ``url``
-    is the file's URL as it may appear in messages (redacted).
+    is the file's URL as it may appear in messages (redacted), ``path`` its path
+    on its volume (the records' ``FileInfo.path``); both are "" for an entry a
+    scan of the directory found.
     """
 
-    __slots__ = ("data", "fill", "key", "layout", "meta", "url")
+    __slots__ = ("data", "fill", "key", "layout", "meta", "path", "url")
 
-    def __init__(self, layout: Layout, key: str, data: str, url: str = "") -> None:
+    def __init__(
+        self, layout: Layout, key: str, data: str, url: str = "", path: str = ""
+    ) -> None:
         base = entry_base(layout.objects, key)
         self.layout = layout
         self.key = key
         self.url = url
+        self.path = path
         self.data = data
         self.meta = f"{base}.meta"
         self.fill = f"{base}.fill"
 
     @classmethod
-    def named(cls, layout: Layout, key: str, name: str, url: str) -> Entry:
-        """The entry of ``url`` (key ``key``), its data file ending in ``-name``."""
-        return cls(layout, key, f"{entry_base(layout.objects, key)}-{name}", url)
+    def named(cls, layout: Layout, key: str, name: str, url: str, path: str) -> Entry:
+        """The entry of ``url`` (key ``key``; ``path`` on its volume), its data file ending
+        in ``-name``."""
+        return cls(layout, key, f"{entry_base(layout.objects, key)}-{name}", url, path)
 
     @property
     def lock_file(self) -> str:
@@ -311,7 +302,7 @@ class Entry:
 
     # -- reading --------------------------------------------------------------------------
 
-    def record(self) -> Sidecar | None:
+    def record(self) -> FileInfo | None:
         """The record on the data file (xattr) or in its ``.meta`` file, if any."""
         raw: bytes | None = None
         try:
@@ -327,21 +318,21 @@ class Entry:
                     raw = f.read(4096)
             except OSError:
                 return None
-        return Sidecar.from_bytes(raw, self.url)
+        return decode_record(raw, self.path)
 
-    def read(self) -> tuple[Sidecar, os.stat_result] | None:
+    def read(self) -> tuple[FileInfo, os.stat_result] | None:
         """The record of a complete copy (data file present with the recorded size) and the
         data file's ``stat``, else None."""
-        sidecar = self.record()
-        if sidecar is None:
+        record = self.record()
+        if record is None:
             return None
         try:
             st = os.stat(self.data)
         except OSError:
             return None
-        if st.st_size != sidecar.size:
+        if st.st_size != record.size:
             return None
-        return sidecar, st
+        return record, st
 
     def reserved(self) -> int:
         """Bytes a fill in progress (or a killed one) holds: its ``.fill`` file's size."""
@@ -377,19 +368,19 @@ class Entry:
         With ``pin`` the returned file holds the shared lock until released.
         """
         lock = self.new_lock()
-        mine: Sidecar | None = None  # the sidecar this call published, if it filled
+        mine: FileInfo | None = None  # the record this call published, if it filled
         seconds = 0.0
         while True:
             lock.acquire(exclusive=False)
             found = self.read()
-            if found is None or (found[0] != mine and not found[0].describes(listed)):
+            if found is None or (found[0] != mine and not describes(found[0], listed)):
                 # Upgrade by release + exclusive acquire: the first to get it fills,
                 # the others then find a valid entry.
                 lock.release()
                 lock.acquire(exclusive=True)
                 try:
                     found = self.read()
-                    if found is None or not found[0].describes(listed):
+                    if found is None or not describes(found[0], listed):
                         mine, seconds = self._fill(volume, relpath, listed, store)
                         if not pin:  # served as published, still under the exclusive lock
                             st = _stat(self.data)
@@ -397,12 +388,12 @@ class Entry:
                 finally:
                     lock.release()
                 continue  # re-take it shared and re-check: an evictor may have slipped in
-            sidecar, st = found
+            record, st = found
             if mine is None:
                 st = self._touch(st)
             served = Served(
-                self._file(sidecar, mine, seconds, lock if pin else None),
-                sidecar,
+                self._file(record, mine, seconds, lock if pin else None),
+                record,
                 st,
                 mine is not None,
             )
@@ -412,8 +403,8 @@ class Entry:
 
     def _file(
         self,
-        sidecar: Sidecar,
-        mine: Sidecar | None,
+        record: FileInfo,
+        mine: FileInfo | None,
         seconds: float,
         pin: ByteLock | EntryLock | None,
     ) -> CachedFile:
@@ -421,7 +412,7 @@ class Entry:
             path=self.data,
             url=self.url,
             key=self.key,
-            size=sidecar.size,
+            size=record.size,
             hit=mine is None,
             download_seconds=seconds,
             pin=pin,
@@ -464,7 +455,7 @@ class Entry:
 
     def _fill(
         self, volume: Volume, relpath: str, listed: FileInfo | None, store: Store
-    ) -> tuple[Sidecar, float]:
+    ) -> tuple[FileInfo, float]:
         """Download into the entry; the caller holds its exclusive lock."""
         store.give_back(self.clear_leftovers())
         info = listed if listed is not None else volume.info(relpath)
@@ -485,8 +476,8 @@ class Entry:
         try:
             self._download(volume, relpath, size, listed=listed is not None)
             seconds = time.perf_counter() - started
-            sidecar = Sidecar.of(info, self.url)
-            self._publish(sidecar, tmp)
+            record = FileInfo(self.path, info.size, info.etag, info.mtime)
+            self._publish(record, tmp)
         except BaseException as exc:
             # Nothing of a failed fill stays: no torn copy, and its space and
             # reservation are given back (the data file may be renamed in already).
@@ -497,17 +488,17 @@ class Entry:
             self._raise_if_disk_full(exc, store, size)
             raise
         store.count_fill(self, size, seconds)
-        return sidecar, seconds
+        return record, seconds
 
-    def _publish(self, sidecar: Sidecar, tmp: str) -> None:
+    def _publish(self, record: FileInfo, tmp: str) -> None:
         """Rename the complete download into place with its record: the entry becomes valid
         in one step (the rename; with a .meta file, that file's rename after it)."""
         if self.layout.xattrs:
-            os.setxattr(self.fill, RECORD_XATTR, sidecar.to_bytes())
+            os.setxattr(self.fill, RECORD_XATTR, encode_record(record))
             os.replace(self.fill, self.data)
             return
         os.replace(self.fill, self.data)
-        write_file(tmp, sidecar.to_bytes())
+        write_file(tmp, encode_record(record))
         os.replace(tmp, self.meta)
     def _raise_if_disk_full(self, exc: BaseException, store: Store, size: int) -> None:
         """Raise ``exc`` as a ``DiskFullError`` if the cache's disk ran out of space."""
