@@ -610,6 +610,16 @@ def test_entry_locks_are_bytes_of_one_file(tmp_path: Path) -> None:
     assert not ByteLock(path, a).acquire(exclusive=True, blocking=False)
     for p in pins:
         p.release()
+    # A filler that keeps its copy pinned turns its lock shared in place: others may pin
+    # the entry at once, and nobody may take it exclusive (evict) meanwhile.
+    filler = ByteLock(path, a)
+    assert filler.acquire(exclusive=True) and filler.downgrade()
+    reader = ByteLock(path, a)
+    assert reader.acquire(exclusive=False, blocking=False)
+    assert not ByteLock(path, a).acquire(exclusive=True, blocking=False)
+    reader.release()
+    assert not ByteLock(path, a).acquire(exclusive=True, blocking=False)
+    filler.release()
     # A holder killed with SIGKILL leaves no lock behind.
     ready = _FORK.Event()
     holder = _FORK.Process(target=_hold_lock, args=(path, a, ready))

@@ -452,9 +452,9 @@ class VolumeDataset(IterableDataset[Any]):
         (a miss) or a verified hit (unpinned)."""
         files, volume, shared = self.file_table, self.volume, self._shared_hot
 
-        def fetch(fid: int) -> Any:
+        def fetch(fid: int) -> Any:  # on the pool, for an item whose `fast` said None
             info = files.info(fid)  # the listing's entry: the expected size/etag
-            return cache.fetch_from(
+            return cache.fetch_cold(
                 volume, info.path, expected=info, pin=True, shared=shared, slot=fid
             )
 

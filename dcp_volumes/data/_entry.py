@@ -17,19 +17,19 @@ valid record of this version (a cache written by an earlier layout: JSON
 ``.meta`` files, ``.lock`` files) is never served, and is removed by the next
 fill of its entry or by ``FileCache.reconcile``.
 
-Read path (``Entry.serve``): take the lock shared and check the copy (record
-present, file size as recorded, size/etag as listed); on a miss, re-take it
-exclusive and, if still missing, fill it. Exactly one process fills an entry
-however many ask at once (DataLoader workers, ranks, other jobs on the node):
-the others block on the lock and then find the finished copy.
+The lock protocol of a read (``FileCache.fetch_cold``): take the lock shared and
+check the copy (record present, file size as recorded, size/etag as listed); on
+a miss, re-take it exclusive and, if still missing, fill it. Exactly one process
+fills an entry however many ask at once (DataLoader workers, ranks, other jobs
+on the node): the others block on the lock and then find the finished copy.
 
 A reader never sees a partial file: a fill lands under the temporary name and
 is renamed into place with its record already on it (the entry becomes valid
 in that one step; with a ``.meta`` file, when that file is renamed in after
 it). A killed filler's lock is released by the kernel; the next filler,
-holding the lock, deletes the leftovers first, so they are never served. The
-byte count and eviction are the store's (``_store.py``); the entry only asks
-it to reserve and give back bytes.
+holding the lock, deletes the leftovers first, so they are never served. An
+entry knows nothing of the byte count: the cache reserves and gives back its
+bytes with the store (``_store.py``), which evicts and repairs entries.
 """
 
 from __future__ import annotations
@@ -45,21 +45,14 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from dcp_volumes._exceptions import (
-    CacheError,
     DatasetChangedError,
     VolumeError,
     VolumeNotFoundError,
 )
-from dcp_volumes._sizes import format_size
-from dcp_volumes._staging_disk import disk_full_error
 from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, Volume, despite_lag, write_all
 from dcp_volumes.data._locks import ByteLock, EntryLock, byte_locks_supported
-
-if TYPE_CHECKING:
-    from dcp_volumes.data._store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -247,16 +240,6 @@ class CachedFile:
         return f"CachedFile({self.path!r}, hit={self.hit}, pinned={self.pinned})"
 
 
-@dataclass(frozen=True)
-class Served:
-    """What ``Entry.serve`` did: the file, its record, and its data file's ``stat`` then."""
-
-    file: CachedFile
-    record: FileInfo
-    stat: os.stat_result | None
-    filled: bool
-
-
 class Entry:
     """One entry of the cache: paths, record, read / verify / fill / pin, the lock upgrade.
 
@@ -358,67 +341,7 @@ class Entry:
         lock.acquire(exclusive=False)
         return lock
 
-    # -- the read path --------------------------------------------------------------------
-
-    def serve(
-        self, volume: Volume, relpath: str, listed: FileInfo | None, *, pin: bool, store: Store
-    ) -> Served:
-        """The copy of ``relpath`` that ``listed`` describes, filled first if needed.
-
-        With ``pin`` the returned file holds the shared lock until released.
-        """
-        lock = self.new_lock()
-        mine: FileInfo | None = None  # the record this call published, if it filled
-        seconds = 0.0
-        while True:
-            lock.acquire(exclusive=False)
-            found = self.read()
-            if found is None or (found[0] != mine and not describes(found[0], listed)):
-                # Upgrade by release + exclusive acquire: the first to get it fills,
-                # the others then find a valid entry.
-                lock.release()
-                lock.acquire(exclusive=True)
-                try:
-                    found = self.read()
-                    if found is None or not describes(found[0], listed):
-                        mine, seconds = self._fill(volume, relpath, listed, store)
-                        if not pin:  # served as published, still under the exclusive lock
-                            st = _stat(self.data)
-                            return Served(self._file(mine, mine, seconds, None), mine, st, True)
-                finally:
-                    lock.release()
-                continue  # re-take it shared and re-check: an evictor may have slipped in
-            record, st = found
-            if mine is None:
-                st = self._touch(st)
-            served = Served(
-                self._file(record, mine, seconds, lock if pin else None),
-                record,
-                st,
-                mine is not None,
-            )
-            if not pin:
-                lock.release()
-            return served
-
-    def _file(
-        self,
-        record: FileInfo,
-        mine: FileInfo | None,
-        seconds: float,
-        pin: ByteLock | EntryLock | None,
-    ) -> CachedFile:
-        return CachedFile(
-            path=self.data,
-            url=self.url,
-            key=self.key,
-            size=record.size,
-            hit=mine is None,
-            download_seconds=seconds,
-            pin=pin,
-        )
-
-    def _touch(self, st: os.stat_result) -> os.stat_result | None:
+    def touch(self, st: os.stat_result) -> os.stat_result | None:
         """Move the LRU clock (the data file's mtime) of a hit, at most every
         ``TOUCH_INTERVAL_S``; the data file's ``stat`` after it."""
         if time.time() - st.st_mtime <= TOUCH_INTERVAL_S:
@@ -426,7 +349,7 @@ class Entry:
         # Evicted meanwhile: the LRU clock does not matter then.
         with contextlib.suppress(OSError):
             os.utime(self.data)
-        return _stat(self.data)
+        return stat_or_none(self.data)
 
     # -- filling (under the exclusive lock) -----------------------------------------------
 
@@ -453,42 +376,27 @@ class Entry:
         remove(self.meta)
         return freed
 
-    def _fill(
-        self, volume: Volume, relpath: str, listed: FileInfo | None, store: Store
-    ) -> tuple[FileInfo, float]:
-        """Download into the entry; the caller holds its exclusive lock."""
-        store.give_back(self.clear_leftovers())
-        info = listed if listed is not None else volume.info(relpath)
-        size = info.size
-        if store.limit is not None and size > store.limit:
-            raise CacheError(
-                f"{self.url} is {format_size(size)}, larger than the cache limit "
-                f"of {format_size(store.limit)}. Fix: raise the cache limit (cache_limit= / "
-                "limit=) or cache on a bigger disk."
-            )
-        try:
-            store.reserve(self, size)
-        except OSError as exc:
-            self._raise_if_disk_full(exc, store, size)
-            raise
+    def fill_from(
+        self, volume: Volume, relpath: str, info: FileInfo, *, listed: bool
+    ) -> float:
+        """Download ``info`` (``listed``: as the dataset's listing says it) into the
+        reserved ``.fill`` and publish it with its record; returns the download's seconds.
+
+        Nothing of a failed fill stays (no torn copy; the data file may be renamed in
+        already); the caller gives its reservation back.
+        """
         started = time.perf_counter()
         tmp = f"{self.meta}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            self._download(volume, relpath, size, listed=listed is not None)
+            self._download(volume, relpath, info.size, listed=listed)
             seconds = time.perf_counter() - started
-            record = FileInfo(self.path, info.size, info.etag, info.mtime)
-            self._publish(record, tmp)
-        except BaseException as exc:
-            # Nothing of a failed fill stays: no torn copy, and its space and
-            # reservation are given back (the data file may be renamed in already).
+            self._publish(info, tmp)
+        except BaseException:
             remove(self.fill)
             remove(self.data)
             remove(tmp)
-            store.give_back(size)
-            self._raise_if_disk_full(exc, store, size)
             raise
-        store.count_fill(self, size, seconds)
-        return record, seconds
+        return seconds
 
     def _publish(self, record: FileInfo, tmp: str) -> None:
         """Rename the complete download into place with its record: the entry becomes valid
@@ -500,19 +408,6 @@ class Entry:
         os.replace(self.fill, self.data)
         write_file(tmp, encode_record(record))
         os.replace(tmp, self.meta)
-    def _raise_if_disk_full(self, exc: BaseException, store: Store, size: int) -> None:
-        """Raise ``exc`` as a ``DiskFullError`` if the cache's disk ran out of space."""
-        full = disk_full_error(
-            exc,
-            store.cache_dir,
-            doing=f"caching {self.url}",
-            needed=size,
-            fix="The partial copy was removed and is never served. Fix: free space there, "
-            "lower the cache limit (cache_limit= / limit=), or move the cache (cache_dir= / "
-            "DCP_VOLUMES_CACHE) to a larger local disk; the next read fills it again.",
-        )
-        if full is not None:
-            raise full from exc
 
     def _download(self, volume: Volume, relpath: str, size: int, *, listed: bool) -> None:
         # A listed file that is not found may be a store that lags its writes: ask
@@ -602,7 +497,8 @@ class Entry:
         return held + self.reserved()
 
 
-def _stat(path: str) -> os.stat_result | None:
+def stat_or_none(path: str) -> os.stat_result | None:
+    """``os.stat(path)``, or None where it fails (gone, evicted meanwhile)."""
     try:
         return os.stat(path)
     except OSError:

@@ -130,7 +130,8 @@ class Store:
 
     def reserve(self, entry: Entry, size: int) -> None:
         """Count ``size`` bytes for a fill of ``entry``, evicting first if the cache would
-        overflow; the entry's lock file records the reservation until the fill ends."""
+        overflow; the entry's `.fill` file, made here under the count's lock, records the
+        reservation until the fill ends."""
         with CounterLock(self.counter_path) as counter:
             used = counter.read()
             if used is None:
