@@ -410,6 +410,14 @@ def test_bad_cache_configuration(tmp_path: Path) -> None:
     assert small.usage() == 0
     with pytest.raises(ConfigurationError, match="names no file"):
         small.fetch("s3://bucket-only")
+    # The options, parsed and checked once, travel with the cache to a worker process.
+    opts = FileCache(tmp_path / "c", limit="2KiB", headroom="1KiB", reconcile=False).options
+    assert (opts.limit, opts.headroom, opts.reconcile, opts.limit_chosen) == (2048, 1024,
+                                                                              False, True)
+    copy = pickle.loads(pickle.dumps(small))
+    assert copy.options == small.options and copy.limit == 1000 and copy.cache_dir == str(
+        tmp_path / "c")
+    assert not FileCache(tmp_path / "c").options.limit_chosen
 
 
 @pytest.mark.slow

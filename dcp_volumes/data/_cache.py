@@ -23,8 +23,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from dcp_volumes import _env
-from dcp_volumes._exceptions import CacheError, ConfigurationError
+from dcp_volumes._exceptions import CacheError
 from dcp_volumes._sizes import format_size, parse_size
 from dcp_volumes._staging_disk import disk_full_error, probe_writable
 from dcp_volumes._volume import (
@@ -34,6 +33,12 @@ from dcp_volumes._volume import (
     redact_url,
     refuse_url_credentials,
     split_url,
+)
+from dcp_volumes.data._cache_options import (
+    DEFAULT_CACHE_LIMIT,
+    CacheOptions,
+    default_cache_dir,
+    resolve_cache_dir,
 )
 from dcp_volumes.data._entry import CachedFile, Entry, describes, stat_or_none
 from dcp_volumes.data._hot import HotIndex, SharedHot
@@ -45,24 +50,16 @@ logger = logging.getLogger(__name__)
 _KEY_CHARS = 32
 
 __all__ = [
+    "DEFAULT_CACHE_LIMIT",
+    "CacheOptions",
     "CacheSchedule",
     "CachedFile",
     "Counters",
     "FileCache",
     "ReconcileReport",
     "default_cache_dir",
+    "resolve_cache_dir",
 ]
-
-
-def default_cache_dir() -> str:
-    """``DCP_VOLUMES_CACHE`` if set, else ``~/.cache/dcp_volumes``."""
-    return _env.cache_dir() or os.path.join(os.path.expanduser("~"), ".cache", "dcp_volumes")
-
-
-def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> str:
-    """The absolute directory a ``FileCache(cache_dir)`` uses."""
-    chosen = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
-    return os.path.abspath(os.path.expanduser(chosen))
 
 
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
@@ -71,11 +68,6 @@ _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 def _sanitize(name: str) -> str:
     safe = _UNSAFE_CHARS.sub("_", name)[-80:].lstrip(".")
     return safe or "data"
-
-
-# The default limit: on a smaller disk its free space is the limit, which is no news
-# for a caller who set nothing (one who asked for more than the disk is told).
-DEFAULT_CACHE_LIMIT = "100GB"
 
 
 def _key(volume: Volume, url: str) -> str:
@@ -115,14 +107,16 @@ class FileCache:
         headroom: int | str = "256MiB",
         reconcile: bool = True,
     ) -> None:
-        self.cache_dir = resolve_cache_dir(cache_dir)
-        self.limit = parse_size(limit, what="limit")
-        self.headroom = parse_size(headroom, what="headroom") or 0
-        if self.limit == 0:
-            raise ConfigurationError("limit=0 leaves no room for any file; use None for no limit.")
-        self._check_dir(told=limit is not DEFAULT_CACHE_LIMIT)
+        self.options = CacheOptions(
+            cache_dir=resolve_cache_dir(cache_dir),
+            limit=parse_size(limit, what="limit"),
+            headroom=parse_size(headroom, what="headroom") or 0,
+            reconcile=bool(reconcile),
+            limit_chosen=limit is not DEFAULT_CACHE_LIMIT,
+        )
+        self._check_dir()
         self._init_process_state()
-        if reconcile:
+        if self.options.reconcile:
             self.reconcile()
 
     def _init_process_state(self) -> None:
@@ -133,11 +127,26 @@ class FileCache:
 
     def __getstate__(self) -> dict[str, Any]:
         # Locks, clients and the in-memory view are per process.
-        return {"cache_dir": self.cache_dir, "limit": self.limit, "headroom": self.headroom}
+        return {"options": self.options}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.options = state["options"]
         self._init_process_state()
+
+    @property
+    def cache_dir(self) -> str:
+        """The cache directory (absolute)."""
+        return self.options.cache_dir
+
+    @property
+    def limit(self) -> int | None:
+        """Most bytes of cached files (None: the disk's free space)."""
+        return self.options.limit
+
+    @property
+    def headroom(self) -> int:
+        """Free space always left on the disk holding the cache."""
+        return self.options.headroom
 
     def __repr__(self) -> str:
         return f"FileCache({self.cache_dir!r}, limit={self.limit})"
@@ -147,9 +156,8 @@ class FileCache:
         """Hits, misses, bytes fetched and evictions of this object in this process."""
         return self._store.counters
 
-    def _check_dir(self, *, told: bool) -> None:
-        """Make the directory; ``told``: the caller chose the limit (a default that exceeds
-        the disk is no news)."""
+    def _check_dir(self) -> None:
+        """Make the directory; say so if the limit is more than the disk holds."""
         try:
             os.makedirs(os.path.join(self.cache_dir, "objects"), exist_ok=True)
             probe_writable(self.cache_dir)
@@ -163,7 +171,7 @@ class FileCache:
             total = shutil.disk_usage(self.cache_dir).total
             if self.limit > total:
                 logger.log(
-                    logging.WARNING if told else logging.INFO,
+                    logging.WARNING if self.options.limit_chosen else logging.INFO,
                     "cache limit %.1f GiB exceeds the size of the disk holding %s (%.1f GiB); the "
                     "disk's free space will be the real limit",
                     self.limit / 2**30,
