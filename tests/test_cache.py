@@ -196,7 +196,7 @@ def test_corrupted_copy_detected_and_refetched(volume_url: tuple[str, dict[str, 
 
 
 def test_fast_hits_notice_another_process_replacing_the_copy(tmp_path: Path) -> None:
-    # Hits of verified copies skip the sidecar (one stat): a copy evicted and
+    # Hits of verified copies skip the record (one stat): a copy evicted and
     # refilled by another process in between must still be noticed.
     src = tmp_path / "src"
     src.mkdir()
@@ -210,7 +210,7 @@ def test_fast_hits_notice_another_process_replacing_the_copy(tmp_path: Path) -> 
     (src / "a.bin").write_bytes(b"three")
     assert Path(other.fetch(url, size=5)).read_bytes() == b"three"
     assert Path(ours.fetch(url, size=5)).read_bytes() == b"three"
-    assert ours.counters.hits == 2  # served the other process's fill, found by the sidecar
+    assert ours.counters.hits == 2  # served the other process's fill, found by its record
 
 
 def test_shared_hot_table_makes_copies_verified_elsewhere_hits(tmp_path: Path) -> None:

@@ -193,7 +193,8 @@ class CachedFile:
     """A file in the cache: ``path`` is local; a pinned one is not evicted until released.
 
     Use as a context manager (or call ``release()``) to drop the pin. It is
-    path-like, so ``open(cached)`` works.
+    path-like, so ``open(cached)`` works. Not a ``FileInfo``: what a caller holds (the
+    local copy, maybe its pin, how it was served), not what the source file is.
     """
 
     __slots__ = ("_pin", "download_seconds", "hit", "key", "path", "size", "url")

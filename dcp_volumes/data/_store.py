@@ -49,7 +49,11 @@ class CacheSchedule(Protocol):
 
 @dataclass
 class _Known:
-    """One entry as last seen on disk by this process."""
+    """One entry as last seen on disk by this process: eviction's candidate.
+
+    Not the entry's record (a ``FileInfo`` of the source file): local facts, the data
+    file's path, its size on disk, its LRU clock, and whether it has a record at all.
+    """
 
     data: str
     size: int
