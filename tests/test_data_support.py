@@ -81,7 +81,7 @@ def to_list(batch: Any) -> list[Any]:
 def disk_bytes(cache_dir: str) -> int:
     """Bytes of every data file below cache_dir/objects (what the limit bounds).
 
-    Locks and records (also a .meta record's temp file, there for a moment while a
+    Locks and sidecars (also a sidecar's temp file, there for a moment while a
     fill publishes it) are bookkeeping, not cached bytes.
     """
     total = 0
