@@ -593,6 +593,30 @@ def test_without_xattrs_records_are_meta_files(tmp_path: Path,
     assert Path(cache.fetch(urls[1])).read_bytes() == data[1]
 
 
+def test_without_byte_locks_a_pinned_fill_is_taken_again_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where OFD locks are missing each entry has a lock file (``EntryLock``), whose
+    exclusive lock cannot turn shared in one step: a pinned fill releases it and pins the
+    copy it then finds, which nobody can evict until the pin goes."""
+    from dcp_volumes.data import _entry
+    from dcp_volumes.data._locks import EntryLock
+
+    monkeypatch.setattr(_entry, "byte_locks_supported", lambda: False)
+    src = tmp_path / "src"
+    files = write_samples(str(src), None, 1, size=700)
+    url = str(src / next(iter(files)))
+    cache = FileCache(tmp_path / "cache")
+    ref = cache._entry(Volume(os.path.dirname(url)), os.path.basename(url))
+    assert ref.lock_file.endswith(".lock")
+    with cache.pin(url) as pinned:
+        assert pinned.pinned and not pinned.hit
+        assert Path(pinned.path).read_bytes() == next(iter(files.values()))
+        assert not EntryLock(ref.lock_file).acquire(exclusive=True, blocking=False)
+        assert not cache.evict(url)
+    assert cache.evict(url) and not cache.contains(url)
+
+
 def _hold_lock(path: str, key: str, ready: Any) -> None:
     from dcp_volumes.data._locks import ByteLock
 

@@ -13,7 +13,7 @@ it a worker knew only the copies it had filled or checked itself, so with two
 workers half of the second epoch went the slow way (pool thread, lock,
 record), the other worker having filled those files. The memo never decides
 alone: what it does not know, or no longer matches, goes the full way
-(``Entry.serve``).
+(``FileCache.fetch_cold``).
 """
 
 from __future__ import annotations
