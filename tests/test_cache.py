@@ -196,7 +196,7 @@ def test_corrupted_copy_detected_and_refetched(volume_url: tuple[str, dict[str, 
 
 
 def test_fast_hits_notice_another_process_replacing_the_copy(tmp_path: Path) -> None:
-    # Hits of verified copies skip the sidecar (one stat): a copy evicted and
+    # Hits of verified copies skip the record (one stat): a copy evicted and
     # refilled by another process in between must still be noticed.
     src = tmp_path / "src"
     src.mkdir()
@@ -210,7 +210,7 @@ def test_fast_hits_notice_another_process_replacing_the_copy(tmp_path: Path) -> 
     (src / "a.bin").write_bytes(b"three")
     assert Path(other.fetch(url, size=5)).read_bytes() == b"three"
     assert Path(ours.fetch(url, size=5)).read_bytes() == b"three"
-    assert ours.counters.hits == 2  # served the other process's fill, found by the sidecar
+    assert ours.counters.hits == 2  # served the other process's fill, found by its record
 
 
 def test_shared_hot_table_makes_copies_verified_elsewhere_hits(tmp_path: Path) -> None:
@@ -410,6 +410,14 @@ def test_bad_cache_configuration(tmp_path: Path) -> None:
     assert small.usage() == 0
     with pytest.raises(ConfigurationError, match="names no file"):
         small.fetch("s3://bucket-only")
+    # The options, parsed and checked once, travel with the cache to a worker process.
+    opts = FileCache(tmp_path / "c", limit="2KiB", headroom="1KiB", reconcile=False).options
+    assert (opts.limit, opts.headroom, opts.reconcile, opts.limit_chosen) == (2048, 1024,
+                                                                              False, True)
+    copy = pickle.loads(pickle.dumps(small))
+    assert copy.options == small.options and copy.limit == 1000 and copy.cache_dir == str(
+        tmp_path / "c")
+    assert not FileCache(tmp_path / "c").options.limit_chosen
 
 
 @pytest.mark.slow
@@ -519,6 +527,40 @@ def test_a_cache_of_the_previous_layout_is_never_served(tmp_path: Path) -> None:
     assert Path(cache.fetch(str(src / second))).read_bytes() == data1
 
 
+def test_records_written_by_this_format_are_served(tmp_path: Path) -> None:
+    """The on-disk record is a format: "dcv2", size (int64), mtime (float64, NaN for
+    none), then the etag's UTF-8, as an xattr or a .meta file. Entries written in it by
+    earlier versions are hits; a record of another size or etag is a miss, refilled."""
+    import math
+    import struct
+
+    src = tmp_path / "src"
+    files = write_samples(str(src), None, 3, size=500)
+    cache = FileCache(tmp_path / "cache")
+    urls = [str(src / rel) for rel in files]
+    refs = [cache._entry(Volume(os.path.dirname(u)), os.path.basename(u)) for u in urls]
+    stale = b"y" * 500  # not the source's bytes: a hit is served from the cache
+    for i, ref in enumerate(refs):
+        os.makedirs(os.path.dirname(ref.data), exist_ok=True)
+        Path(ref.data).write_bytes(stale)
+        size = 500 if i < 2 else 499  # the third record says another size: never served
+        record = struct.pack("<4sqd", b"dcv2", size, math.nan) + b"etag-1"
+        if i == 0 and hasattr(os, "setxattr"):
+            try:
+                os.setxattr(ref.data, RECORD_XATTR, record)
+                continue
+            except OSError:
+                pass  # no user xattrs here: the .meta file below
+        Path(ref.meta).write_bytes(record)
+    for url in urls[:2]:
+        assert Path(cache.fetch(url, size=500, etag="etag-1")).read_bytes() == stale
+    assert cache.counters.misses == 0 and cache.counters.hits == 2
+    data = list(files.values())
+    assert Path(cache.fetch(urls[0], size=500, etag="etag-2")).read_bytes() == data[0]
+    assert Path(cache.fetch(urls[2])).read_bytes() == data[2]  # its record's size is wrong
+    assert cache.counters.misses == 2
+
+
 def test_without_xattrs_records_are_meta_files(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the filesystem takes no user xattrs the record is a .meta file; both kinds
@@ -551,6 +593,30 @@ def test_without_xattrs_records_are_meta_files(tmp_path: Path,
     assert Path(cache.fetch(urls[1])).read_bytes() == data[1]
 
 
+def test_without_byte_locks_a_pinned_fill_is_taken_again_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where OFD locks are missing each entry has a lock file (``EntryLock``), whose
+    exclusive lock cannot turn shared in one step: a pinned fill releases it and pins the
+    copy it then finds, which nobody can evict until the pin goes."""
+    from dcp_volumes.data import _entry
+    from dcp_volumes.data._locks import EntryLock
+
+    monkeypatch.setattr(_entry, "byte_locks_supported", lambda: False)
+    src = tmp_path / "src"
+    files = write_samples(str(src), None, 1, size=700)
+    url = str(src / next(iter(files)))
+    cache = FileCache(tmp_path / "cache")
+    ref = cache._entry(Volume(os.path.dirname(url)), os.path.basename(url))
+    assert ref.lock_file.endswith(".lock")
+    with cache.pin(url) as pinned:
+        assert pinned.pinned and not pinned.hit
+        assert Path(pinned.path).read_bytes() == next(iter(files.values()))
+        assert not EntryLock(ref.lock_file).acquire(exclusive=True, blocking=False)
+        assert not cache.evict(url)
+    assert cache.evict(url) and not cache.contains(url)
+
+
 def _hold_lock(path: str, key: str, ready: Any) -> None:
     from dcp_volumes.data._locks import ByteLock
 
@@ -576,6 +642,16 @@ def test_entry_locks_are_bytes_of_one_file(tmp_path: Path) -> None:
     assert not ByteLock(path, a).acquire(exclusive=True, blocking=False)
     for p in pins:
         p.release()
+    # A filler that keeps its copy pinned turns its lock shared in place: others may pin
+    # the entry at once, and nobody may take it exclusive (evict) meanwhile.
+    filler = ByteLock(path, a)
+    assert filler.acquire(exclusive=True) and filler.downgrade()
+    reader = ByteLock(path, a)
+    assert reader.acquire(exclusive=False, blocking=False)
+    assert not ByteLock(path, a).acquire(exclusive=True, blocking=False)
+    reader.release()
+    assert not ByteLock(path, a).acquire(exclusive=True, blocking=False)
+    filler.release()
     # A holder killed with SIGKILL leaves no lock behind.
     ready = _FORK.Event()
     holder = _FORK.Process(target=_hold_lock, args=(path, a, ready))

@@ -133,6 +133,22 @@ def test_resume_across_the_epoch_boundary(tmp_path: Path) -> None:
     assert state["step"] == 6 and state["epoch"] == 2
 
 
+def test_a_state_saved_under_the_old_key_resumes_exactly(tmp_path: Path) -> None:
+    """States saved before the rename keep the file table's digest under "manifest": they
+    resume exactly where they left off; new states write "file_table"."""
+    src = str(tmp_path / "src")
+    write_samples(src, None, 30)
+    cache = str(tmp_path / "cache")
+    whole, _ = run_job(src, None, cache, world=1, workers=0, global_batch_size=6)
+    head, state = run_job(src, None, cache, world=2, workers=1, global_batch_size=6,
+                          stop_after=2)
+    assert "file_table" in state and "manifest" not in state
+    old = {("manifest" if k == "file_table" else k): v for k, v in state.items()}
+    rest, after = run_job(src, None, cache, world=1, workers=2, global_batch_size=6, state=old)
+    assert head + rest == whole
+    assert after["file_table"] == state["file_table"] and after["epoch"] == 1
+
+
 @pytest.mark.slow
 def test_repeated_kills_never_lose_or_repeat_samples(s3_bucket: tuple[str, Any],
                                                      tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import os
 import subprocess
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +233,7 @@ def test_a_list_of_file_urls(s3_data: tuple[str, Any], tmp_path: Path) -> None:
     many = [f"{url}/{name_of(i)}" for i in (19, *range(10), 18, 17)]
     ds = VolumeDataset(many, storage_options=opts, cache_dir=tmp_path / "c", shuffle=False,
                        transform=read_id)
-    assert ds.manifest.sizes.tolist() == [64] * 13
+    assert ds.file_table.sizes.tolist() == [64] * 13
     assert [i for b in DataLoader(ds, batch_size=13, num_workers=0) for i in to_list(b)] == [
         19, *range(10), 18, 17]
     with pytest.raises(VolumeNotFoundError):
@@ -291,7 +292,7 @@ def test_every_backend(volume_url: tuple[str, dict[str, Any]], tmp_path: Path) -
     assert sorted(stream[:10]) == list(range(10)) and stream[10:] == stream[:2]  # padded
     again, _ = run_job(url, opts, cache, world=1, workers=0, global_batch_size=4)
     assert again == stream
-    assert state["num_files"] == 10 and len(state["manifest"]) == 64
+    assert state["num_files"] == 10 and len(state["file_table"]) == 64
 
 
 def test_prefetcher_counts_ready_items_and_shares_repeats() -> None:
@@ -413,14 +414,14 @@ def test_construction_leaves_the_digest_to_the_loader_state(
     assert calls == []
     state = DataLoader(ds, batch_size=5, num_workers=0).state_dict()
     assert DataLoader(ds, batch_size=5, num_workers=0).state_dict() == state and calls == [1]
-    files = [ds.manifest.info(i) for i in range(ds.num_files)]
-    before = {**state, "manifest": _listing.listing_digest(files)}
+    files = [ds.file_table.info(i) for i in range(ds.num_files)]
+    before = {**state, "file_table": _listing.listing_digest(files)}
     DataLoader(ds, batch_size=5, num_workers=0).load_state_dict(before)
     files[7] = dataclasses.replace(files[7], mtime=(files[7].mtime or 0.0) + 1)
-    for manifest in (_listing.listing_digest(files), _listing.FileTable.of(files).digest):
+    for digest in (_listing.listing_digest(files), _listing.FileTable.of(files).digest):
         with pytest.raises(DatasetChangedError, match="changed since the loader state"):
             DataLoader(ds, batch_size=5, num_workers=0).load_state_dict(
-                {**state, "manifest": manifest})
+                {**state, "file_table": digest})
 
 
 def test_dataset_memory_per_file_and_loader_state(tmp_path: Path) -> None:
@@ -566,3 +567,20 @@ def test_a_large_tree_is_walked_by_worker_processes_into_the_same_table(
     assert "no worker process" in caplog.text
     assert [fallen.info(i) for i in range(len(fallen))] == [
         here.info(i) for i in range(len(here))]
+
+
+def test_manifest_is_a_deprecated_name_of_the_file_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``VolumeDataset.manifest`` (the file table's old name) still answers, and says once
+    per process that it is deprecated."""
+    from dcp_volumes.data import _dataset
+
+    write_samples(str(tmp_path / "src"), None, 3, size=8)
+    ds = VolumeDataset(str(tmp_path / "src"), cache_dir=tmp_path / "c")
+    monkeypatch.setattr(_dataset, "_MANIFEST_WARNED", False)
+    with pytest.warns(DeprecationWarning, match="use VolumeDataset.file_table"):
+        assert ds.manifest is ds.file_table
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ds.manifest is ds.file_table  # once

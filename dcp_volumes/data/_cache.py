@@ -1,10 +1,14 @@
 """FileCache: a node-local cache of remote files (read-through, atomic, bounded, shared).
 
-The public face of the cache. What one entry is and how it is read, verified,
-filled and pinned is ``_entry.py`` (its lock protocol: ``_locks.py``); the
-byte count and eviction are the store's (``_store.py``); copies already
-verified are served after one ``stat`` from the hit path's memo (``_hot.py``).
-Here: URLs to entries, and the read path that asks the memo, then the entry.
+The cache is this one object: it owns its entries, its byte count and its memo,
+and a read passes them once, in one direction. ``fetch_hot`` asks the memo of
+copies this process (or a sibling worker) verified (``_hot.py``: one ``stat``);
+``fetch_cold`` takes the entry's lock (``_entry.py``, ``_locks.py``), checks the
+copy and, on a miss, fills it: bytes reserved with the store (``_store.py``:
+the byte count and eviction), downloaded and published by the entry, counted
+by the store; the copy served then goes into the memo. Neither the entry nor
+the store calls back into this object; the store calls entries (to reserve,
+evict and repair them), never the other way.
 """
 
 from __future__ import annotations
@@ -19,10 +23,9 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from dcp_volumes import _env
-from dcp_volumes._exceptions import CacheError, ConfigurationError
-from dcp_volumes._sizes import parse_size
-from dcp_volumes._staging_disk import probe_writable
+from dcp_volumes._exceptions import CacheError
+from dcp_volumes._sizes import format_size, parse_size
+from dcp_volumes._staging_disk import disk_full_error, probe_writable
 from dcp_volumes._volume import (
     FileInfo,
     Volume,
@@ -31,7 +34,13 @@ from dcp_volumes._volume import (
     refuse_url_credentials,
     split_url,
 )
-from dcp_volumes.data._entry import CachedFile, Entry
+from dcp_volumes.data._cache_options import (
+    DEFAULT_CACHE_LIMIT,
+    CacheOptions,
+    default_cache_dir,
+    resolve_cache_dir,
+)
+from dcp_volumes.data._entry import CachedFile, Entry, describes, stat_or_none
 from dcp_volumes.data._hot import HotIndex, SharedHot
 from dcp_volumes.data._metrics import Counters
 from dcp_volumes.data._store import CacheSchedule, ReconcileReport, Store
@@ -41,24 +50,16 @@ logger = logging.getLogger(__name__)
 _KEY_CHARS = 32
 
 __all__ = [
+    "DEFAULT_CACHE_LIMIT",
+    "CacheOptions",
     "CacheSchedule",
     "CachedFile",
     "Counters",
     "FileCache",
     "ReconcileReport",
     "default_cache_dir",
+    "resolve_cache_dir",
 ]
-
-
-def default_cache_dir() -> str:
-    """``DCP_VOLUMES_CACHE`` if set, else ``~/.cache/dcp_volumes``."""
-    return _env.cache_dir() or os.path.join(os.path.expanduser("~"), ".cache", "dcp_volumes")
-
-
-def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> str:
-    """The absolute directory a ``FileCache(cache_dir)`` uses."""
-    chosen = os.fspath(cache_dir) if cache_dir is not None else default_cache_dir()
-    return os.path.abspath(os.path.expanduser(chosen))
 
 
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
@@ -67,11 +68,6 @@ _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 def _sanitize(name: str) -> str:
     safe = _UNSAFE_CHARS.sub("_", name)[-80:].lstrip(".")
     return safe or "data"
-
-
-# The default limit: on a smaller disk its free space is the limit, which is no news
-# for a caller who set nothing (one who asked for more than the disk is told).
-DEFAULT_CACHE_LIMIT = "100GB"
 
 
 def _key(volume: Volume, url: str) -> str:
@@ -111,14 +107,16 @@ class FileCache:
         headroom: int | str = "256MiB",
         reconcile: bool = True,
     ) -> None:
-        self.cache_dir = resolve_cache_dir(cache_dir)
-        self.limit = parse_size(limit, what="limit")
-        self.headroom = parse_size(headroom, what="headroom") or 0
-        if self.limit == 0:
-            raise ConfigurationError("limit=0 leaves no room for any file; use None for no limit.")
-        self._check_dir(told=limit is not DEFAULT_CACHE_LIMIT)
+        self.options = CacheOptions(
+            cache_dir=resolve_cache_dir(cache_dir),
+            limit=parse_size(limit, what="limit"),
+            headroom=parse_size(headroom, what="headroom") or 0,
+            reconcile=bool(reconcile),
+            limit_chosen=limit is not DEFAULT_CACHE_LIMIT,
+        )
+        self._check_dir()
         self._init_process_state()
-        if reconcile:
+        if self.options.reconcile:
             self.reconcile()
 
     def _init_process_state(self) -> None:
@@ -129,11 +127,26 @@ class FileCache:
 
     def __getstate__(self) -> dict[str, Any]:
         # Locks, clients and the in-memory view are per process.
-        return {"cache_dir": self.cache_dir, "limit": self.limit, "headroom": self.headroom}
+        return {"options": self.options}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self.options = state["options"]
         self._init_process_state()
+
+    @property
+    def cache_dir(self) -> str:
+        """The cache directory (absolute)."""
+        return self.options.cache_dir
+
+    @property
+    def limit(self) -> int | None:
+        """Most bytes of cached files (None: the disk's free space)."""
+        return self.options.limit
+
+    @property
+    def headroom(self) -> int:
+        """Free space always left on the disk holding the cache."""
+        return self.options.headroom
 
     def __repr__(self) -> str:
         return f"FileCache({self.cache_dir!r}, limit={self.limit})"
@@ -143,9 +156,8 @@ class FileCache:
         """Hits, misses, bytes fetched and evictions of this object in this process."""
         return self._store.counters
 
-    def _check_dir(self, *, told: bool) -> None:
-        """Make the directory; ``told``: the caller chose the limit (a default that exceeds
-        the disk is no news)."""
+    def _check_dir(self) -> None:
+        """Make the directory; say so if the limit is more than the disk holds."""
         try:
             os.makedirs(os.path.join(self.cache_dir, "objects"), exist_ok=True)
             probe_writable(self.cache_dir)
@@ -159,7 +171,7 @@ class FileCache:
             total = shutil.disk_usage(self.cache_dir).total
             if self.limit > total:
                 logger.log(
-                    logging.WARNING if told else logging.INFO,
+                    logging.WARNING if self.options.limit_chosen else logging.INFO,
                     "cache limit %.1f GiB exceeds the size of the disk holding %s (%.1f GiB); the "
                     "disk's free space will be the real limit",
                     self.limit / 2**30,
@@ -190,7 +202,7 @@ class FileCache:
     def _entry(self, volume: Volume, relpath: str) -> Entry:
         url = volume.url_of(relpath)
         name = _sanitize(relpath.rstrip("/").rsplit("/", 1)[-1])
-        return Entry.named(self._store.layout, _key(volume, url), name, redact_url(url))
+        return Entry.named(self._store.layout, _key(volume, url), name, redact_url(url), relpath)
 
     # -- public API -----------------------------------------------------------------------
 
@@ -327,19 +339,121 @@ class FileCache:
         With ``pin`` the returned file holds a shared lock that keeps it from
         being evicted (by any process) until ``release()``. ``expected`` is the
         listing's ``FileInfo`` of the file (checked against the copy; None: any
-        complete copy). ``shared``/``slot``: see ``fetch_hot``.
+        complete copy). ``shared``/``slot``: see ``fetch_hot``. The memo first
+        (``fetch_hot``), then the entry under its lock (``fetch_cold``).
         """
         found = self.fetch_hot(
             volume, relpath, expected=expected, pin=pin, shared=shared, slot=slot
         )
         if found is not None:
             return found
+        return self.fetch_cold(
+            volume, relpath, expected=expected, pin=pin, shared=shared, slot=slot
+        )
+
+    def fetch_cold(
+        self,
+        volume: Volume,
+        relpath: str,
+        *,
+        expected: FileInfo | None = None,
+        pin: bool = False,
+        shared: SharedHot | None = None,
+        slot: int = -1,
+    ) -> CachedFile:
+        """``fetch_from`` without the memo, for a caller whose ``fetch_hot`` said None.
+
+        The entry's lock protocol (``_entry.py``): shared, and the copy checked; on a
+        miss exclusive, and the entry filled. The copy served goes into the memo.
+        """
         entry = self._entry(volume, relpath)
-        served = entry.serve(volume, relpath, expected, pin=pin, store=self._store)
-        if not served.filled:
+        lock = entry.new_lock()
+        mine: FileInfo | None = None  # the record this call published, if it filled
+        seconds = 0.0
+        st: os.stat_result | None
+        while True:
+            lock.acquire(exclusive=False)
+            found = entry.read()
+            if found is not None and (found[0] == mine or describes(found[0], expected)):
+                record, st = found
+                if mine is None:
+                    st = entry.touch(st)
+                if not pin:
+                    lock.release()
+                break
+            # Upgrade by release + exclusive acquire: the first to get it fills, the
+            # others then find a valid entry.
+            lock.release()
+            lock.acquire(exclusive=True)
+            pinned = False
+            try:
+                found = entry.read()
+                if found is None or not describes(found[0], expected):
+                    mine, seconds = self._fill(entry, volume, relpath, expected)
+                    # Served as published: under the exclusive lock, or pinned by the
+                    # shared lock it turned into in one step.
+                    pinned = pin and lock.downgrade()
+                    if pinned or not pin:
+                        record, st = mine, stat_or_none(entry.data)
+                        break
+            finally:
+                if not pinned:
+                    lock.release()
+            # Re-take it shared and re-check: an evictor may have slipped in.
+        if mine is None:
             self._store.count_hit(entry.key)
-        if served.stat is not None:
-            self._hot.remember(
-                volume, relpath, entry, served.sidecar, served.stat, expected, shared, slot
+        if st is not None:
+            self._hot.remember(volume, relpath, entry, record, st, expected, shared, slot)
+        return CachedFile(
+            path=entry.data,
+            url=entry.url,
+            key=entry.key,
+            size=record.size,
+            hit=mine is None,
+            download_seconds=seconds,
+            pin=lock if pin else None,
+        )
+
+    def _fill(
+        self, entry: Entry, volume: Volume, relpath: str, listed: FileInfo | None
+    ) -> tuple[FileInfo, float]:
+        """Fill ``entry`` (the caller holds its exclusive lock): its bytes reserved with the
+        store first, given back if the fill fails. Returns its record and download time."""
+        store = self._store
+        store.give_back(entry.clear_leftovers())
+        info = listed if listed is not None else volume.info(relpath)
+        record = FileInfo(entry.path, info.size, info.etag, info.mtime)
+        size = record.size
+        if store.limit is not None and size > store.limit:
+            raise CacheError(
+                f"{entry.url} is {format_size(size)}, larger than the cache limit "
+                f"of {format_size(store.limit)}. Fix: raise the cache limit (cache_limit= / "
+                "limit=) or cache on a bigger disk."
             )
-        return served.file
+        try:
+            store.reserve(entry, size)
+        except OSError as exc:
+            self._raise_if_disk_full(exc, entry, size)
+            raise
+        try:
+            seconds = entry.fill_from(volume, relpath, record, listed=listed is not None)
+        except BaseException as exc:
+            store.give_back(size)
+            self._raise_if_disk_full(exc, entry, size)
+            raise
+        store.count_fill(entry, size, seconds)
+        return record, seconds
+
+    def _raise_if_disk_full(self, exc: BaseException, entry: Entry, size: int) -> None:
+        """Raise ``exc`` as a ``DiskFullError`` if the cache's disk ran out of space."""
+        full = disk_full_error(
+            exc,
+            self.cache_dir,
+            doing=f"caching {entry.url}",
+            needed=size,
+            fix="The partial copy was removed and is never served. Fix: free space there, "
+            "lower the cache limit (cache_limit= / limit=), or move the cache (cache_dir= / "
+            "DCP_VOLUMES_CACHE) to a larger local disk; the next read fills it again.",
+        )
+        if full is not None:
+            raise full from exc

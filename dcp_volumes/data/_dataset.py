@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from dcp_volumes._exceptions import CacheError, ConfigurationError
 from dcp_volumes._volume import Volume
 from dcp_volumes._world import World, distributed
-from dcp_volumes.data._cache import DEFAULT_CACHE_LIMIT, FileCache, resolve_cache_dir
+from dcp_volumes.data._cache import FileCache
+from dcp_volumes.data._cache_options import DEFAULT_CACHE_LIMIT, resolve_cache_dir
+from dcp_volumes.data._dataset_options import DatasetOptions
 from dcp_volumes.data._hot import SharedHot
 from dcp_volumes.data._listing import FileTable, build_file_table
 from dcp_volumes.data._metrics import worker_stats
@@ -41,43 +43,8 @@ from dcp_volumes.data._shared_plan import SharedPlan
 
 logger = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class DatasetOptions:
-    """Validated options of a ``VolumeDataset`` (see its docstring)."""
-
-    shuffle: bool = True
-    seed: int = 0
-    last_batch: str = "pad"
-    batch_size: int = 1
-    prefetch: int = 16
-    prefetch_threads: int = 8
-    seed_rngs: bool = True
-    on_data_change: str = "error"
-    cache_local: bool = True
-    list_concurrency: int = 16
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.seed, bool)
-            or not isinstance(self.seed, int)
-            or not (0 <= self.seed < 2**63)
-        ):
-            raise ConfigurationError(f"seed={self.seed!r} must be an int in [0, 2**63).")
-        if self.last_batch not in ("pad", "drop"):
-            raise ConfigurationError(
-                f"last_batch={self.last_batch!r}: use 'pad' (complete the last global batch by "
-                "repeating samples from the start of the epoch) or 'drop' (skip it)."
-            )
-        if self.on_data_change not in ("error", "warn"):
-            raise ConfigurationError(
-                f"on_data_change={self.on_data_change!r}: use 'error' (refuse to resume on "
-                "changed data) or 'warn' (resume anyway, logging a warning)."
-            )
-        for name in ("batch_size", "prefetch", "prefetch_threads", "list_concurrency"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigurationError(f"{name}={value!r} must be an int >= 1.")
-
+# ``VolumeDataset.manifest`` (the file table's old name) has warned in this process.
+_MANIFEST_WARNED = False
 
 def _ints(values: np.ndarray, chunk: int = 4096) -> Iterator[int]:
     """``values`` as Python ints, a chunk at a time: a worker's share of a large epoch as
@@ -177,8 +144,11 @@ class VolumeDataset(IterableDataset[Any]):
     ) -> None:
         super().__init__()
         self.options = DatasetOptions(
+            cache_dir=os.fspath(cache_dir) if cache_dir is not None else None,
+            cache_limit=cache_limit,
             shuffle=bool(shuffle),
             seed=seed,
+            suffixes=tuple(suffixes) if suffixes is not None else None,
             last_batch=last_batch,
             batch_size=batch_size,
             prefetch=prefetch,
@@ -186,8 +156,10 @@ class VolumeDataset(IterableDataset[Any]):
             seed_rngs=seed_rngs,
             on_data_change=on_data_change,
             cache_local=cache_local,
+            share_listing=share_listing,
             list_concurrency=list_concurrency,
         )
+        opts = self.options
         if isinstance(url_or_file_list, str) and not url_or_file_list.strip():
             raise ConfigurationError("The dataset URL is empty; pass e.g. 's3://bucket/train/'.")
         world = World.current()
@@ -195,9 +167,9 @@ class VolumeDataset(IterableDataset[Any]):
         probe = None
         if isinstance(url_or_file_list, (str, os.PathLike)):
             probe = Volume(os.fspath(url_or_file_list), storage_options=storage_options)
-        in_place = probe is not None and probe.capabilities.local_files and not cache_local
+        in_place = probe is not None and probe.capabilities.local_files and not opts.cache_local
         if not in_place and probe is not None and probe.capabilities.local_files:
-            chosen = resolve_cache_dir(cache_dir)
+            chosen = resolve_cache_dir(opts.cache_dir)
             if _inside(chosen, probe.root):
                 raise ConfigurationError(
                     f"The cache directory {chosen} is inside the dataset directory "
@@ -208,58 +180,54 @@ class VolumeDataset(IterableDataset[Any]):
         with ThreadPoolExecutor(max_workers=1) as pool:
             # The cache's set-up (its directory checked, a reused one reconciled) runs
             # while the files are listed.
-            made = None if in_place else pool.submit(FileCache, cache_dir, limit=cache_limit)
+            made = (
+                None if in_place else pool.submit(FileCache, opts.cache_dir, limit=opts.cache_limit)
+            )
             try:
-                # The files, listed once (a FileTable; its digest is the state's "manifest").
-                self.volume, self.manifest = self._list(
-                    url_or_file_list, storage_options, suffixes, share=share_listing
-                )
+                # The files, listed once (a FileTable; its digest is the state's "file_table").
+                self.volume, self.file_table = self._list(url_or_file_list, storage_options)
             finally:
                 self.cache = made.result() if made is not None else None
         # Workers map the table instead of copying it (see FileTable.share).
-        self.manifest.share()
-        if self.cache is not None and self.volume.capabilities.local_files and not cache_local:
+        self.file_table.share()
+        if self.cache is not None and self.volume.capabilities.local_files and not opts.cache_local:
             self.cache = None  # a list of local files, read in place
         if self.cache is not None and self.cache.limit is not None:
-            largest = int(self.manifest.sizes.max())
+            largest = int(self.file_table.sizes.max())
             if largest > self.cache.limit:
                 raise CacheError(
                     f"cache_limit={self.cache.limit} bytes is smaller than the largest file of "
                     f"the dataset ({largest} bytes). Fix: raise cache_limit."
                 )
         self.transform = transform
-        self._transform = SampleTransform(transform, seed_rngs=seed_rngs)
+        self._transform = SampleTransform(transform, seed_rngs=opts.seed_rngs)
         self._id = uuid.uuid4().hex
-        self._cursor = Cursor(epoch=0, start=0, seed=seed, shuffle=bool(shuffle))
+        self._cursor = Cursor(epoch=0, start=0, seed=opts.seed, shuffle=opts.shuffle)
         # The plan the workers read at each epoch start (see _shared_plan.py).
         self._plan = SharedPlan()
         self.set_cursor(epoch=0, start=0)
         self._key_index: KeyIndex | None = None
         # Copies verified by any worker of this dataset are hits in all of them.
-        self._shared_hot = SharedHot(len(self.manifest)) if self.cache is not None else None
+        self._shared_hot = SharedHot(len(self.file_table)) if self.cache is not None else None
         logger.info(
             "dataset %s: %d files, %.1f MiB",
             self.volume.display_url,
-            len(self.manifest),
-            self.manifest.total_bytes / 2**20,
+            len(self.file_table),
+            self.file_table.total_bytes / 2**20,
         )
 
     def _list(
-        self,
-        source: Any,
-        storage_options: Mapping[str, Any] | None,
-        suffixes: Sequence[str] | None,
-        *,
-        share: bool,
+        self, source: Any, storage_options: Mapping[str, Any] | None
     ) -> tuple[Volume, FileTable]:
         dist = torch.distributed
-        shared = share and self.world_size > 1 and distributed()
+        opts = self.options
+        shared = opts.share_listing and self.world_size > 1 and distributed()
         if not shared:
             return build_file_table(
                 source,
                 storage_options=storage_options,
-                suffixes=suffixes,
-                concurrency=self.options.list_concurrency,
+                suffixes=opts.suffixes,
+                concurrency=opts.list_concurrency,
             )
         # One listing for the whole job: every rank gets the identical file table (ranks
         # listing separately could see different files while an upload is running).
@@ -271,8 +239,8 @@ class VolumeDataset(IterableDataset[Any]):
                     build_file_table(
                         source,
                         storage_options=storage_options,
-                        suffixes=suffixes,
-                        concurrency=self.options.list_concurrency,
+                        suffixes=opts.suffixes,
+                        concurrency=opts.list_concurrency,
                     ),
                 )
             except Exception as exc:  # every rank must raise it, not hang in the broadcast
@@ -292,7 +260,20 @@ class VolumeDataset(IterableDataset[Any]):
 
     @property
     def num_files(self) -> int:
-        return len(self.manifest)
+        return len(self.file_table)
+
+    @property
+    def manifest(self) -> FileTable:
+        """Deprecated name of ``file_table`` (warns once per process)."""
+        global _MANIFEST_WARNED
+        if not _MANIFEST_WARNED:
+            _MANIFEST_WARNED = True
+            warnings.warn(
+                "VolumeDataset.manifest is deprecated; use VolumeDataset.file_table.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return self.file_table
 
     @property
     def epoch(self) -> int:
@@ -386,7 +367,7 @@ class VolumeDataset(IterableDataset[Any]):
         self, plan: Plan, positions: np.ndarray, file_ids: np.ndarray
     ) -> Iterator[Any]:
         stats = worker_stats(self._id)
-        files = self.manifest
+        files = self.file_table
         seeds = self._seeds(plan, positions)
         for k, fid in enumerate(_ints(file_ids)):
             path = self.volume.full_path(files.path(fid))
@@ -404,8 +385,9 @@ class VolumeDataset(IterableDataset[Any]):
         # Built on first eviction only: one hash per file.
         if self._key_index is None:
             cache, volume = self.cache, self.volume
-            keys = (cache.key_of(volume, p) for p in self.manifest.paths()) if cache else iter(())
-            self._key_index = KeyIndex(keys, len(self.manifest) if cache else 0)
+            table = self.file_table
+            keys = (cache.key_of(volume, p) for p in table.paths()) if cache else iter(())
+            self._key_index = KeyIndex(keys, len(table) if cache else 0)
         return self._key_index
 
     def _schedule_evictions(
@@ -432,11 +414,11 @@ class VolumeDataset(IterableDataset[Any]):
     def _prefetcher(self, cache: FileCache, file_ids: np.ndarray) -> Prefetcher[int, int, Any]:
         """The worker's files, fetched ahead on a thread pool; each taken item is pinned
         (a miss) or a verified hit (unpinned)."""
-        files, volume, shared = self.manifest, self.volume, self._shared_hot
+        files, volume, shared = self.file_table, self.volume, self._shared_hot
 
-        def fetch(fid: int) -> Any:
+        def fetch(fid: int) -> Any:  # on the pool, for an item whose `fast` said None
             info = files.info(fid)  # the listing's entry: the expected size/etag
-            return cache.fetch_from(
+            return cache.fetch_cold(
                 volume, info.path, expected=info, pin=True, shared=shared, slot=fid
             )
 
@@ -467,7 +449,7 @@ class VolumeDataset(IterableDataset[Any]):
         except FileNotFoundError:
             if cached.pinned or os.path.exists(cached.path):
                 raise
-        info = self.manifest.info(fid)
+        info = self.file_table.info(fid)
         with cache.fetch_from(
             self.volume, info.path, expected=info, pin=True, shared=self._shared_hot, slot=fid
         ) as again:

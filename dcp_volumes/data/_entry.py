@@ -2,7 +2,7 @@
 
 An entry lives below ``objects/<k2>/`` (``<key>``: 128-bit hash of source + URL)::
 
-    <key>-<name>   the cached file; its record (``Sidecar``: size, etag/mtime) in
+    <key>-<name>   the cached file; its record (the source's size, etag, mtime) in
                    its ``user.dcpv`` xattr, set before the file is renamed into place
     <key>.fill     the download in progress; created at the fill's full size (sparse)
                    when the bytes are reserved, so a killed fill's count is its size
@@ -17,19 +17,19 @@ valid record of this version (a cache written by an earlier layout: JSON
 ``.meta`` files, ``.lock`` files) is never served, and is removed by the next
 fill of its entry or by ``FileCache.reconcile``.
 
-Read path (``Entry.serve``): take the lock shared and check the copy (record
-present, file size as recorded, size/etag as listed); on a miss, re-take it
-exclusive and, if still missing, fill it. Exactly one process fills an entry
-however many ask at once (DataLoader workers, ranks, other jobs on the node):
-the others block on the lock and then find the finished copy.
+The lock protocol of a read (``FileCache.fetch_cold``): take the lock shared and
+check the copy (record present, file size as recorded, size/etag as listed); on
+a miss, re-take it exclusive and, if still missing, fill it. Exactly one process
+fills an entry however many ask at once (DataLoader workers, ranks, other jobs
+on the node): the others block on the lock and then find the finished copy.
 
 A reader never sees a partial file: a fill lands under the temporary name and
 is renamed into place with its record already on it (the entry becomes valid
 in that one step; with a ``.meta`` file, when that file is renamed in after
 it). A killed filler's lock is released by the kernel; the next filler,
-holding the lock, deletes the leftovers first, so they are never served. The
-byte count and eviction are the store's (``_store.py``); the entry only asks
-it to reserve and give back bytes.
+holding the lock, deletes the leftovers first, so they are never served. An
+entry knows nothing of the byte count: the cache reserves and gives back its
+bytes with the store (``_store.py``), which evicts and repairs entries.
 """
 
 from __future__ import annotations
@@ -45,21 +45,14 @@ import struct
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from dcp_volumes._exceptions import (
-    CacheError,
     DatasetChangedError,
     VolumeError,
     VolumeNotFoundError,
 )
-from dcp_volumes._sizes import format_size
-from dcp_volumes._staging_disk import disk_full_error
 from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, Volume, despite_lag, write_all
 from dcp_volumes.data._locks import ByteLock, EntryLock, byte_locks_supported
-
-if TYPE_CHECKING:
-    from dcp_volumes.data._store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -162,60 +155,46 @@ def file_size(path: str) -> int | None:
         return None
 
 
-@dataclass(frozen=True)
-class Sidecar:
-    """What the cache knows of a complete copy: its record (see the module docstring).
+def encode_record(info: FileInfo) -> bytes:
+    """The record of a copy of ``info`` (its size, mtime and etag), as stored."""
+    mtime = math.nan if info.mtime is None else float(info.mtime)
+    return _RECORD.pack(_RECORD_MAGIC, info.size, mtime) + (info.etag or "").encode()
 
-    ``size``/``etag``/``mtime`` are the source file's as listed or asked when
-    it was fetched; ``url`` is the entry's (not stored).
-    """
 
-    url: str
-    size: int
-    etag: str | None = None
-    mtime: float | None = None
+def decode_record(raw: bytes, path: str) -> FileInfo | None:
+    """The record in ``raw`` as the ``FileInfo`` of the source file ``path`` it copies, or
+    None for anything that is not a record of this version."""
+    if len(raw) < _RECORD.size:
+        return None
+    magic, size, mtime = _RECORD.unpack_from(raw)
+    if magic != _RECORD_MAGIC or size < 0:
+        return None
+    try:
+        etag = raw[_RECORD.size :].decode()
+    except UnicodeDecodeError:
+        return None
+    return FileInfo(path, size, etag or None, None if math.isnan(mtime) else mtime)
 
-    @classmethod
-    def of(cls, info: FileInfo, url: str) -> Sidecar:
-        """The record of a copy of ``info``."""
-        return cls(url=url, size=info.size, etag=info.etag, mtime=info.mtime)
 
-    def to_bytes(self) -> bytes:
-        mtime = math.nan if self.mtime is None else float(self.mtime)
-        return _RECORD.pack(_RECORD_MAGIC, self.size, mtime) + (self.etag or "").encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, url: str = "") -> Sidecar | None:
-        """The record in ``raw``, or None for anything that is not one of this version."""
-        if len(raw) < _RECORD.size:
-            return None
-        magic, size, mtime = _RECORD.unpack_from(raw)
-        if magic != _RECORD_MAGIC or size < 0:
-            return None
-        try:
-            etag = raw[_RECORD.size :].decode()
-        except UnicodeDecodeError:
-            return None
-        return cls(url, size, etag or None, None if math.isnan(mtime) else mtime)
-
-    def describes(self, listed: FileInfo | None) -> bool:
-        """Whether this copy is the file ``listed`` says (None: any complete copy is)."""
-        if listed is None:
-            return True
-        if listed.size != self.size:
-            return False
-        if listed.etag:
-            return listed.etag == self.etag
-        if listed.mtime is not None and self.mtime is not None:
-            return abs(self.mtime - listed.mtime) < 1e-6
+def describes(record: FileInfo, listed: FileInfo | None) -> bool:
+    """Whether the copy ``record`` is the file ``listed`` says (None: any complete copy is)."""
+    if listed is None:
         return True
+    if listed.size != record.size:
+        return False
+    if listed.etag:
+        return listed.etag == record.etag
+    if listed.mtime is not None and record.mtime is not None:
+        return abs(record.mtime - listed.mtime) < 1e-6
+    return True
 
 
 class CachedFile:
     """A file in the cache: ``path`` is local; a pinned one is not evicted until released.
 
     Use as a context manager (or call ``release()``) to drop the pin. It is
-    path-like, so ``open(cached)`` works.
+    path-like, so ``open(cached)`` works. Not a ``FileInfo``: what a caller holds (the
+    local copy, maybe its pin, how it was served), not what the source file is.
     """
 
     __slots__ = ("_pin", "download_seconds", "hit", "key", "path", "size", "url")
@@ -262,39 +241,35 @@ class CachedFile:
         return f"CachedFile({self.path!r}, hit={self.hit}, pinned={self.pinned})"
 
 
-@dataclass(frozen=True)
-class Served:
-    """What ``Entry.serve`` did: the file, its record, and its data file's ``stat`` then."""
-
-    file: CachedFile
-    sidecar: Sidecar
-    stat: os.stat_result | None
-    filled: bool
-
-
 class Entry:
     """One entry of the cache: paths, record, read / verify / fill / pin, the lock upgrade.
 
     Built once per file a process first sees (a few string operations), so it
     holds paths only; everything it knows of the copy is read from disk. ``url``
-    is the file's URL as it may appear in messages (redacted).
+    is the file's URL as it may appear in messages (redacted), ``path`` its path
+    on its volume (the records' ``FileInfo.path``); both are "" for an entry a
+    scan of the directory found.
     """
 
-    __slots__ = ("data", "fill", "key", "layout", "meta", "url")
+    __slots__ = ("data", "fill", "key", "layout", "meta", "path", "url")
 
-    def __init__(self, layout: Layout, key: str, data: str, url: str = "") -> None:
+    def __init__(
+        self, layout: Layout, key: str, data: str, url: str = "", path: str = ""
+    ) -> None:
         base = entry_base(layout.objects, key)
         self.layout = layout
         self.key = key
         self.url = url
+        self.path = path
         self.data = data
         self.meta = f"{base}.meta"
         self.fill = f"{base}.fill"
 
     @classmethod
-    def named(cls, layout: Layout, key: str, name: str, url: str) -> Entry:
-        """The entry of ``url`` (key ``key``), its data file ending in ``-name``."""
-        return cls(layout, key, f"{entry_base(layout.objects, key)}-{name}", url)
+    def named(cls, layout: Layout, key: str, name: str, url: str, path: str) -> Entry:
+        """The entry of ``url`` (key ``key``; ``path`` on its volume), its data file ending
+        in ``-name``."""
+        return cls(layout, key, f"{entry_base(layout.objects, key)}-{name}", url, path)
 
     @property
     def lock_file(self) -> str:
@@ -311,7 +286,7 @@ class Entry:
 
     # -- reading --------------------------------------------------------------------------
 
-    def record(self) -> Sidecar | None:
+    def record(self) -> FileInfo | None:
         """The record on the data file (xattr) or in its ``.meta`` file, if any."""
         raw: bytes | None = None
         try:
@@ -327,21 +302,21 @@ class Entry:
                     raw = f.read(4096)
             except OSError:
                 return None
-        return Sidecar.from_bytes(raw, self.url)
+        return decode_record(raw, self.path)
 
-    def read(self) -> tuple[Sidecar, os.stat_result] | None:
+    def read(self) -> tuple[FileInfo, os.stat_result] | None:
         """The record of a complete copy (data file present with the recorded size) and the
         data file's ``stat``, else None."""
-        sidecar = self.record()
-        if sidecar is None:
+        record = self.record()
+        if record is None:
             return None
         try:
             st = os.stat(self.data)
         except OSError:
             return None
-        if st.st_size != sidecar.size:
+        if st.st_size != record.size:
             return None
-        return sidecar, st
+        return record, st
 
     def reserved(self) -> int:
         """Bytes a fill in progress (or a killed one) holds: its ``.fill`` file's size."""
@@ -367,67 +342,7 @@ class Entry:
         lock.acquire(exclusive=False)
         return lock
 
-    # -- the read path --------------------------------------------------------------------
-
-    def serve(
-        self, volume: Volume, relpath: str, listed: FileInfo | None, *, pin: bool, store: Store
-    ) -> Served:
-        """The copy of ``relpath`` that ``listed`` describes, filled first if needed.
-
-        With ``pin`` the returned file holds the shared lock until released.
-        """
-        lock = self.new_lock()
-        mine: Sidecar | None = None  # the sidecar this call published, if it filled
-        seconds = 0.0
-        while True:
-            lock.acquire(exclusive=False)
-            found = self.read()
-            if found is None or (found[0] != mine and not found[0].describes(listed)):
-                # Upgrade by release + exclusive acquire: the first to get it fills,
-                # the others then find a valid entry.
-                lock.release()
-                lock.acquire(exclusive=True)
-                try:
-                    found = self.read()
-                    if found is None or not found[0].describes(listed):
-                        mine, seconds = self._fill(volume, relpath, listed, store)
-                        if not pin:  # served as published, still under the exclusive lock
-                            st = _stat(self.data)
-                            return Served(self._file(mine, mine, seconds, None), mine, st, True)
-                finally:
-                    lock.release()
-                continue  # re-take it shared and re-check: an evictor may have slipped in
-            sidecar, st = found
-            if mine is None:
-                st = self._touch(st)
-            served = Served(
-                self._file(sidecar, mine, seconds, lock if pin else None),
-                sidecar,
-                st,
-                mine is not None,
-            )
-            if not pin:
-                lock.release()
-            return served
-
-    def _file(
-        self,
-        sidecar: Sidecar,
-        mine: Sidecar | None,
-        seconds: float,
-        pin: ByteLock | EntryLock | None,
-    ) -> CachedFile:
-        return CachedFile(
-            path=self.data,
-            url=self.url,
-            key=self.key,
-            size=sidecar.size,
-            hit=mine is None,
-            download_seconds=seconds,
-            pin=pin,
-        )
-
-    def _touch(self, st: os.stat_result) -> os.stat_result | None:
+    def touch(self, st: os.stat_result) -> os.stat_result | None:
         """Move the LRU clock (the data file's mtime) of a hit, at most every
         ``TOUCH_INTERVAL_S``; the data file's ``stat`` after it."""
         if time.time() - st.st_mtime <= TOUCH_INTERVAL_S:
@@ -435,7 +350,7 @@ class Entry:
         # Evicted meanwhile: the LRU clock does not matter then.
         with contextlib.suppress(OSError):
             os.utime(self.data)
-        return _stat(self.data)
+        return stat_or_none(self.data)
 
     # -- filling (under the exclusive lock) -----------------------------------------------
 
@@ -462,66 +377,38 @@ class Entry:
         remove(self.meta)
         return freed
 
-    def _fill(
-        self, volume: Volume, relpath: str, listed: FileInfo | None, store: Store
-    ) -> tuple[Sidecar, float]:
-        """Download into the entry; the caller holds its exclusive lock."""
-        store.give_back(self.clear_leftovers())
-        info = listed if listed is not None else volume.info(relpath)
-        size = info.size
-        if store.limit is not None and size > store.limit:
-            raise CacheError(
-                f"{self.url} is {format_size(size)}, larger than the cache limit "
-                f"of {format_size(store.limit)}. Fix: raise the cache limit (cache_limit= / "
-                "limit=) or cache on a bigger disk."
-            )
-        try:
-            store.reserve(self, size)
-        except OSError as exc:
-            self._raise_if_disk_full(exc, store, size)
-            raise
+    def fill_from(
+        self, volume: Volume, relpath: str, info: FileInfo, *, listed: bool
+    ) -> float:
+        """Download ``info`` (``listed``: as the dataset's listing says it) into the
+        reserved ``.fill`` and publish it with its record; returns the download's seconds.
+
+        Nothing of a failed fill stays (no torn copy; the data file may be renamed in
+        already); the caller gives its reservation back.
+        """
         started = time.perf_counter()
         tmp = f"{self.meta}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            self._download(volume, relpath, size, listed=listed is not None)
+            self._download(volume, relpath, info.size, listed=listed)
             seconds = time.perf_counter() - started
-            sidecar = Sidecar.of(info, self.url)
-            self._publish(sidecar, tmp)
-        except BaseException as exc:
-            # Nothing of a failed fill stays: no torn copy, and its space and
-            # reservation are given back (the data file may be renamed in already).
+            self._publish(info, tmp)
+        except BaseException:
             remove(self.fill)
             remove(self.data)
             remove(tmp)
-            store.give_back(size)
-            self._raise_if_disk_full(exc, store, size)
             raise
-        store.count_fill(self, size, seconds)
-        return sidecar, seconds
+        return seconds
 
-    def _publish(self, sidecar: Sidecar, tmp: str) -> None:
+    def _publish(self, record: FileInfo, tmp: str) -> None:
         """Rename the complete download into place with its record: the entry becomes valid
         in one step (the rename; with a .meta file, that file's rename after it)."""
         if self.layout.xattrs:
-            os.setxattr(self.fill, RECORD_XATTR, sidecar.to_bytes())
+            os.setxattr(self.fill, RECORD_XATTR, encode_record(record))
             os.replace(self.fill, self.data)
             return
         os.replace(self.fill, self.data)
-        write_file(tmp, sidecar.to_bytes())
+        write_file(tmp, encode_record(record))
         os.replace(tmp, self.meta)
-    def _raise_if_disk_full(self, exc: BaseException, store: Store, size: int) -> None:
-        """Raise ``exc`` as a ``DiskFullError`` if the cache's disk ran out of space."""
-        full = disk_full_error(
-            exc,
-            store.cache_dir,
-            doing=f"caching {self.url}",
-            needed=size,
-            fix="The partial copy was removed and is never served. Fix: free space there, "
-            "lower the cache limit (cache_limit= / limit=), or move the cache (cache_dir= / "
-            "DCP_VOLUMES_CACHE) to a larger local disk; the next read fills it again.",
-        )
-        if full is not None:
-            raise full from exc
 
     def _download(self, volume: Volume, relpath: str, size: int, *, listed: bool) -> None:
         # A listed file that is not found may be a store that lags its writes: ask
@@ -611,7 +498,8 @@ class Entry:
         return held + self.reserved()
 
 
-def _stat(path: str) -> os.stat_result | None:
+def stat_or_none(path: str) -> os.stat_result | None:
+    """``os.stat(path)``, or None where it fails (gone, evicted meanwhile)."""
     try:
         return os.stat(path)
     except OSError:

@@ -4,16 +4,16 @@ A copy verified under its entry lock (record present, sizes and listing
 agree) stays that copy while its data file keeps the same identity (inode,
 device, size, ctime): every fill publishes a new inode by rename, eviction
 and repair unlink it, and a touch (``utime``) moves the ctime. So a hit
-needs one ``stat`` instead of the lock and a sidecar read.
+needs one ``stat`` instead of the lock and a record read.
 
 Each process keeps its own memo (``HotCopy`` per file). The DataLoader
 workers of one dataset also share what they verified through ``SharedHot``:
 one 64-bit digest of the identity per listed file, in shared memory. Without
 it a worker knew only the copies it had filled or checked itself, so with two
 workers half of the second epoch went the slow way (pool thread, lock,
-sidecar), the other worker having filled those files. The memo never decides
+record), the other worker having filled those files. The memo never decides
 alone: what it does not know, or no longer matches, goes the full way
-(``Entry.serve``).
+(``FileCache.fetch_cold``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import struct
 import time
 
 from dcp_volumes._volume import FileInfo, Volume
-from dcp_volumes.data._entry import TOUCH_INTERVAL_S, CachedFile, Entry, Sidecar
+from dcp_volumes.data._entry import TOUCH_INTERVAL_S, CachedFile, Entry, describes
 from dcp_volumes.data._locks import ByteLock, EntryLock
 from dcp_volumes.data._shared_words import SharedWords
 
@@ -62,13 +62,17 @@ class SharedHot(SharedWords):
 
 
 class HotCopy:
-    """A copy this process verified: its entry, its sidecar, its data file's identity then."""
+    """A copy this process verified: its entry, its record, its data file's identity then.
 
-    __slots__ = ("ctime_ns", "dev", "entry", "file", "ino", "listed", "sidecar", "size")
+    Not a ``CachedFile``: it is this process's memo of a data file's identity (moved as
+    touches change the ctime), from which it hands out ``CachedFile`` objects.
+    """
 
-    def __init__(self, entry: Entry, sidecar: Sidecar, st: os.stat_result) -> None:
+    __slots__ = ("ctime_ns", "dev", "entry", "file", "ino", "listed", "record", "size")
+
+    def __init__(self, entry: Entry, record: FileInfo, st: os.stat_result) -> None:
         self.entry = entry
-        self.sidecar = sidecar
+        self.record = record
         self.size = st.st_size
         self.ino, self.dev, self.ctime_ns = st.st_ino, st.st_dev, st.st_ctime_ns
         # The listing entry last matched (``describes`` is skipped for the same object)
@@ -88,7 +92,7 @@ class HotCopy:
         """Whether the copy is the one ``listed`` (a listing entry, or None) describes."""
         if listed is self.listed:
             return True
-        if not self.sidecar.describes(listed):
+        if not describes(self.record, listed):
             return False
         self.listed = listed
         return True
@@ -203,7 +207,7 @@ class HotIndex:
             return None
         if identity(st) != digest:
             return None
-        copy = HotCopy(entry, Sidecar(entry.url, listed.size, listed.etag, listed.mtime), st)
+        copy = HotCopy(entry, listed, st)  # the record of a copy verified against listed
         copy.listed = listed
         self._index(volume)[relpath] = copy
         return copy
@@ -213,13 +217,13 @@ class HotIndex:
         volume: Volume,
         relpath: str,
         entry: Entry,
-        sidecar: Sidecar,
+        record: FileInfo,
         st: os.stat_result,
         listed: FileInfo | None,
         shared: SharedHot | None,
         slot: int,
     ) -> None:
         """Memo a copy just verified under its lock (``st``: its data file then)."""
-        self._index(volume)[relpath] = HotCopy(entry, sidecar, st)
+        self._index(volume)[relpath] = HotCopy(entry, record, st)
         if shared is not None and listed is not None:
             shared.put(slot, st)

@@ -47,8 +47,9 @@ def _blob(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 class FileTable:
     """The files of a dataset, in table order, with the digest of the listing.
 
-    (The loader's state calls the digest ``manifest``; a checkpoint's manifest
-    is another thing, ``checkpoint/_manifest.py``.)
+    (The loader's state keeps the digest under ``file_table``, under ``manifest``
+    in states of earlier versions; a checkpoint's manifest is another thing,
+    ``checkpoint/_manifest.py``.)
     """
 
     def __init__(self, columns: dict[str, np.ndarray | None], digest: str | None = None) -> None:

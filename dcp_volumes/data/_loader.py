@@ -55,7 +55,7 @@ STATE_KEYS = (
     "global_batch_size",
     "last_batch",
     "num_files",
-    "manifest",
+    "file_table",
     "order",
     "step",
 )
@@ -520,7 +520,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             "global_batch_size": self.global_batch_size,
             "last_batch": "drop" if self._drop else "pad",
             "num_files": ds.num_files,
-            "manifest": ds.manifest.digest,
+            "file_table": ds.file_table.digest,
             "order": ORDER_ALGORITHM,
             "step": self._step,
         }
@@ -535,6 +535,8 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         """
         ds = self._dataset()
         state = {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in state_dict.items()}
+        if "file_table" not in state and "manifest" in state:
+            state["file_table"] = state.pop("manifest")  # the key's name in earlier states
         missing = [k for k in STATE_KEYS if k not in state]
         if missing or state.get("version") != STATE_VERSION:
             raise ConfigurationError(
@@ -548,11 +550,12 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                 f"{ORDER_ALGORITHM!r}, so the resumed order would differ. Fix: resume with the "
                 "dcp_volumes version that saved it."
             )
-        if state["num_files"] != ds.num_files or not ds.manifest.matches(str(state["manifest"])):
+        table = ds.file_table
+        if state["num_files"] != ds.num_files or not table.matches(str(state["file_table"])):
             message = (
                 f"The data under {ds.volume.display_url} changed since the loader state was "
-                f"saved: {state['num_files']} files (manifest {str(state['manifest'])[:12]}) "
-                f"then, {ds.num_files} (manifest {ds.manifest.digest[:12]}) now. Resuming would "
+                f"saved: {state['num_files']} files (file table {str(state['file_table'])[:12]}) "
+                f"then, {ds.num_files} (file table {table.digest[:12]}) now. Resuming would "
                 "not continue the interrupted sample stream. Fix: restore the data as it was, "
                 "or build the VolumeDataset with on_data_change='warn' to resume anyway at the "
                 "same position of a new order."

@@ -123,6 +123,11 @@ class EntryLock(_HeldLock):
             # We waited on a lock file that its exclusive holder deleted: retry on the new one.
             os.close(fd)
 
+    def downgrade(self) -> bool:
+        """False: a ``flock`` is not turned shared in one step (another process may take
+        it between), so the caller releases and takes it shared again."""
+        return False
+
     def release_and_delete(self) -> None:
         """Delete the lock file, then release; only valid while holding it exclusively."""
         if self.fd is None or not self.exclusive:
@@ -164,6 +169,15 @@ class ByteLock(_HeldLock):
             raise
         self.fd = fd
         self.exclusive = exclusive
+        return True
+
+    def downgrade(self) -> bool:
+        """Turn the exclusive lock held into a shared one in one step: a record lock is
+        converted in place, so no other process takes it between. Returns True."""
+        if self.fd is None or not self.exclusive or _OFD_SETLK is None:
+            raise RuntimeError("only the exclusive holder may downgrade an entry's lock")
+        fcntl.fcntl(self.fd, _OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, self.offset, 1, 0))
+        self.exclusive = False
         return True
 
     def release_and_delete(self) -> None:

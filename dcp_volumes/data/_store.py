@@ -49,7 +49,11 @@ class CacheSchedule(Protocol):
 
 @dataclass
 class _Known:
-    """One entry as last seen on disk by this process."""
+    """One entry as last seen on disk by this process: eviction's candidate.
+
+    Not the entry's record (a ``FileInfo`` of the source file): local facts, the data
+    file's path, its size on disk, its LRU clock, and whether it has a record at all.
+    """
 
     data: str
     size: int
@@ -130,7 +134,8 @@ class Store:
 
     def reserve(self, entry: Entry, size: int) -> None:
         """Count ``size`` bytes for a fill of ``entry``, evicting first if the cache would
-        overflow; the entry's lock file records the reservation until the fill ends."""
+        overflow; the entry's `.fill` file, made here under the count's lock, records the
+        reservation until the fill ends."""
         with CounterLock(self.counter_path) as counter:
             used = counter.read()
             if used is None:

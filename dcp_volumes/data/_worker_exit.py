@@ -102,7 +102,10 @@ def keep_connections_from_children() -> None:
     groups, store, HTTP clients) are closed across exec, so a helper that torch execs
     (``torch_shm_manager``, which outlives a killed rank for seconds) holds none."""
     for fd in _network_sockets():
-        os.set_inheritable(fd, False)
+        # Closed since it was listed (a client's idle connection, on another thread):
+        # nothing of it to keep.
+        with contextlib.suppress(OSError):
+            os.set_inheritable(fd, False)
 
 
 def release_inherited_connections() -> None:
