@@ -202,7 +202,8 @@ def run(args: Any, target: Target) -> dict[str, Any]:
             ds = construct()
             kept = tracemalloc.get_traced_memory()[0] - before
             tracemalloc.stop()
-            table_bytes = getattr(ds.manifest, "nbytes", None)  # (None: a library before it)
+            table = getattr(ds, "file_table", None)  # (None: a library before it)
+            table_bytes = getattr(table, "nbytes", None)
             out["memory"] = {
                 "table_bytes_per_file": table_bytes / n if table_bytes is not None else None,
                 "traced_bytes_per_file": kept / n,

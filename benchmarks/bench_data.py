@@ -632,7 +632,7 @@ def worker_startup(
     if cache is None:
         raise RuntimeError("the dataset has no cache")
     with ThreadPoolExecutor(16) as pool:
-        table = ds.manifest
+        table = ds.file_table
         infos = [table.info(i) for i in range(len(table))]
         list(pool.map(lambda f: cache.fetch_from(ds.volume, f.path, expected=f), infos))
 
