@@ -733,3 +733,17 @@ def test_memory_buckets_belong_to_their_store_until_it_closes(memory_store: Memo
         Volume(url).check_root()
     with pytest.raises(BucketNotFoundError):  # a write names its bucket, as on S3
         Volume(url).publish("k", b"v")
+
+
+@pytest.mark.parametrize("kind", [pytest.param("s3", marks=pytest.mark.emulator), "memory"])
+def test_a_key_with_dot_segments_is_refused_before_any_request(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """obstore cannot address such a key (S3 and Azure); the in-memory store refuses it alike."""
+    url, options = request.getfixturevalue("s3_bucket" if kind == "s3" else "memory_bucket")
+    volume = Volume(url, storage_options=options)
+    for attempt in (lambda: volume.read_bytes("a/../b"), lambda: volume.publish("a/./b", b"x"),
+                    lambda: volume.info("a//b")):
+        with pytest.raises(VolumeError) as caught:
+            attempt()
+        assert type(caught.value) is VolumeError and "Could not parse path" in str(caught.value)

@@ -94,7 +94,7 @@ def _upload_gone(location: str) -> UploadGone:
     )
 
 
-@dataclass
+@dataclass(eq=False)
 class Rule:
     """One fault a test stated: which requests it meets, what it does, and how often it did.
 
@@ -129,7 +129,7 @@ class _Object:
     unfound: int = 0  # reads and heads still to say "not found" (``lag``)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Lag:
     match: str
     listings: int
@@ -296,7 +296,7 @@ class MemoryStore:
         return objects
 
     def _get(self, location: str) -> _Object:
-        bucket, _, key = location.partition("/")
+        bucket, _, key = _split(location)
         # A GET or HEAD cannot tell a missing bucket from a missing key (S3 says 404 to both).
         obj = self._bucket(bucket, NotFound).get(key)
         if obj is None or not key:
@@ -308,7 +308,7 @@ class MemoryStore:
         return obj
 
     def _store(self, location: str, data: bytes, *, create_only: bool) -> None:
-        bucket, _, key = location.partition("/")
+        bucket, _, key = _split(location)
         objects = self._bucket(bucket, BucketNotFound)
         if create_only and key in objects:
             raise PreconditionFailed(
@@ -340,6 +340,15 @@ class MemoryStore:
             else:
                 files.append(_info(f"{bucket}/{name}", obj))
         return Listing(files=files, dirs=list(dirs))
+
+
+def _split(location: str) -> tuple[str, str, str]:
+    """``location`` as (bucket, "/", key); a key obstore's client cannot address (an
+    empty, ``.`` or ``..`` segment) is refused as it refuses it: a ``ValueError``."""
+    bucket, sep, key = location.partition("/")
+    if key and any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError(f"Could not parse path: {key!r} has an empty, '.' or '..' segment")
+    return bucket, sep, key
 
 
 def _info(location: str, obj: _Object) -> FileInfo:
