@@ -6,9 +6,13 @@ Fixtures:
     gcs_emulator  (session) gcp-storage-emulator, in memory.
     s3_bucket     (function) ("s3://<fresh bucket>", storage_options) on moto_server.
     radosgw       (session) Ceph radosgw, a real S3 server (one mon, a memstore OSD).
+    memory_store  (function) a MemoryStore (dcp_volumes.testing), closed after the test.
+    memory_bucket (function) ("dcp-memory://<fresh bucket>", {}) on memory_store: for
+                  single-process tests that need some object store, not a server.
     volume_url    (function, params local/file/s3/azure/gcs) (url, storage_options)
                   for a fresh, empty location.
-    conformance_url  the same params plus radosgw (the volume conformance suite).
+    conformance_url  the same params plus radosgw and memory (the volume conformance
+                  suite, which proves the in-memory store behaves as the servers do).
 
 Emulators are wiped after each test that used them, so data does not pile up
 in memory over a session.
@@ -30,6 +34,7 @@ from typing import Any
 
 import pytest
 
+from dcp_volumes.testing import MemoryStore
 from tests.emulators import Azurite, Emulator, GcsEmulator, MotoServer
 from tests.radosgw import RadosGW
 
@@ -103,6 +108,21 @@ def s3_bucket(moto_server: MotoServer, request: pytest.FixtureRequest) -> Iterat
     yield from _fresh_bucket(moto_server, request)
 
 
+@pytest.fixture
+def memory_store() -> Iterator[MemoryStore]:
+    """An in-memory object store for this test (its buckets are gone after it)."""
+    with MemoryStore() as store:
+        yield store
+
+
+@pytest.fixture
+def memory_bucket(
+    memory_store: MemoryStore, request: pytest.FixtureRequest
+) -> Iterator[VolumeLocation]:
+    """``("dcp-memory://<fresh bucket>", {})``: a store for tests not about a server."""
+    yield memory_store.create_bucket(unique_bucket_name(request)), {}
+
+
 def _kinds(*remote: str) -> list[Any]:
     """Fixture params: the two local forms, then the emulators named (marked ``emulator``)."""
     return ["local", "file", *(pytest.param(k, marks=pytest.mark.emulator) for k in remote)]
@@ -120,10 +140,13 @@ def volume_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Volum
     yield from _location(request.param, request, tmp_path)
 
 
-@pytest.fixture(params=_kinds("s3", "radosgw", "azure", "gcs"))
+@pytest.fixture(params=[*_kinds("s3", "radosgw", "azure", "gcs"), "memory"])
 def conformance_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[VolumeLocation]:
-    """Like ``volume_url``, plus Ceph radosgw (a real S3 server): for the volume
-    conformance suite, which every backend must pass."""
+    """Like ``volume_url``, plus Ceph radosgw (a real S3 server) and the in-memory store:
+    for the volume conformance suite, which every backend must pass."""
+    if request.param == "memory":
+        yield request.getfixturevalue("memory_bucket")
+        return
     yield from _location(request.param, request, tmp_path)
 
 

@@ -1,7 +1,8 @@
 """Saves, discovery, loads and epochs on a store that is briefly inconsistent.
 
-``tests/faulty_backend.py`` wraps the real backend (a local directory, moto
-S3) and makes what a proxy cannot: listings that leave out objects written
+``tests/faulty_backend.py`` wraps the real backend (a local directory, the
+in-memory object store: what is tested is our layer, not a server) and makes
+what a proxy cannot: listings that leave out objects written
 just before (eventual consistency) and a file that answers "not found" for a
 moment. Each outcome must be the right data or a clear error, never a
 checkpoint that fails to load, a partial checkpoint restored, a wrong tensor,
@@ -27,7 +28,7 @@ from dcp_volumes import (
     VolumeReader,
     VolumeWriter,
 )
-from dcp_volumes._volume import LAG_TOTAL_S, Volume
+from dcp_volumes._volume import LAG_TOTAL_S, MEMORY_PROTOCOL, Volume
 from dcp_volumes.checkpoint import _reader
 from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from tests.faulty_backend import Faults, install
@@ -37,21 +38,24 @@ from tests.test_data_support import payload, read_id, write_samples
 _SIZE = 64
 
 
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.emulator)])
+@pytest.fixture(params=["local", "memory"])
 def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
     if request.param == "local":
         return str(tmp_path / "vol"), {}
-    url, opts = request.getfixturevalue("s3_bucket")
+    url, opts = request.getfixturevalue("memory_bucket")
     return url, opts
+
+
+def _object_store(root: str) -> bool:
+    return root.startswith(f"{MEMORY_PROTOCOL}://")
 
 
 @pytest.fixture
 def lagging(where: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     """``where``, on a store that says its listings may lag its writes (a mount does;
-    S3 through the option): the commit checks every upload in a listing there."""
+    an object store through the option): the commit checks every upload in a listing there."""
     root, opts = where
-    return (root, opts) if not root.startswith("s3://") else (root, {**opts,
-                                                                      "listing_lags": True})
+    return (root, {**opts, "listing_lags": True}) if _object_store(root) else (root, opts)
 
 
 def _report(what: str, faults: Faults, outcome: str) -> None:
@@ -118,14 +122,13 @@ def test_a_listing_that_stays_stale_fails_the_save_cleanly(
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.emulator
 def test_where_listings_show_every_write_the_ranks_results_vouch_for_the_uploads(
-    s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    memory_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # S3 lists every write that returned: the commit lists nothing (its pages grow
+    # An object store lists every write that returned: the commit lists nothing (its pages grow
     # with the ranks, one after another), so a listing that would leave the shards
     # out neither holds the commit up nor fails it.
-    root, opts = s3_bucket
+    root, opts = memory_bucket
     faults = Faults(stale_lists=10**6, stale_window_s=60, stale_match=".distcp")
     install(monkeypatch, faults)
     want = state_for(1, size=_SIZE)
@@ -183,13 +186,13 @@ def test_discovery_with_the_newest_metadata_unlisted_restores_a_complete_one(
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.emulator
 def test_a_load_survives_a_data_file_that_vanishes_for_a_moment(
-    s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    memory_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # S3 only: a local volume's reader opens data files in place, not through the protocol.
-    root, opts = s3_bucket
+    # Object stores only: a local volume's reader opens data files in place, not through
+    # the protocol.
+    root, opts = memory_bucket
     want = state_for(1, size=_SIZE)
     dcp.save(want, storage_writer=VolumeWriter(f"{root}/ck", storage_options=opts,
                                                file_size="8KiB"), no_dist=True)
@@ -210,12 +213,11 @@ def _save_small(root: str, opts: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.emulator
 def test_a_load_names_a_data_file_that_stays_gone(
-    s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    memory_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    root, opts = s3_bucket
+    root, opts = memory_bucket
     _save_small(root, opts)
     gone = next(f.path for f in Volume(f"{root}/ck", storage_options=opts).list()
                 if f.path.endswith(".distcp"))
@@ -277,7 +279,7 @@ def test_a_cold_epoch_on_a_stale_listing_delivers_each_listed_sample_once(
     with capsys.disabled():
         _report("cold epoch, stale first listing", faults,
                 f"{len(seen)} samples, {len(set(seen))} distinct")
-    if not root.startswith("s3://"):
+    if not _object_store(root):
         # A directory is walked, not listed through the store: it cannot lag its writes,
         # and the walk sees the late files too (each once).
         assert sorted(seen) == list(range(30)) + list(range(100, 110))
@@ -334,12 +336,11 @@ def test_a_cold_epoch_rides_out_samples_not_found_for_a_moment(
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.emulator
 def test_a_load_refuses_a_data_file_that_reads_back_short(
-    s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    memory_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    root, opts = s3_bucket
+    root, opts = memory_bucket
     _save_small(root, opts)
     faults = Faults(short=[".distcp"], short_by=7)
     install(monkeypatch, faults)
@@ -395,7 +396,7 @@ def test_a_save_makes_three_requests_besides_its_data(
     # committed checkpoint), the manifest, .metadata; on a mount, whose listings may
     # lag, a listing (a walk) to check the uploads as well.
     root, opts = where
-    besides = {"check_root": 1, "put": 2} | ({} if root.startswith("s3://") else {"list": 1})
+    besides = {"check_root": 1, "put": 2} | ({} if _object_store(root) else {"list": 1})
     writer = VolumeWriter(f"{root}/ck-1", storage_options=opts, file_size="8KiB")
     for name in ("ck-1", "ck-2"):  # a fresh save, then the same writer's next one
         counted.calls.clear()
@@ -428,15 +429,14 @@ def test_the_commit_checks_the_uploads_while_the_manifest_goes_up(
     assert differences(_load(f"{root}/ck", opts), want) == []
 
 
-@pytest.mark.emulator
 @pytest.mark.timeout(30)
 def test_the_save_lists_its_location_while_dcp_plans(
-    s3_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+    memory_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # What is at the location (a committed checkpoint?) is a round trip's answer that
     # the global plan needs. Asked at set-up, it comes while DCP plans. The local plan
     # waits until the listing has started: asked after planning, it would wait in vain.
-    root, opts = s3_bucket
+    root, opts = memory_bucket
     faults = Faults(meet=[("check_root", ""), ("plan", "")])
     wrappers = install(monkeypatch, faults)
     Volume(root, storage_options=opts).exists("-")  # the writer's backend, made now

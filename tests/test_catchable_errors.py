@@ -74,7 +74,7 @@ def test_the_manager_raises_the_typed_error(tmp_path: Path) -> None:
         mgr.restore({"w": torch.zeros(7)})  # a shape DCP itself refuses
 
 
-@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.emulator)])
+@pytest.mark.parametrize("where", ["local", "memory"])
 def test_storage_error_finds_a_missing_checkpoint_that_dcp_swallowed(
     request: pytest.FixtureRequest, tmp_path: Path, where: str
 ) -> None:
@@ -83,7 +83,7 @@ def test_storage_error_finds_a_missing_checkpoint_that_dcp_swallowed(
     if where == "local":
         url, options = str(tmp_path / "never-saved"), {}
     else:
-        bucket, options = request.getfixturevalue("s3_bucket")
+        bucket, options = request.getfixturevalue("memory_bucket")
         url = f"{bucket}/run/step-00000001"
     with pytest.raises(BaseException) as err, warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -43,15 +43,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 
 
 @pytest.fixture
-def s3_data(s3_bucket: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
-    url, opts = s3_bucket
+def store_data(memory_bucket: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """36 samples in an object store (the in-memory one: forked workers read its copy)."""
+    url, opts = memory_bucket
     write_samples(f"{url}/train", opts, 36)
     return f"{url}/train", opts
 
 
-def test_stream_is_the_same_for_any_ranks_and_workers(s3_data: tuple[str, Any],
+def test_stream_is_the_same_for_any_ranks_and_workers(store_data: tuple[str, Any],
                                                       tmp_path: Path) -> None:
-    url, opts = s3_data
+    url, opts = store_data
     cache = str(tmp_path / "cache")
     reference, _ = run_job(url, opts, cache, world=1, workers=0, global_batch_size=12)
     assert sorted(reference) == list(range(36))  # every file exactly once per epoch
@@ -121,9 +122,9 @@ def test_augmentation_is_reproducible(tmp_path: Path) -> None:
     assert {s[1] for s in e1}.isdisjoint({s[1] for s in reference})
 
 
-def test_changed_data_is_refused_or_warned(s3_data: tuple[str, Any], tmp_path: Path,
+def test_changed_data_is_refused_or_warned(store_data: tuple[str, Any], tmp_path: Path,
                                            caplog: pytest.LogCaptureFixture) -> None:
-    url, opts = s3_data
+    url, opts = store_data
     cache = str(tmp_path / "cache")
     _, state = run_job(url, opts, cache, world=1, workers=0, global_batch_size=6, stop_after=2)
     volume = Volume(url, storage_options=opts)
@@ -146,9 +147,9 @@ def test_changed_data_is_refused_or_warned(s3_data: tuple[str, Any], tmp_path: P
     assert len(rest) == 37 - 12 + 5  # from position 12 of the new order, padded to 6
 
 
-def test_file_changed_after_listing_is_an_error(s3_data: tuple[str, Any],
+def test_file_changed_after_listing_is_an_error(store_data: tuple[str, Any],
                                                 tmp_path: Path) -> None:
-    url, opts = s3_data
+    url, opts = store_data
     ds = VolumeDataset(url, storage_options=opts, cache_dir=tmp_path / "cache", shuffle=False)
     Volume(url, storage_options=opts).publish(name_of(0), payload(0, 100))  # grew
     with pytest.raises(DatasetChangedError, match="has 100 bytes but was listed with 64"):
@@ -158,9 +159,9 @@ def test_file_changed_after_listing_is_an_error(s3_data: tuple[str, Any],
         next(iter(DataLoader(ds, batch_size=4, num_workers=0)))
 
 
-def test_cache_limit_held_under_a_dataset_three_times_larger(s3_bucket: tuple[str, Any],
+def test_cache_limit_held_under_a_dataset_three_times_larger(memory_bucket: tuple[str, Any],
                                                              tmp_path: Path) -> None:
-    url, opts = s3_bucket
+    url, opts = memory_bucket
     write_samples(url, opts, 60, size=1000)
     cache = str(tmp_path / "cache")
     probe = functools.partial(_id_and_cache_bytes, cache)
@@ -222,8 +223,8 @@ def test_copy_evicted_by_another_job_between_hit_and_use_is_fetched_again(
     assert evicted and os.path.exists(evicted[0])
 
 
-def test_a_list_of_file_urls(s3_data: tuple[str, Any], tmp_path: Path) -> None:
-    url, opts = s3_data
+def test_a_list_of_file_urls(store_data: tuple[str, Any], tmp_path: Path) -> None:
+    url, opts = store_data
     files = [f"{url}/{name_of(i)}" for i in (5, 3, 31)]
     ds = VolumeDataset(files, storage_options=opts, cache_dir=tmp_path / "c", shuffle=False,
                        transform=read_id)
@@ -251,8 +252,8 @@ def test_stock_torch_dataloader_needs_only_the_batch_size_hint(tmp_path: Path) -
     assert [i for b in stock for i in to_list(b)] == ours
 
 
-def test_bad_input_gives_clear_errors(s3_bucket: tuple[str, Any], tmp_path: Path) -> None:
-    url, opts = s3_bucket
+def test_bad_input_gives_clear_errors(memory_bucket: tuple[str, Any], tmp_path: Path) -> None:
+    url, opts = memory_bucket
     with pytest.raises(VolumeNotFoundError, match="No files found"):
         VolumeDataset(f"{url}/nothing-here/", storage_options=opts, cache_dir=tmp_path / "c")
     with pytest.raises(ConfigurationError, match="empty"):

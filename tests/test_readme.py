@@ -42,7 +42,7 @@ _MARK = "readme-test:"
 _BUCKET = re.compile(r"s3://([a-z0-9][a-z0-9.-]+)/")
 # The blocks the tests below run; a block added to DOCS needs a test here.
 TESTED = {"quickstart", "dcp_s3", "route_s3", "compression", "lifecycle", "data_s3",
-          "file_cache_s3"}
+          "file_cache_s3", "memory_store"}
 
 
 def _blocks() -> Iterator[tuple[str, Block]]:
@@ -148,6 +148,10 @@ def test_compression_block_writes_a_zstd_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "runs" / "compressed" / "step-1"
     assert (ckpt / MANIFEST_NAME).exists()
     assert b"stream.zstd" in (ckpt / METADATA_NAME).read_bytes()
+
+
+def test_memory_store_block_saves_and_restores_without_a_server(tmp_path: Path) -> None:
+    _run_block(_script("memory_store", tmp_path), tmp_path)  # its asserts are the check
 
 
 def test_lifecycle_block_lists_what_retention_kept(tmp_path: Path) -> None:

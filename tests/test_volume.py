@@ -1,15 +1,17 @@
-"""Volume conformance suite: every backend (local, file://, moto S3, Ceph radosgw, Azure, GCS)
-runs the same tests."""
+"""Volume conformance suite: every backend (local, file://, moto S3, Ceph radosgw, Azure, GCS,
+the in-memory store) runs the same tests."""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +28,8 @@ from dcp_volumes._exceptions import (
     VolumeExistsError,
     VolumeNotFoundError,
 )
-from dcp_volumes._volume import RetryPolicy, Volume, redact_url
+from dcp_volumes._volume import RetryPolicy, Volume, despite_lag, redact_url
+from dcp_volumes.testing import MemoryStore
 from tests.conftest import EMULATOR_FIXTURE, unique_bucket_name
 from tests.emulators import Azurite, Emulator, LatencyProxy
 
@@ -380,7 +383,9 @@ def test_ranged_reads_into_memory_and_buffers(volume: Volume) -> None:
     assert bytes(volume.read_whole("r.bin", len(data))) == data
 
 
-def test_multipart_upload_and_parallel_ranged_download(volume: Volume, tmp_path) -> None:
+def test_multipart_upload_and_parallel_ranged_download(
+    volume: Volume, tmp_path, request: pytest.FixtureRequest
+) -> None:
     data = os.urandom(12 * 2**20 + 123)
     src = tmp_path / "big.bin"
     src.write_bytes(data)
@@ -393,6 +398,9 @@ def test_multipart_upload_and_parallel_ranged_download(volume: Volume, tmp_path)
     if volume.protocol == "s3":  # no invisible (billed) parts left behind
         client = boto3.client("s3", **_boto3_args(volume))
         assert not client.list_multipart_uploads(Bucket=volume.bucket).get("Uploads")
+    if volume.protocol == "dcp-memory":
+        store: MemoryStore = request.getfixturevalue("memory_store")
+        assert store.pending_uploads() == []
     moved = tmp_path / "moved.bin"
     moved.write_bytes(b"m" * 1000)
     volume.put_file(moved, "ckpt/moved.bin", move=True)
@@ -460,19 +468,65 @@ def test_capabilities_say_what_the_store_does(volume: Volume) -> None:
         assert caps.survives_fork and not caps.buffers_uploads
     if volume.protocol in ("s3", "az"):  # obstore: sent pages of its upload maps are dropped
         assert caps.atomic_create and not caps.survives_fork and not caps.buffers_uploads
+    if volume.protocol == "dcp-memory":  # as obstore's S3, but a forked child reads a copy
+        assert caps.atomic_create and caps.survives_fork and not caps.buffers_uploads
+        assert not caps.listing_lags and not caps.ranged_reads_cost_whole_object
 
 
 # -- retries through a faulty link, on every object store ------------------------------------
 
 
-@pytest.fixture(params=["s3", "radosgw", "azure", "gcs"])
+class StoreFaults:
+    """The proxy's fault calls, stated to a ``MemoryStore``: the same tests then prove that
+    its injected answers are retried and translated as a server's through the proxy."""
+
+    # Which requests of the store an HTTP method stands for.
+    METHODS = {
+        "GET": ("head", "list", "read", "read_whole", "read_into"),
+        "PUT": ("put", "upload", "upload_part"),
+        None: ("check_root", "head", "list", "read", "read_whole", "read_into", "put",
+               "upload", "upload_part", "complete_upload", "delete", "copy"),
+    }
+    STATUS = {500: "server_error", 503: "throttled"}
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+        self.answers: list[tuple[int, Any]] = []
+        self.drops: list[Any] = []
+
+    def answer_next(self, n: int = 1, *, status: int = 503, method: str | None = None) -> None:
+        rule = self.store.fail(self.METHODS[method], self.STATUS[status], times=n)  # type: ignore[arg-type]
+        self.answers.append((status, rule))
+
+    def drop_next(self, n: int = 1, *, method: str | None = None, after_bytes: int = 0) -> None:
+        self.drops.append(self.store.fail(self.METHODS[method], "connection_reset", times=n))
+
+    @property
+    def answered(self) -> Counter[int]:
+        counts: Counter[int] = Counter()
+        for status, rule in self.answers:
+            counts[status] += rule.hits
+        return counts
+
+    @property
+    def pending_drops(self) -> int:
+        return sum(int(rule.times - rule.hits) for rule in self.drops)
+
+
+@pytest.fixture(params=["s3", "radosgw", "azure", "gcs", "memory"])
 def faulty_volume(request: pytest.FixtureRequest) -> Iterator[tuple[Volume, LatencyProxy]]:
-    """A volume on a fresh bucket of an emulator, reached through a fault-injecting proxy."""
+    """A volume on a fresh bucket of an emulator, reached through a fault-injecting proxy
+    (the in-memory store: with the same faults stated to the store)."""
+    policy = RetryPolicy(attempts=4, base_delay_s=0.01, max_delay_s=0.05)
+    if request.param == "memory":
+        with MemoryStore() as store:
+            url = store.create_bucket(unique_bucket_name(request))
+            yield Volume(url, retry=policy), StoreFaults(store)  # type: ignore[misc]
+        return
     emulator: Emulator = request.getfixturevalue(EMULATOR_FIXTURE[request.param])
     url = emulator.create_bucket(unique_bucket_name(request))
     try:
         with LatencyProxy.in_front_of(emulator) as proxy:
-            policy = RetryPolicy(attempts=4, base_delay_s=0.01, max_delay_s=0.05)
             yield Volume(url, storage_options=emulator.storage_options(proxy.endpoint),
                          retry=policy), proxy
     finally:
@@ -528,3 +582,168 @@ def test_a_store_that_keeps_failing_is_an_error_not_a_missing_file(faulty_volume
         volume.publish("other.bin", b"x")
     assert not isinstance(err.value, FileNotFoundError)
     assert time.monotonic() - started < 120  # bounded by the retry policy
+
+
+# -- the in-memory store's own faults ------------------------------------------------------
+
+
+@pytest.fixture
+def memory_volume(memory_store: MemoryStore) -> Volume:
+    policy = RetryPolicy(attempts=3, base_delay_s=0.0, max_delay_s=0.0, stall_s=0.2)
+    return Volume(memory_store.create_bucket() + "/run", retry=policy)
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "tries"),
+    [
+        ("server_error", None, 2),  # transient: the second try answers
+        ("throttled", None, 2),
+        ("timeout", None, 2),
+        ("connection_reset", None, 2),
+        ("not_found", VolumeNotFoundError, 1),  # final at once, as the server's 404
+        ("access_denied", VolumeAccessError, 1),
+    ],
+)
+def test_an_injected_error_is_retried_or_translated_as_a_servers(
+    memory_store: MemoryStore, memory_volume: Volume, kind: Any, error: Any, tries: int
+) -> None:
+    memory_volume.publish("obj", b"present")
+    memory_store.calls.clear()
+    rule = memory_store.fail("read", kind, match="obj")
+    if error is None:
+        assert memory_volume.read_bytes("obj") == b"present"
+    else:
+        with pytest.raises(error) as caught:
+            memory_volume.read_bytes("obj")
+        assert "dcp-memory://" in str(caught.value) and "obj" in str(caught.value)
+    assert memory_store.calls["read"] == tries and rule.hits == 1
+
+
+def test_an_injected_error_meets_only_the_requests_it_names(
+    memory_store: MemoryStore, memory_volume: Volume
+) -> None:
+    memory_volume.publish("a/obj", b"1")
+    memory_volume.publish("b/obj", b"2")
+    memory_store.fail(("read", "head"), "access_denied", match="b/", times=math.inf)
+    assert memory_volume.read_bytes("a/obj") == b"1"
+    assert [f.path for f in memory_volume.list()] == ["a/obj", "b/obj"]  # lists still answer
+    for attempt in (lambda: memory_volume.read_bytes("b/obj"), lambda: memory_volume.info("b/obj")):
+        with pytest.raises(VolumeAccessError):
+            attempt()
+    memory_store.clear_faults()
+    assert memory_volume.read_bytes("b/obj") == b"2"
+    with pytest.raises(ValueError, match="unknown operations"):
+        memory_store.fail("get", "server_error")
+    with pytest.raises(ValueError, match="unknown failure kind"):
+        memory_store.fail("read", "teapot")  # type: ignore[arg-type]
+
+
+def test_a_failed_part_aborts_the_upload_and_the_volume_sends_it_again_whole(
+    memory_store: MemoryStore, memory_volume: Volume, tmp_path
+) -> None:
+    data = os.urandom(5 * 1000 + 7)
+    src = tmp_path / "f.bin"
+    src.write_bytes(data)
+    part = memory_store.fail("upload_part", "server_error")
+    memory_volume.put_file(src, "f.bin", part_size=1000, concurrency=3)
+    assert part.hits == 1 and memory_store.calls["upload"] == 2
+    assert memory_volume.read_bytes("f.bin") == data
+    assert memory_store.pending_uploads() == []  # the failed one was aborted, not left
+
+
+def test_an_upload_completed_whose_answer_was_lost_is_sent_again(
+    memory_store: MemoryStore, memory_volume: Volume, tmp_path
+) -> None:
+    # S3's NoSuchUpload on a completion's retry: the bytes are still here, the volume
+    # retries (UploadGone is transient) and the next try lands the same object.
+    data = os.urandom(3000)
+    src = tmp_path / "f.bin"
+    src.write_bytes(data)
+    memory_store.fail("complete_upload", "upload_gone")
+    memory_volume.put_file(src, "f.bin", part_size=1000)
+    assert memory_store.calls["upload"] == 2 and memory_store.calls["complete_upload"] == 2
+    assert memory_volume.read_bytes("f.bin") == data and memory_store.pending_uploads() == []
+
+
+def test_an_upload_aborted_under_it_is_gone_and_sent_again(
+    memory_store: MemoryStore, memory_volume: Volume, tmp_path
+) -> None:
+    data = os.urandom(4000)
+    src = tmp_path / "f.bin"
+    src.write_bytes(data)
+    held = memory_store.stall("upload_part", seconds=30)
+    aborted: list[int] = []
+
+    def lifecycle_rule() -> None:  # aborts the upload while a part is held
+        while not held.hits:
+            time.sleep(0.01)
+        aborted.append(memory_store.abort_uploads())
+        held.release()
+
+    thread = threading.Thread(target=lifecycle_rule)
+    thread.start()
+    memory_volume.put_file(src, "f.bin", part_size=1000, concurrency=1)
+    thread.join()
+    assert aborted == [1] and memory_store.calls["upload"] == 2
+    assert memory_volume.read_bytes("f.bin") == data
+
+
+def test_a_stalled_request_times_out_at_the_volumes_deadline_and_is_tried_again(
+    memory_store: MemoryStore, memory_volume: Volume
+) -> None:
+    memory_volume.publish("obj", b"x")
+    memory_store.stall("read")  # the policy's stall_s: 0.2 s
+    started = time.monotonic()
+    assert memory_volume.read_bytes("obj") == b"x"
+    assert 0.2 <= time.monotonic() - started < 5 and memory_store.calls["read"] == 2
+    memory_store.stall("read", times=math.inf)
+    with pytest.raises(VolumeError) as caught:
+        memory_volume.read_bytes("obj")
+    assert not isinstance(caught.value, FileNotFoundError)  # it is there: never "missing"
+    memory_store.clear_faults()
+    held = memory_store.stall("read", seconds=30)
+    threading.Timer(0.1, held.release).start()
+    memory_store.calls.clear()
+    assert memory_volume.read_bytes("obj") == b"x" and memory_store.calls["read"] == 1
+
+
+def test_a_lagging_store_hides_new_objects_from_listings_and_reads_for_a_while(
+    memory_store: MemoryStore, memory_volume: Volume
+) -> None:
+    memory_volume.publish("old", b"o")
+    end = memory_store.lag(match="new", listings=2, reads=1)
+    memory_volume.publish("dir/new", b"n")
+    assert [f.path for f in memory_volume.list()] == ["old"]
+    assert memory_volume.list_dirs() == []  # a prefix exists only through what it shows
+    assert [f.path for f in memory_volume.list()] == ["dir/new", "old"]
+    assert despite_lag(lambda: memory_volume.read_bytes("dir/new"), what="new") == b"n"
+    end()
+    memory_volume.publish("dir/new2", b"n")
+    assert "dir/new2" in [f.path for f in memory_volume.list()]
+
+
+def test_memory_buckets_belong_to_their_store_until_it_closes(memory_store: MemoryStore) -> None:
+    url = memory_store.create_bucket("shared-name")
+    with pytest.raises(ValueError, match="exists"), MemoryStore() as other:
+        other.create_bucket("shared-name")
+    Volume(url).publish("k", b"v")
+    assert memory_store.keys("shared-name") == ["k"]
+    memory_store.close()
+    with pytest.raises(BucketNotFoundError):
+        Volume(url).check_root()
+    with pytest.raises(BucketNotFoundError):  # a write names its bucket, as on S3
+        Volume(url).publish("k", b"v")
+
+
+@pytest.mark.parametrize("kind", [pytest.param("s3", marks=pytest.mark.emulator), "memory"])
+def test_a_key_with_dot_segments_is_refused_before_any_request(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """obstore cannot address such a key (S3 and Azure); the in-memory store refuses it alike."""
+    url, options = request.getfixturevalue("s3_bucket" if kind == "s3" else "memory_bucket")
+    volume = Volume(url, storage_options=options)
+    for attempt in (lambda: volume.read_bytes("a/../b"), lambda: volume.publish("a/./b", b"x"),
+                    lambda: volume.info("a//b")):
+        with pytest.raises(VolumeError) as caught:
+            attempt()
+        assert type(caught.value) is VolumeError and "Could not parse path" in str(caught.value)

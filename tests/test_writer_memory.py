@@ -58,10 +58,10 @@ def test_a_new_stager_reuses_the_buffers_a_finished_save_gave_back() -> None:
 
 
 def test_fresh_writers_per_async_save_load_back_each_saves_own_values(
-    s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
+    memory_bucket: tuple[str, dict[str, Any]], tmp_path: Path
 ) -> None:
     """Pooled buffers shared by successive writers never leak one save's values into another."""
-    url, opts = s3_bucket
+    url, opts = memory_bucket
     free_pooled_buffers()
     for step in range(3):
         writer = VolumeWriter(join(url, f"step-{step}"), storage_options=opts)
@@ -76,9 +76,9 @@ def test_fresh_writers_per_async_save_load_back_each_saves_own_values(
 
 
 def test_data_files_stay_within_file_size_unless_one_tensor_is_larger(
-    s3_bucket: tuple[str, dict[str, Any]],
+    memory_bucket: tuple[str, dict[str, Any]],
 ) -> None:
-    url, opts = s3_bucket
+    url, opts = memory_bucket
     ck = join(url, "sized")
     # 384 KiB tensors: two fit in 1 MiB; a third would overshoot it by a third.
     state = {f"t{i}": torch.randn(96 * 2**10) for i in range(9)}

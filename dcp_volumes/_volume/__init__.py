@@ -8,6 +8,7 @@ from dcp_volumes._volume._backend import Capabilities, FileInfo
 from dcp_volumes._volume._client_watchdog import STUCK_EXIT_CODE, stop_when_stuck
 from dcp_volumes._volume._lag import LAG_DELAYS_S, LAG_TOTAL_S, despite_lag, until_shown
 from dcp_volumes._volume._local import WRITE_PIECE, pieces, write_all
+from dcp_volumes._volume._memory import MEMORY_PROTOCOL, MemoryStore
 from dcp_volumes._volume._obstore import used_here as obstore_used_here
 from dcp_volumes._volume._retry import RetryPolicy
 from dcp_volumes._volume._secrets import redact_options
@@ -19,10 +20,12 @@ __all__ = [
     "LAG_DELAYS_S",
     "LAG_TOTAL_S",
     "LOCAL_PROTOCOLS",
+    "MEMORY_PROTOCOL",
     "STUCK_EXIT_CODE",
     "WRITE_PIECE",
     "Capabilities",
     "FileInfo",
+    "MemoryStore",
     "RetryPolicy",
     "Volume",
     "choose_fsspec_after_fork",

@@ -1,7 +1,8 @@
 """Which backend serves a URL's protocol, one instance per process and set of options.
 
 S3 and Azure go through obstore, GCS and every other protocol through fsspec,
-local paths and mounts through the local backend. ``DCP_VOLUMES_BACKEND=fsspec``
+local paths and mounts through the local backend, ``dcp-memory://`` (tests) through
+the in-memory store (``_memory.py``). ``DCP_VOLUMES_BACKEND=fsspec``
 sends S3 and Azure through s3fs / adlfs instead (options obstore cannot take).
 A process forked after obstore did I/O cannot use obstore (see ``_obstore.py``):
 it gets the fsspec backend, with one warning saying how to avoid the slower path
@@ -29,6 +30,7 @@ from dcp_volumes._volume import _obstore
 from dcp_volumes._volume._backend import Backend
 from dcp_volumes._volume._fsspec import FsspecBackend
 from dcp_volumes._volume._local import LocalBackend
+from dcp_volumes._volume._memory import MEMORY_PROTOCOL, MemoryBackend
 from dcp_volumes._volume._obstore_options import azure_settings, s3_settings
 from dcp_volumes._volume._options import (
     fallback_refusal,
@@ -97,6 +99,8 @@ def _create(protocol: str, options: Mapping[str, Any], retry: RetryPolicy) -> Ba
 
 
 def _client_backend(protocol: str, options: Mapping[str, Any], retry: RetryPolicy) -> Backend:
+    if protocol == MEMORY_PROTOCOL:  # no client: other options are the real store's, unused
+        return MemoryBackend(retry.stall_s if retry.stall_s is not None else retry.timeout_s)
     kind = OBSTORE_PROTOCOLS.get(protocol)
     if kind is None:
         return FsspecBackend(protocol, other_fsspec_kwargs(options))

@@ -40,6 +40,7 @@ from dcp_volumes._volume._backend import (
 from dcp_volumes._volume._errors import translate_error
 from dcp_volumes._volume._fsspec import strip_protocol
 from dcp_volumes._volume._local import LocalBackend, download_atomically, fill_in_parts
+from dcp_volumes._volume._memory import MEMORY_PROTOCOL
 from dcp_volumes._volume._obstore import used_here as obstore_used_here
 from dcp_volumes._volume._obstore_options import azure_account_from_url
 from dcp_volumes._volume._options import endpoint_of
@@ -121,6 +122,8 @@ class Volume:
 
     def _remote_root(self, url: str, path: str) -> str:
         kind = OBSTORE_PROTOCOLS.get(self.protocol)
+        if self.protocol == MEMORY_PROTOCOL:
+            return path.strip("/")
         if kind is None:
             return strip_protocol(self.protocol, url)
         path = path.strip("/")
