@@ -40,13 +40,11 @@ from dcp_volumes._torch.checkpoint import load_tensor_in_place
 from dcp_volumes._volume import LAG_TOTAL_S, Volume, despite_lag, redact_url
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, checksum_file
+from dcp_volumes.checkpoint._reader_options import DEFAULT_COALESCE_GAP
 
 if TYPE_CHECKING:
     from dcp_volumes.checkpoint._peers import Received
 
-# Ranges closer than this are fetched as one request: one round trip costs
-# more than reading a few hundred KiB that are then thrown away.
-DEFAULT_COALESCE_GAP = 2**20
 
 
 @dataclass

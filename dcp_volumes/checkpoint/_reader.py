@@ -25,7 +25,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -38,7 +37,6 @@ from dcp_volumes._exceptions import (
     BucketNotFoundError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
-    ConfigurationError,
     VolumeNotFoundError,
 )
 from dcp_volumes._sizes import parse_size
@@ -53,7 +51,7 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
 )
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
-from dcp_volumes.checkpoint._file_reads import DEFAULT_COALESCE_GAP, Decoders, FileJob
+from dcp_volumes.checkpoint._file_reads import Decoders, FileJob
 from dcp_volumes.checkpoint._layout import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -72,6 +70,7 @@ from dcp_volumes.checkpoint._manifest import (
 )
 from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
 from dcp_volumes.checkpoint._peers import Exchange, PeerCopyMissing, PeerTier
+from dcp_volumes.checkpoint._reader_options import DEFAULT_COALESCE_GAP, ReaderOptions
 
 logger = logging.getLogger(__name__)
 
@@ -86,35 +85,6 @@ _LISTING_PAGE = 1000
 # A listing page costs about ten HEADs: S3 prices a LIST as a PUT (12.5 GETs or HEADs)
 # and a full page is far more work for the server than one object's HEAD.
 _PAGE_COST = 10
-
-
-@dataclass(frozen=True)
-class ReaderOptions:
-    """Validated options of a ``VolumeReader`` (sizes in bytes).
-
-    Attributes:
-        verify: read every referenced file whole and check its checksum.
-        local_copy_dir: root of the local tier written by ``VolumeWriter``.
-        read_concurrency: ranged GETs in flight.
-        part_size: largest single ranged GET; longer ranges are split.
-        coalesce_gap: ranges closer than this are fetched as one.
-        prefetch_bytes: bytes fetched ahead of deserialisation.
-    """
-
-    verify: bool = False
-    local_copy_dir: str | None = None
-    read_concurrency: int = 16
-    part_size: int = 16 * 2**20
-    coalesce_gap: int = DEFAULT_COALESCE_GAP
-    prefetch_bytes: int = 1 * 2**30
-
-    def __post_init__(self) -> None:
-        if self.read_concurrency < 1:
-            raise ConfigurationError(f"read_concurrency={self.read_concurrency} must be >= 1.")
-        if self.part_size < 1:
-            raise ConfigurationError(f"part_size={self.part_size} must be >= 1 byte.")
-        if self.coalesce_gap < 0 or self.prefetch_bytes < 0:
-            raise ConfigurationError("coalesce_gap and prefetch_bytes must be >= 0 bytes.")
 
 
 class VolumeReader(AtLocation, StorageReader):
