@@ -378,7 +378,7 @@ def _exchange_with_slow_chunks(rank: int, world: int, base: str) -> dict[str, An
     _peers._next_chunk, _peers._take_chunk = slow_read, slow_take
     tier = _peers.PeerTier(local, nodes=[0, 1], rank=rank, replicas=1,
                            group=dist.new_group(backend="gloo"))
-    needs = {rel: FileRecord(len(b), checksum_bytes(b)) for rel, b in blobs.items()}
+    needs = {rel: FileRecord(len(b), checksum_bytes(b), path=rel) for rel, b in blobs.items()}
     into = {rel: bytearray(len(b)) for rel, b in blobs.items()}
 
     def copy_to(rel: str) -> Any:

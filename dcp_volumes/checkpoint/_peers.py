@@ -124,6 +124,9 @@ class PeerTransferError(Exception):
 
 @dataclass
 class _Send:
+    """One file on its way to a peer: where it is read from and how far it got (the
+    transfer's state, not facts of the file: kept apart from ``FileRecord``)."""
+
     peer: int
     path: str | None  # None: the file is gone; zeros are sent (the receiver's check fails)
     size: int
@@ -133,17 +136,22 @@ class _Send:
 
 @dataclass
 class _Receive:
+    """One file arriving from a peer: the manifest's record it is checked against, where
+    it goes and how far it got (the transfer's state: kept apart from ``FileRecord``)."""
+
     peer: int
-    rel: str
+    record: FileRecord  # the manifest's: its size, and the checksum checked on arrival
     dest: str | None  # None: handed to ``copy_to`` (a restore reads it from there)
-    size: int
-    checksum: str | None  # the manifest's: checked on arrival (None: not checked here)
     copy_to: PutBytes | None = None  # puts the file's bytes in the reader's buffers
     got: int = 0
     file: io.BufferedWriter | None = None
     hasher: Checksum = field(default_factory=Checksum)
     failed: str | None = None
     arrival: Future[Arrived] | None = None  # told when the file ends (a restore's)
+
+    @property
+    def size(self) -> int:
+        return self.record.size
 
     @property
     def part(self) -> str:
@@ -196,8 +204,7 @@ def _take_chunk(item: _Receive, data: torch.Tensor) -> None:
                 os.makedirs(os.path.dirname(item.dest), exist_ok=True)
                 item.file = open(item.part, "wb")  # noqa: SIM115 - closed by _end
             item.file.write(view)
-        if item.checksum is not None:
-            item.hasher.update(view)
+        item.hasher.update(view)
     except OSError as exc:
         item.failed = f"cannot write {item.dest}: {summary(exc)}"
 
@@ -214,16 +221,16 @@ def _end(item: _Receive, done: set[str]) -> None:
         except OSError as exc:
             item.failed = f"cannot write {item.dest}: {summary(exc)}"
     actual = item.hasher.hexdigest()
-    if item.failed is None and item.checksum is not None and actual != item.checksum:
-        item.failed = (f"{item.rel} from rank {item.peer} fails its checksum ({actual}, "
-                       f"manifest {item.checksum})")
+    if item.failed is None and actual != item.record.checksum:
+        item.failed = (f"{item.record.path} from rank {item.peer} fails its checksum ({actual}, "
+                       f"manifest {item.record.checksum})")
     if item.failed is None and item.dest is not None:
         try:
             os.replace(item.part, item.dest)
         except OSError as exc:
             item.failed = f"cannot write {item.dest}: {summary(exc)}"
     if item.failed is None:
-        done.add(item.rel)
+        done.add(item.record.path)
         if item.arrival is not None:
             item.arrival.set_result(Arrived(actual, in_buffers=item.dest is None))
         item.copy_to, item.arrival = None, None
@@ -326,7 +333,7 @@ def transfer(
         raise PeerTransferError(failure) from exc
     finally:
         for item in receives:
-            if item.rel not in done:
+            if item.record.path not in done:
                 _discard(item, failure or "the transfer ended early")
         for send in sends:
             if send.file is not None:
@@ -468,10 +475,10 @@ class PeerTier:
         receives = []
         for source in self.sources:
             base = os.path.join(replica_dir(self.local_dir, self.nodes[source]), name)
-            for rel, size in expected(source):
+            for rel, _ in expected(source):
                 _layout.inside(rel, f"the replica of {name} from rank {source}")
-                receives.append(_Receive(source, rel, os.path.join(base, *rel.split("/")),
-                                         size, manifest.files[rel].checksum))
+                receives.append(_Receive(source, manifest.files[rel],
+                                         os.path.join(base, *rel.split("/"))))
         done: set[str] = set()
         try:
             transfer(self.group, sends, receives, done=done, timeout_s=self.timeout_s)
@@ -558,8 +565,8 @@ class PeerTier:
                     to = into(rel) if into is not None and size <= memory_bytes else None
                     memory_bytes -= size if to is not None else 0
                     path = None if to is not None else os.path.join(dest, *rel.split("/"))
-                    receives.append(_Receive(holder, rel, path, size, wanted[rel].checksum,
-                                             copy_to=to, arrival=Future()))
+                    receives.append(_Receive(holder, wanted[rel], path, copy_to=to,
+                                             arrival=Future()))
         return Exchange(self, checkpoint, dest, sends, receives)
 
     def held_dirs(self, name: str) -> list[str]:
@@ -580,7 +587,8 @@ class Exchange:
     def __init__(self, tier: PeerTier, name: str, dest: str, sends: Sequence[_Send],
                  receives: Sequence[_Receive]) -> None:
         self.supplies: dict[str, Supply] = {
-            r.rel: Supply(Volume(dest), r.arrival) for r in receives if r.arrival is not None}
+            r.record.path: Supply(Volume(dest), r.arrival)
+            for r in receives if r.arrival is not None}
         self._tier, self._name = tier, name
         self._sends, self._receives = sends, receives
         self._thread: threading.Thread | None = None
@@ -600,7 +608,7 @@ class Exchange:
             logger.warning("peer tier: a transfer of %s's files failed (%s): %d of %d files "
                            "arrived, the rest come from the volume", self._name, exc, len(done),
                            len(self._receives))
-        received = sum(r.size for r in self._receives if r.rel in done)
+        received = sum(r.size for r in self._receives if r.record.path in done)
         logger.info("peer tier: %s: received %d files (%.1f MiB) from peers, sent %d files "
                     "(%.1f MiB), in %.2f s", self._name, len(done), received / 2**20,
                     len(self._sends), sum(s.size for s in self._sends) / 2**20,
