@@ -57,10 +57,10 @@ from dcp_volumes.checkpoint._layout import (
     rank_manifest_name,
     rank_metadata_name,
 )
+from dcp_volumes.checkpoint._local_tier import LocalTier
 from dcp_volumes.checkpoint._manifest import Manifest
 from dcp_volumes.checkpoint._retention import (
     DEFAULT_PARTIAL_GRACE_S,
-    LocalTier,
     delete_checkpoint,
     retention_victims,
 )

@@ -349,7 +349,8 @@ def _exchange_with_slow_chunks(rank: int, world: int, base: str) -> dict[str, An
     import torch.distributed as dist
 
     from dcp_volumes.checkpoint import _peers
-    from dcp_volumes.checkpoint._layout import replica_dir
+    from dcp_volumes.checkpoint._file_reads import CopyMissing
+    from dcp_volumes.checkpoint._local_tier import replica_dir
     from dcp_volumes.checkpoint._manifest import FileRecord, checksum_bytes
 
     name = "step-00000002"
@@ -377,7 +378,7 @@ def _exchange_with_slow_chunks(rank: int, world: int, base: str) -> dict[str, An
     _peers._next_chunk, _peers._take_chunk = slow_read, slow_take
     tier = _peers.PeerTier(local, nodes=[0, 1], rank=rank, replicas=1,
                            group=dist.new_group(backend="gloo"))
-    needs = {rel: FileRecord(len(b), checksum_bytes(b)) for rel, b in blobs.items()}
+    needs = {rel: FileRecord(len(b), checksum_bytes(b), path=rel) for rel, b in blobs.items()}
     into = {rel: bytearray(len(b)) for rel, b in blobs.items()}
 
     def copy_to(rel: str) -> Any:
@@ -385,20 +386,20 @@ def _exchange_with_slow_chunks(rank: int, world: int, base: str) -> dict[str, An
             into[rel][at:at + len(data)] = data
         return put
 
-    exchange = tier.exchange(name, needs if rank == 1 else {}, os.path.join(local, name),
-                             copy_to=copy_to, memory_bytes=2**20)
+    exchange = tier.offer(name, needs if rank == 1 else {}, into=copy_to, memory_bytes=2**20)
     returned = time.monotonic()
-    report: dict[str, Any] = {"arrivals": sorted(exchange.arrivals)}
+    report: dict[str, Any] = {"arrivals": sorted(exchange.supplies)}
+    arrivals = {rel: supply.arrival for rel, supply in exchange.supplies.items()}
     if rank == 1:
-        first = exchange.arrivals["__1_0_0.distcp"].result(timeout=60)
-        report["last_pending_at_first"] = not exchange.arrivals["__1_0_2.distcp"].done()
-        last = exchange.arrivals["__1_0_2.distcp"].result(timeout=60)
+        first = arrivals["__1_0_0.distcp"].result(timeout=60)
+        report["last_pending_at_first"] = not arrivals["__1_0_2.distcp"].done()
+        last = arrivals["__1_0_2.distcp"].result(timeout=60)
         report["exact"] = [first.in_buffers and last.in_buffers] + [
             bytes(into[rel]) == blobs[rel] for rel in ("__1_0_0.distcp", "__1_0_2.distcp")]
         try:
-            exchange.arrivals["__1_0_1.distcp"].result(timeout=60)
+            arrivals["__1_0_1.distcp"].result(timeout=60)
             report["damaged"] = "arrived"
-        except _peers.PeerCopyMissing as exc:
+        except CopyMissing as exc:
             report["damaged"] = str(exc)
     exchange.join()
     if rank == 0:

@@ -6,7 +6,7 @@ storage holds only its data, back to back (with torch.save's switch for no
 zip CRC-32 set); ``StorageInfo(relative_path, offset, length)`` locates each
 item. ``HashingFile`` hashes every byte on its way to disk, for the manifest.
 A rank's save (``_rank_save``) writes items with ``write_item``; the reader's
-``FileJob`` reads them back.
+``FileRead`` reads them back.
 """
 
 from __future__ import annotations

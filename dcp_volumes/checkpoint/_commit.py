@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,6 +58,7 @@ from dcp_volumes.checkpoint._manifest import (
     check_listing_settled,
     read_manifest,
 )
+from dcp_volumes.checkpoint._tiers import FileKeeper
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,8 @@ class Commit:
             the rank whose rank-local save this is.
         world_size: the ranks of a rank-local save, recorded in its manifest so that
             a rank that died before writing anything still makes it incomplete.
-        local_copy: the local tier's directory of this checkpoint: it gets a copy
-            of the manifest once committed.
+        keepers: the sinks that keep this checkpoint's files on this node: each is
+            told the manifest once committed.
         abandoned: asked right before the marker goes up: true when the save's
             caller stopped waiting for it (a preemption's grace ran out), and the
             save must then never commit.
@@ -86,7 +87,7 @@ class Commit:
     overwrite: bool
     rank: int | None = None
     world_size: int | None = None
-    local_copy: str | None = None
+    keepers: Sequence[FileKeeper] = ()
     abandoned: Callable[[], bool] = lambda: False
 
     @property
@@ -240,8 +241,8 @@ class Commit:
             self._withdraw(manifest, published_manifest=True)
             raise self._lost() from exc
         # Any other failure: the marker may have landed, and its manifest stays.
-        if self.local_copy is not None:
-            Volume(self.local_copy).publish(self.manifest_name, manifest.to_json())
+        for keeper in self.keepers:
+            keeper.committed(self.manifest_name, manifest.to_json())
         return manifest
 
     def _check(self, checked: ThreadFuture[tuple[list[str], list[FileInfo]]]) -> None:

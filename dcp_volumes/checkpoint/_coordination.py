@@ -15,6 +15,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -82,6 +83,9 @@ class Coordinator:
     Under torchrun, when it makes the group, first clears torchrun's shared store of a
     killed attempt's addresses (``_torchrun``), so that this group and those made after
     it connect.
+
+    The library makes its process groups here: ``group`` for the saves and restores,
+    and a ``side_group`` for each thread that runs collectives beside them.
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
@@ -98,6 +102,18 @@ class Coordinator:
         else:
             self.group = None
             self.rank, self.world_size, self.local_rank = 0, 1, 0
+
+    def side_group(self, *, timeout_s: float | None = None) -> dist.ProcessGroup | None:
+        """A further gloo group over the job's ranks (``None``: one process), for
+        collectives issued from another thread than the saves': gloo pairs a group's
+        collectives by their order, and two threads on one group would cross them on
+        some rank. ``timeout_s``: its operations' bound (default: torch's). Collective:
+        every rank makes its side groups in the same order."""
+        if not self.distributed:
+            return None
+        timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+        group: dist.ProcessGroup = dist.new_group(backend="gloo", timeout=timeout)
+        return group
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:

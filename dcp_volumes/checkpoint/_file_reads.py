@@ -1,10 +1,15 @@
-"""FileJob: the reads of one checkpoint data file, from its byte ranges to the load planner.
+"""FileRead: the reads of one checkpoint data file, from its byte ranges to the load planner.
 
-``VolumeReader`` plans one job per data file a rank needs and schedules their
-fetches; a job merges its items' byte ranges into spans (neighbours within
+``VolumeReader`` plans one read per data file a rank needs and schedules their
+fetches; a read merges its items' byte ranges into spans (neighbours within
 ``coalesce_gap`` become one), fetches them as ranged GETs into buffers (or
 opens a local file in place), then deserialises its items and hands them to
 DCP's planner.
+
+A file may come from a copy instead of the checkpoint's volume (``Supply``, from
+a source of ``_tiers``): it is then read whole and checked against the manifest's
+checksum, and read from the volume after all when it fails that check or does
+not arrive.
 
 Where the manifest says where a saved tensor's data lies in the file and the
 planner's target is a plain CPU tensor of the same dtype and shape, the data
@@ -24,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, Any, cast
 
 import numpy as np
 import torch
@@ -40,20 +45,42 @@ from dcp_volumes._torch.checkpoint import load_tensor_in_place
 from dcp_volumes._volume import LAG_TOTAL_S, Volume, despite_lag, redact_url
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, checksum_file
+from dcp_volumes.checkpoint._reader_options import DEFAULT_COALESCE_GAP
 
-if TYPE_CHECKING:
-    from dcp_volumes.checkpoint._peers import Received
+#: ``put(offset, data)``: puts a file's bytes, arriving in pieces, at their offset in a
+#: read's buffers (``FileRead.lay_out_whole``).
+PutBytes = Callable[[int, memoryview], None]
 
-# Ranges closer than this are fetched as one request: one round trip costs
-# more than reading a few hundred KiB that are then thrown away.
-DEFAULT_COALESCE_GAP = 2**20
+
+@dataclass(frozen=True)
+class Arrived:
+    """A file a source sent in whole, checked against the manifest on arrival: its
+    checksum, and whether it is in the read's buffers (else in the supply's volume)."""
+
+    checksum: str
+    in_buffers: bool
+
+
+class CopyMissing(Exception):
+    """A file a source was to send did not arrive whole and matching the manifest (a
+    damaged copy, a failed transfer): it is read from the volume."""
+
+
+@dataclass(frozen=True)
+class Supply:
+    """Where a source has one file: ``volume`` holds it (a local directory), or will once
+    ``arrival`` settles (a transfer under way; its bytes may land in the read's buffers
+    instead)."""
+
+    volume: Volume
+    arrival: ThreadFuture[Arrived] | None = None
 
 
 @dataclass
-class FileJob:
+class FileRead:
     """The reads of one data file: its items, merged spans and where the bytes come from.
 
-    Files on a local volume (or the local tier) are not fetched into buffers:
+    Files on a local volume (or a local copy) are not fetched into buffers:
     ``file`` is opened when the job is finished and items are deserialised
     straight from it, as stock DCP does. Fetched bytes land in ``pieces``,
     ``(file offset, buffer)`` in file order covering every span: targets of
@@ -66,7 +93,7 @@ class FileJob:
     record: FileRecord | None
     whole: bool
     source: Volume
-    from_local: bool = False
+    supplier: str = "volume"  # the name of the source the bytes come from
     transforms: ReaderTransforms = field(default_factory=ReaderTransforms)
     pieces: list[tuple[int, memoryview]] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)  # the pieces' file offsets
@@ -75,7 +102,7 @@ class FileJob:
     file: io.FileIO | None = None
     targets: dict[int, torch.Tensor] = field(default_factory=dict)  # req index -> target
     direct: dict[int, tuple[int, memoryview]] = field(default_factory=dict)  # -> data at, bytes
-    arrival: ThreadFuture[Received] | None = None  # the whole file, sent by a peer node
+    arrival: ThreadFuture[Arrived] | None = None  # the whole file, sent by a source
 
     @classmethod
     def planned(
@@ -88,8 +115,8 @@ class FileJob:
         gap: int,
         verify: bool,
         transforms: ReaderTransforms,
-    ) -> FileJob:
-        """The job for ``reqs`` of the file ``rel``: their ranges merged within ``gap``
+    ) -> FileRead:
+        """The read of ``reqs`` of the file ``rel``: their ranges merged within ``gap``
         bytes; the whole file when that covers it anyway or ``verify`` (with a record)."""
         spans = coalesce(((info.offset, info.offset + info.length) for _, info in reqs), gap=gap)
         whole = record is not None and spans == [(0, record.size)]
@@ -101,25 +128,23 @@ class FileJob:
     def nbytes(self) -> int:
         return sum(e - s for s, e in self.spans)
 
-    def read_local_copy(self, local: Volume, size: int) -> None:
-        """Read the file from ``local`` (the local tier) instead, whole, so that its
-        checksum is checked before use."""
-        self.source, self.from_local = local, True
-        self.spans, self.whole = [(0, size)], True
+    @property
+    def from_copy(self) -> bool:
+        """Whether the bytes come from a copy, not from the checkpoint's volume."""
+        return self.supplier != "volume"
 
-    def read_from_peer(self, arrival: ThreadFuture[Received], local: Volume, size: int) -> None:
-        """Take the whole file from a peer node: ``arrival`` says when its bytes are in
-        this job's buffers (``lay_out_for_peer``), checked against the manifest's checksum,
-        or written into ``local`` (then read from there and checked again), or raises
-        ``PeerCopyMissing`` (the caller reads the file from the volume instead)."""
-        self.arrival, self.source, self.from_local = arrival, local, True
-        self.spans, self.whole = [(0, size)], True
+    def read_copy(self, supply: Supply, supplier: str) -> None:
+        """Read the whole file from ``supply`` (of the source named ``supplier``) instead,
+        so that its checksum is checked before use. ``supply.arrival`` says when its
+        bytes are in this read's buffers (``lay_out_whole``) or in ``supply.volume``,
+        or raises ``CopyMissing`` (the caller reads the file from the volume instead)."""
+        assert self.record is not None  # only a file the manifest lists has copies
+        self.source, self.arrival, self.supplier = supply.volume, supply.arrival, supplier
+        self.spans, self.whole = [(0, self.record.size)], True
 
-    def lay_out_for_peer(
-        self, planner: LoadPlanner, saved_dtype: Callable[[str], Any]
-    ) -> Callable[[int, memoryview], None]:
+    def lay_out_whole(self, planner: LoadPlanner, saved_dtype: Callable[[str], Any]) -> PutBytes:
         """Lay out the whole file's buffers now (its target tensors, scratch between
-        them) for a peer's bytes, which arrive in pieces: returns ``put``."""
+        them) for bytes that arrive in pieces: returns ``put``."""
         assert self.record is not None
         self.spans, self.whole = [(0, self.record.size)], True
         self.plan_direct(planner, saved_dtype)
@@ -134,9 +159,10 @@ class FileJob:
             pos += len(view)
 
     def fall_back_to(self, source: Volume) -> None:
-        """Read the file from ``source`` after its local copy failed (still whole)."""
+        """Read the file from ``source``, the checkpoint's volume, after its copy failed
+        (still whole)."""
         self.close()
-        self.source, self.from_local, self.arrival = source, False, None
+        self.source, self.supplier, self.arrival = source, "volume", None
 
     def start(
         self,
@@ -299,8 +325,8 @@ class FileJob:
         if hash_it:
             self.digest = self.checksum()
 
-    def take_arrival(self, arrival: ThreadFuture[Received]) -> None:
-        """Wait for the peer's file: in the pieces already, its checksum the one taken
+    def take_arrival(self, arrival: ThreadFuture[Arrived]) -> None:
+        """Wait for the sent file: in the pieces already, its checksum the one taken
         of those bytes on arrival; or written to disk, then read and hashed from there."""
         received = arrival.result()  # bounded: the transfer settles every arrival
         self.arrival = None

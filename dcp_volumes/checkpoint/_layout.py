@@ -1,4 +1,4 @@
-"""Where a checkpoint's files go: every name in a checkpoint, and its location.
+"""Every name in a checkpoint: its markers, manifests and data files.
 
 Shared by the writer, the reader, discovery and the CLI so that all agree on the layout:
 
@@ -7,39 +7,30 @@ Shared by the writer, the reader, discovery and the CLI so that all agree on the
   a rank-local save (``use_collectives=False``) commits each rank on its own
   with ``__<rank>.dcp_volumes.manifest.json`` and then ``__<rank>.metadata``
   (stock DCP's name for a rank's marker);
-
 * data files are named like stock DCP's, with a tag of the save between rank
   and index (``__{rank}_{tag}_{i}.distcp``), so two saves of one checkpoint
   id never write the same object; optionally under a hashed sub-prefix
   (``3f/__0_9c1e07aa_1.distcp``) to spread keys over several prefixes for
   object stores that throttle per prefix; the name is the ``relative_path``
   in ``.metadata``, so stock readers find the files;
-* the local copy of a checkpoint (the "local tier") lives in
-  ``local_copy_dir/<checkpoint name>``; the copies a node keeps of another
-  node's files (``local_replicas``) in
-  ``local_copy_dir/replicas/node-<its node>/<checkpoint name>``;
-* ``Location``: the checkpoint's volume and local copy, held by the writer
-  and the reader.
+* ``checkpoint_name``: the last component of a checkpoint's path, which also
+  names its copies on local disk.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
-from typing import Any
 
 import xxhash
 
 from dcp_volumes._exceptions import CheckpointCorruptError
-from dcp_volumes._volume import RetryPolicy, Volume
 
 DATA_SUFFIX = ".distcp"
 METADATA_NAME = ".metadata"
 MANIFEST_NAME = ".dcp_volumes.manifest.json"
 _RANK_MARKER = re.compile(r"^__(\d+)" + re.escape(METADATA_NAME) + "$")
 _RANK_MANIFEST = re.compile(r"^__(\d+)" + re.escape(MANIFEST_NAME) + "$")
-_REPLICA_NODE = re.compile(r"^node-(\d+)$")
 
 
 def rank_metadata_name(rank: int) -> str:
@@ -112,140 +103,9 @@ def relative_path(name: str, spread: int) -> str:
 
 
 def checkpoint_name(root: str) -> str:
-    """The last component of a checkpoint's path: names its local copy."""
+    """The last component of a checkpoint's path: names its copies on local disk."""
     name = root.rstrip("/").replace(os.sep, "/").rsplit("/", 1)[-1]
     return name or "checkpoint"
-
-
-def local_copy_path(local_copy_dir: str | os.PathLike[str], root: str) -> str:
-    """Directory holding the local copy of the checkpoint whose path is ``root``."""
-    return os.path.join(os.path.abspath(os.fspath(local_copy_dir)), checkpoint_name(root))
-
-
-#: The directory of ``local_copy_dir`` that holds other nodes' replicas.
-REPLICAS_DIR = "replicas"
-
-
-def replica_dir(local_copy_dir: str | os.PathLike[str], node: int) -> str:
-    """Where a node keeps its replicas of node ``node``'s files (one checkpoint dir below)."""
-    return os.path.join(os.path.abspath(os.fspath(local_copy_dir)), REPLICAS_DIR, f"node-{node}")
-
-
-def replica_nodes(local_copy_dir: str | os.PathLike[str]) -> dict[int, str]:
-    """The nodes whose replicas ``local_copy_dir`` holds, with their directories."""
-    base = os.path.join(os.path.abspath(os.fspath(local_copy_dir)), REPLICAS_DIR)
-    try:
-        entries = os.listdir(base)
-    except OSError:
-        return {}
-    found = {}
-    for entry in entries:
-        match = _REPLICA_NODE.match(entry)
-        if match:
-            found[int(match.group(1))] = os.path.join(base, entry)
-    return dict(sorted(found.items()))
-
-
-def local_files(directory: str) -> dict[str, int]:
-    """The data files of a local copy: path relative to ``directory`` (``/``-separated) -> size."""
-    found: dict[str, int] = {}
-    for dirpath, _, names in os.walk(directory):
-        for name in names:
-            if not name.endswith(DATA_SUFFIX):
-                continue
-            path = os.path.join(dirpath, name)
-            try:
-                found[os.path.relpath(path, directory).replace(os.sep, "/")] = os.path.getsize(path)
-            except OSError:  # removed meanwhile (retention)
-                continue
-    return found
-
-
-def local_copy_paths(local_copy_dir: str | os.PathLike[str], root: str) -> list[str]:
-    """Every directory of this node that may hold files of the checkpoint at ``root``:
-    its own local copy first, then the replicas it keeps of other nodes' files."""
-    name = checkpoint_name(root)
-    return [local_copy_path(local_copy_dir, root)] + [
-        os.path.join(d, name) for d in replica_nodes(local_copy_dir).values()
-    ]
-
-
-class Location:
-    """Where a ``VolumeWriter`` or ``VolumeReader`` points: the checkpoint's volume, and
-    the directory of its local copy when a ``local_copy_dir`` is given.
-
-    DCP's ``reset(checkpoint_id)`` moves it (``move_to``); the volume is then
-    made with the same ``storage_options`` and retry policy.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        storage_options: Mapping[str, Any] | None,
-        retry: RetryPolicy | None,
-        local_copy_dir: str | None,
-    ) -> None:
-        # None stays None: the Volume then takes DCP_VOLUMES_STORAGE_OPTIONS.
-        self._storage_options = None if storage_options is None else dict(storage_options)
-        self._retry = retry
-        self.local_copy_dir = local_copy_dir
-        self.volume = Volume(path, storage_options=self._storage_options, retry=retry)
-
-    @property
-    def local_copy_path(self) -> str | None:
-        """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
-        if self.local_copy_dir is None:
-            return None
-        return local_copy_path(self.local_copy_dir, self.volume.root)
-
-    def move_to(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
-        """Point at ``checkpoint_id`` (a URL or path), same options; no-op when empty."""
-        if checkpoint_id:
-            self.volume = Volume(
-                checkpoint_id, storage_options=self._storage_options, retry=self._retry
-            )
-
-    @staticmethod
-    def addressable(checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a URL or path a volume can be made for."""
-        try:
-            Volume(checkpoint_id)
-        except Exception:
-            return False
-        return True
-
-
-class AtLocation:
-    """What a ``VolumeWriter`` and a ``VolumeReader`` say about where they point.
-
-    The one attribute it needs is declared: ``_location``, set by the subclass.
-    """
-
-    _location: Location
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint's URL (credentials removed); DCP logs it."""
-        return self.volume.display_url
-
-    @property
-    def volume(self) -> Volume:
-        """The volume of the current checkpoint."""
-        return self._location.volume
-
-    @property
-    def local_copy_path(self) -> str | None:
-        """Directory of this checkpoint's local copy, or ``None`` without ``local_copy_dir``."""
-        return self._location.local_copy_path
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.volume.display_url!r})"
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a URL or path this class can address."""
-        return Location.addressable(checkpoint_id)
 
 
 def inside(rel: str, where: str) -> str:

@@ -72,17 +72,18 @@ from dcp_volumes.checkpoint._discovery import (
     step_dir,
 )
 from dcp_volumes.checkpoint._layout import METADATA_NAME, is_commit_marker
+from dcp_volumes.checkpoint._local_tier import LocalCopies, LocalTier
 from dcp_volumes.checkpoint._manager_options import ManagerOptions
 from dcp_volumes.checkpoint._peers import PeerTier
 from dcp_volumes.checkpoint._preemption import PreemptionWatch, signals_of
-from dcp_volumes.checkpoint._reader import SOURCES, VolumeReader
+from dcp_volumes.checkpoint._reader import VolumeReader
 from dcp_volumes.checkpoint._retention import (
     DEFAULT_PARTIAL_GRACE_S,
-    LocalTier,
     apply_retention,
     delete_checkpoint,
 )
 from dcp_volumes.checkpoint._state_copy import free_pooled_buffers
+from dcp_volumes.checkpoint._tiers import SOURCE_NAMES, FileSource
 from dcp_volumes.checkpoint._writer import VolumeWriter
 
 logger = logging.getLogger(__name__)
@@ -229,12 +230,12 @@ class CheckpointManager:
             self._local = LocalTier(directory, owner=self._coord.local_rank == 0)
         self._coord.agree(f"open the checkpoint root {self._volume.display_url}",
                           self._check_root())
-        # Its own group, made on every rank in the same order: saves use the coordinator's.
+        # A side group: its agreement runs on the training thread while a save's
+        # collectives run in DCP's thread.
         self._watch: PreemptionWatch | None = None
         if signals:
-            group = dist.new_group(backend="gloo") if self._coord.distributed else None
             self._watch = PreemptionWatch(signals, grace_s=self.options.preemption_grace_s,
-                                          group=group)
+                                          group=self._coord.side_group())
         self._peers: PeerTier | None = None
         if self._local is not None and self.options.local_replicas and self._coord.distributed:
             self._peers = self._connect_peers(self._local.directory)
@@ -490,7 +491,7 @@ class CheckpointManager:
         local tier and the replicas it keeps), from ``"peer"`` nodes and from the
         ``"volume"`` (all zero before a restore; ``.metadata`` and the manifest are
         not counted)."""
-        return {k: self._restore_sources.get(k, 0) for k in SOURCES}
+        return {k: self._restore_sources.get(k, 0) for k in SOURCE_NAMES}
 
     def _connect_peers(self, directory: str) -> PeerTier | None:
         """Every rank: the peer tier (``local_replicas``), or ``None`` on one node."""
@@ -501,8 +502,7 @@ class CheckpointManager:
                 "ranks. Fix: leave process_group unset (or pass the whole world's), or "
                 "pass local_replicas=0."
             )
-        return PeerTier.connect(directory, group=self._coord.group, rank=self.rank,
-                                world_size=self.world_size,
+        return PeerTier.connect(directory, coordinator=self._coord,
                                 replicas=self.options.local_replicas)
 
     # -- restore --------------------------------------------------------------------------
@@ -571,12 +571,18 @@ class CheckpointManager:
         local = self.local_dir if self._local is not None and (
             self._peers is not None or self._local.has(name) or self._local.has_replicas()
         ) else None
+        # The reader's sources, asked in this order before the volume.
+        sources: list[FileSource] = []
+        if local is not None:
+            sources.append(LocalCopies(local))
+        if self._peers is not None:
+            sources.append(self._peers)
         reader = VolumeReader(
             url,
             storage_options=self.storage_options,
             local_copy_dir=local,
             retry=self._retry,
-            _peers=self._peers,
+            _sources=sources,
             **self.options.reader_options,
         )
         logger.info("restoring step %d from %s%s", chosen_step, url,

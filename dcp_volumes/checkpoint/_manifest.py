@@ -89,16 +89,21 @@ def checksum_file(file: str | os.PathLike[str] | io.RawIOBase) -> str:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """Size and checksum of one checkpoint file.
+    """One checkpoint file: its size and checksum, the tensors' spans, and its path.
 
+    The one record of a file from the save (``HashingFile`` makes it) through the
+    commit (the manifest lists it) to the load and the copies (``_tiers``).
     ``tensors`` maps the offset of each tensor item whose ``torch.save`` bytes
     hold its data contiguously, in logical order, to that data's offset and
     length: a reader can fetch the data straight into the target tensor.
+    ``path``: relative to the checkpoint (the manifest's key; ``""`` while the
+    file has none yet).
     """
 
     size: int
     checksum: str
     tensors: Mapping[int, tuple[int, int]] = field(default_factory=dict, compare=False)
+    path: str = ""
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,7 @@ class Manifest:
                     tensors={
                         int(k): (int(at), int(n)) for k, (at, n) in rec.get("tensors", {}).items()
                     },
+                    path=str(name),
                 )
                 for name, rec in doc["files"].items()
             }

@@ -12,9 +12,11 @@ replicas): never to a rank of its own node while there is more than one node.
 Two nodes of two ranks (ranks 0, 1 on node 0; 2, 3 on node 1): 0 -> 2, 1 -> 3,
 2 -> 0, 3 -> 1. One node: no replicas.
 
-The bytes travel over a private gloo group (created by every rank with the
-manager), in chunks of ``_CHUNK`` bytes, ``_WINDOW`` chunks per peer in flight:
-memory stays bounded whatever the checkpoint's size. Every operation on the group has
+The bytes travel over a gloo group of their own (the coordinator's ``side_group``,
+made by every rank with the manager: replication runs in a thread beside the
+saves, and its operations have a short timeout), in chunks of ``_CHUNK`` bytes,
+``_WINDOW`` chunks per peer in flight: memory stays bounded whatever the
+checkpoint's size. Every operation on the group has
 ``TIMEOUT_S``: a dead or hung peer fails the transfer, never the job.
 
 Call order (each call on every rank, on the peer group)::
@@ -25,7 +27,7 @@ Call order (each call on every rank, on the peer group)::
                       receives its sources' files; each file is checked against
                       the manifest's size and checksum on arrival and kept in
                       ``<local_dir>/replicas/node-<source node>/<name>`` (newest only)
-    exchange(...)     in ``VolumeReader.read_data`` (``dcp.load``): all_gather of
+    offer(...)        in ``VolumeReader.read_data`` (``dcp.load``), as its source: all_gather of
                       what each node holds and what each rank needs; then, in a
                       thread of its own (``Exchange``), the holders send the files a
                       rank lacks while every rank loads the files it has: each file
@@ -58,16 +60,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dcp_volumes._volume import Volume
 from dcp_volumes._world import World
 from dcp_volumes.checkpoint import _layout
-from dcp_volumes.checkpoint._coordination import summary
+from dcp_volumes.checkpoint._coordination import Coordinator, summary
+from dcp_volumes.checkpoint._file_reads import Arrived, CopyMissing, PutBytes, Supply
+from dcp_volumes.checkpoint._local_tier import (
+    LocalTier,
+    copy_dir,
+    copy_dirs,
+    data_files,
+    replica_dir,
+)
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, Manifest
-from dcp_volumes.checkpoint._retention import LocalTier
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TIMEOUT_S", "Exchange", "PeerCopyMissing", "PeerTier", "Received",
-           "sources_of", "targets_of"]
+__all__ = ["TIMEOUT_S", "Exchange", "PeerTier", "sources_of", "targets_of"]
 
 #: Seconds any one operation on the peer group may take before the transfer is given up.
 TIMEOUT_S = 60.0
@@ -75,9 +84,6 @@ TIMEOUT_S = 60.0
 # transfer holds per peer and direction is their product.
 _CHUNK = 8 * 2**20
 _WINDOW = 2
-
-#: ``copy_to(offset, data)``: puts a file's received bytes at their offset in a reader's buffers.
-CopyTo = Callable[[int, memoryview], None]
 
 
 # -- pairing --------------------------------------------------------------------------------
@@ -118,6 +124,9 @@ class PeerTransferError(Exception):
 
 @dataclass
 class _Send:
+    """One file on its way to a peer: where it is read from and how far it got (the
+    transfer's state, not facts of the file: kept apart from ``FileRecord``)."""
+
     peer: int
     path: str | None  # None: the file is gone; zeros are sent (the receiver's check fails)
     size: int
@@ -127,37 +136,26 @@ class _Send:
 
 @dataclass
 class _Receive:
+    """One file arriving from a peer: the manifest's record it is checked against, where
+    it goes and how far it got (the transfer's state: kept apart from ``FileRecord``)."""
+
     peer: int
-    rel: str
+    record: FileRecord  # the manifest's: its size, and the checksum checked on arrival
     dest: str | None  # None: handed to ``copy_to`` (a restore reads it from there)
-    size: int
-    checksum: str | None  # the manifest's: checked on arrival (None: not checked here)
-    copy_to: CopyTo | None = None  # puts the file's bytes in the reader's buffers
+    copy_to: PutBytes | None = None  # puts the file's bytes in the reader's buffers
     got: int = 0
     file: io.BufferedWriter | None = None
     hasher: Checksum = field(default_factory=Checksum)
     failed: str | None = None
-    arrival: Future[Received] | None = None  # told when the file ends (a restore's)
+    arrival: Future[Arrived] | None = None  # told when the file ends (a restore's)
+
+    @property
+    def size(self) -> int:
+        return self.record.size
 
     @property
     def part(self) -> str:
         return f"{self.dest}.part"
-
-
-
-@dataclass(frozen=True)
-class Received:
-    """A file a peer sent in a restore, checked against the manifest: its checksum, and
-    whether it went to the reader's buffers (else written into the restore's local
-    directory)."""
-
-    checksum: str
-    in_buffers: bool
-
-
-class PeerCopyMissing(Exception):
-    """A file a peer was to send in a restore did not arrive whole and matching the
-    manifest (a damaged replica, a failed transfer): it is read from the volume."""
 
 
 def _chunks(items: Sequence[_Send] | Sequence[_Receive]) -> dict[int, deque[tuple[Any, int]]]:
@@ -206,8 +204,7 @@ def _take_chunk(item: _Receive, data: torch.Tensor) -> None:
                 os.makedirs(os.path.dirname(item.dest), exist_ok=True)
                 item.file = open(item.part, "wb")  # noqa: SIM115 - closed by _end
             item.file.write(view)
-        if item.checksum is not None:
-            item.hasher.update(view)
+        item.hasher.update(view)
     except OSError as exc:
         item.failed = f"cannot write {item.dest}: {summary(exc)}"
 
@@ -224,18 +221,18 @@ def _end(item: _Receive, done: set[str]) -> None:
         except OSError as exc:
             item.failed = f"cannot write {item.dest}: {summary(exc)}"
     actual = item.hasher.hexdigest()
-    if item.failed is None and item.checksum is not None and actual != item.checksum:
-        item.failed = (f"{item.rel} from rank {item.peer} fails its checksum ({actual}, "
-                       f"manifest {item.checksum})")
+    if item.failed is None and actual != item.record.checksum:
+        item.failed = (f"{item.record.path} from rank {item.peer} fails its checksum ({actual}, "
+                       f"manifest {item.record.checksum})")
     if item.failed is None and item.dest is not None:
         try:
             os.replace(item.part, item.dest)
         except OSError as exc:
             item.failed = f"cannot write {item.dest}: {summary(exc)}"
     if item.failed is None:
-        done.add(item.rel)
+        done.add(item.record.path)
         if item.arrival is not None:
-            item.arrival.set_result(Received(actual, in_buffers=item.dest is None))
+            item.arrival.set_result(Arrived(actual, in_buffers=item.dest is None))
         item.copy_to, item.arrival = None, None
         return
     logger.warning("peer tier: %s; the file is skipped (it comes from the volume if needed)",
@@ -246,7 +243,7 @@ def _end(item: _Receive, done: set[str]) -> None:
 def _discard(item: _Receive, why: str) -> None:
     item.copy_to = None
     if item.arrival is not None and not item.arrival.done():
-        item.arrival.set_exception(PeerCopyMissing(why))
+        item.arrival.set_exception(CopyMissing(why))
     if item.dest is None:
         return
     if item.file is not None:
@@ -336,7 +333,7 @@ def transfer(
         raise PeerTransferError(failure) from exc
     finally:
         for item in receives:
-            if item.rel not in done:
+            if item.record.path not in done:
                 _discard(item, failure or "the transfer ended early")
         for send in sends:
             if send.file is not None:
@@ -351,8 +348,11 @@ class PeerTier:
     """This rank's part of the peer tier: what it replicates where, and restores from whom.
 
     Made by ``connect`` (collective). ``submit`` queues a replication for a
-    background thread; ``exchange`` runs in a restore, on the calling thread.
+    background thread; ``offer`` runs in a restore, on the calling thread: the tier
+    is one of the reader's sources (``_tiers.FileSource``).
     """
+
+    name = "peer"
 
     def __init__(
         self,
@@ -380,26 +380,23 @@ class PeerTier:
 
     @classmethod
     def connect(
-        cls,
-        local_dir: str,
-        *,
-        group: dist.ProcessGroup | None,
-        rank: int,
-        world_size: int,
-        replicas: int,
+        cls, local_dir: str, *, coordinator: Coordinator, replicas: int
     ) -> PeerTier | None:
         """Every rank: learn each rank's node; a tier with its own group, or ``None`` on one node.
 
-        Collective on ``group`` (the manager's) and on the default group (a new group).
+        Collective on the coordinator's group, then (more than one node) on the default
+        group: the tier's ``side_group``.
         """
+        rank, world_size = coordinator.rank, coordinator.world_size
         nodes: list[Any] = [None] * world_size
-        dist.all_gather_object(nodes, World.from_env().node, group=group)
+        dist.all_gather_object(nodes, World.from_env().node, group=coordinator.group)
         count = len(set(nodes))
         if count < 2:
             logger.info("local_replicas: all %d ranks are on one node; no replicas are kept "
                         "(a node loss restores from the volume)", world_size)
             return None
-        peer_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=TIMEOUT_S))
+        peer_group = coordinator.side_group(timeout_s=TIMEOUT_S)
+        assert peer_group is not None  # several nodes: distributed
         tier = cls(local_dir, nodes=nodes, rank=rank, replicas=replicas, group=peer_group)
         logger.debug("peer tier: rank %d (node %d) replicates to %s, keeps replicas of %s",
                      rank, nodes[rank], tier.targets, tier.sources)
@@ -447,7 +444,7 @@ class PeerTier:
             return
         own = os.path.join(self.local_dir, name)
         start = _layout.rank_name_start(self.rank)
-        mine = {rel: size for rel, size in _layout.local_files(own).items()
+        mine = {rel: size for rel, size in data_files(own).items()
                 if rel.rsplit("/", 1)[-1].startswith(start)}
         manifest_json: bytes | None = None
         if self.rank == 0:
@@ -477,11 +474,11 @@ class PeerTier:
                  for t in self.targets for rel, size in expected(self.rank)]
         receives = []
         for source in self.sources:
-            base = os.path.join(_layout.replica_dir(self.local_dir, self.nodes[source]), name)
-            for rel, size in expected(source):
+            base = os.path.join(replica_dir(self.local_dir, self.nodes[source]), name)
+            for rel, _ in expected(source):
                 _layout.inside(rel, f"the replica of {name} from rank {source}")
-                receives.append(_Receive(source, rel, os.path.join(base, *rel.split("/")),
-                                         size, manifest.files[rel].checksum))
+                receives.append(_Receive(source, manifest.files[rel],
+                                         os.path.join(base, *rel.split("/"))))
         done: set[str] = set()
         try:
             transfer(self.group, sends, receives, done=done, timeout_s=self.timeout_s)
@@ -491,7 +488,7 @@ class PeerTier:
         kept = len(done) == len(receives)
         if kept:
             for source in self.sources:
-                LocalTier(_layout.replica_dir(self.local_dir, self.nodes[source]),
+                LocalTier(replica_dir(self.local_dir, self.nodes[source]),
                           owner=True).keep_only(name)
         sent = sum(s.size for s in sends)
         logger.info("peer tier: %s replicated: %d files (%.1f MiB) to rank(s) %s; kept %d of "
@@ -506,54 +503,54 @@ class PeerTier:
 
     # -- restore --------------------------------------------------------------------------
 
-    def exchange(
+    def offer(
         self,
-        name: str,
-        needs: Mapping[str, FileRecord],
-        dest: str,
+        checkpoint: str,
+        wanted: Mapping[str, FileRecord],
         *,
-        copy_to: Callable[[str], CopyTo] | None = None,
+        into: Callable[[str], PutBytes] | None = None,
         memory_bytes: int = 0,
     ) -> Exchange:
         """Every rank, in a load: agree with the peers (one collective) on who sends which
-        of the files in ``needs`` (rel -> its manifest record) that another node holds,
+        of the files in ``wanted`` (rel -> its manifest record) that another node holds,
         and start the transfer in a thread of its own: the holders send while they load
         their own files, and each file can be used as soon as it has arrived.
 
         Every file is checked against the manifest's checksum on arrival: the first
-        ``memory_bytes`` of them (in name order) go to ``copy_to(rel)`` (asked before the
+        ``memory_bytes`` of them (in name order) go to ``into(rel)`` (asked before the
         transfer starts: it copies bytes to their offset in the reader's target tensors
-        and scratch), the rest are written into ``dest``. The returned
-        ``Exchange`` says, per file, when it arrived or that it will not (a damaged
-        replica, a failed peer: the reader reads it from the volume); ``Exchange.join``
-        before the group is used again.
+        and scratch), the rest are written into this node's copy of ``checkpoint``. The
+        returned ``Exchange`` supplies each file this rank receives: its arrival settles
+        when it is in, or that it will not be (a damaged replica, a failed peer: the
+        reader reads it from the volume); ``Exchange.join`` before the group is used again.
         """
+        dest = copy_dir(self.local_dir, checkpoint)
         if self._broken is not None:
             logger.warning("peer tier: not asking peers for %s (the peer group failed earlier: "
-                           "%s)", name, self._broken)
-            return Exchange(self, name, [], [])
+                           "%s)", checkpoint, self._broken)
+            return Exchange(self, checkpoint, dest, [], [])
         mine_node = self.nodes[self.rank]
         first_of_node = self._by_node[mine_node][0] == self.rank
-        dirs = self.held_dirs(name)
+        dirs = self.held_dirs(checkpoint)
         held: dict[str, int] | None = None
         if first_of_node:
             held = {}
             for directory in reversed(dirs):  # the node's own copy wins
-                held.update(_layout.local_files(directory))
+                held.update(data_files(directory))
         gathered: list[Any] = [None] * len(self.nodes)
         try:
-            wanted = {rel: record.size for rel, record in needs.items()}
-            dist.all_gather_object(gathered, (held, wanted), group=self.group)
+            sizes = {rel: record.size for rel, record in wanted.items()}
+            dist.all_gather_object(gathered, (held, sizes), group=self.group)
         except Exception as exc:
             self._broken = summary(exc)
             logger.warning("peer tier: could not ask peers for the files of %s (%s): they come "
-                           "from the volume", name, self._broken)
-            return Exchange(self, name, [], [])
+                           "from the volume", checkpoint, self._broken)
+            return Exchange(self, checkpoint, dest, [], [])
         holdings = {self.nodes[r]: h for r, (h, _) in enumerate(gathered) if h is not None}
         sends: list[_Send] = []
         receives: list[_Receive] = []
-        for rank, (_, wanted) in enumerate(gathered):
-            for rel, size in sorted(wanted.items()):
+        for rank, (_, asked) in enumerate(gathered):
+            for rel, size in sorted(asked.items()):
                 nodes = [n for n, files in holdings.items()
                          if n != self.nodes[rank] and files.get(rel) == size]
                 if not nodes:
@@ -564,32 +561,34 @@ class PeerTier:
                 if holder == self.rank:
                     sends.append(_Send(rank, _find(dirs, rel, size), size))
                 if rank == self.rank:
-                    _layout.inside(rel, f"a peer's listing of {name}")
-                    to = copy_to(rel) if copy_to is not None and size <= memory_bytes else None
+                    _layout.inside(rel, f"a peer's listing of {checkpoint}")
+                    to = into(rel) if into is not None and size <= memory_bytes else None
                     memory_bytes -= size if to is not None else 0
                     path = None if to is not None else os.path.join(dest, *rel.split("/"))
-                    receives.append(_Receive(holder, rel, path, size, needs[rel].checksum,
-                                             copy_to=to, arrival=Future()))
-        return Exchange(self, name, sends, receives)
+                    receives.append(_Receive(holder, wanted[rel], path, copy_to=to,
+                                             arrival=Future()))
+        return Exchange(self, checkpoint, dest, sends, receives)
 
     def held_dirs(self, name: str) -> list[str]:
         """This node's directories that may hold files of ``name``: its own copy, then replicas."""
-        return _layout.local_copy_paths(self.local_dir, name)
+        return copy_dirs(self.local_dir, name)
 
 
 class Exchange:
-    """A restore's transfer with the peers (``PeerTier.exchange``), in a thread of its own.
+    """A restore's transfer with the peers (``PeerTier.offer``), in a thread of its own.
 
-    ``arrivals``: the files this rank receives, rel -> a future of the file
-    (``Received``) once it arrived whole and matching the manifest, or of
-    ``PeerCopyMissing`` (a damaged replica, a failed peer). Every operation of
-    the transfer is bounded by the tier's timeout: every future is settled.
+    ``supplies``: the files this rank receives, rel -> its ``Supply``: the directory it
+    is written to, and a future of the file (``Arrived``) once it arrived whole and
+    matching the manifest, or of ``CopyMissing`` (a damaged replica, a failed peer).
+    Every operation of the transfer is bounded by the tier's timeout: every future is
+    settled.
     """
 
-    def __init__(self, tier: PeerTier, name: str, sends: Sequence[_Send],
+    def __init__(self, tier: PeerTier, name: str, dest: str, sends: Sequence[_Send],
                  receives: Sequence[_Receive]) -> None:
-        self.arrivals: dict[str, Future[Received]] = {
-            r.rel: r.arrival for r in receives if r.arrival is not None}
+        self.supplies: dict[str, Supply] = {
+            r.record.path: Supply(Volume(dest), r.arrival)
+            for r in receives if r.arrival is not None}
         self._tier, self._name = tier, name
         self._sends, self._receives = sends, receives
         self._thread: threading.Thread | None = None
@@ -609,7 +608,7 @@ class Exchange:
             logger.warning("peer tier: a transfer of %s's files failed (%s): %d of %d files "
                            "arrived, the rest come from the volume", self._name, exc, len(done),
                            len(self._receives))
-        received = sum(r.size for r in self._receives if r.rel in done)
+        received = sum(r.size for r in self._receives if r.record.path in done)
         logger.info("peer tier: %s: received %d files (%.1f MiB) from peers, sent %d files "
                     "(%.1f MiB), in %.2f s", self._name, len(done), received / 2**20,
                     len(self._sends), sum(s.size for s in self._sends) / 2**20,

@@ -212,7 +212,7 @@ class PreemptionWatch:
         if self._pending is not None:
             try:
                 self._pending[0].wait()
-            except Exception:  # a peer that is gone; nothing to agree on any more
+            except Exception:  # a rank that is gone; nothing to agree on any more
                 logger.debug("preemption agreement abandoned at close", exc_info=True)
             self._pending = None
         for sig, previous in self._previous.items():

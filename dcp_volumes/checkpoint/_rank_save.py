@@ -1,9 +1,10 @@
 """One rank's part of a save: its items serialised into staged files, each uploaded once closed.
 
 Items are written in stock DCP's byte format (``_byte_format``), into files hashed
-on their way to disk, and each file is handed to the upload pool the moment
-it is closed, so serialisation of later files overlaps the upload of earlier
-ones (``RankSave``).
+on their way to disk, and each file is handed to the save's sinks (``_tiers``: the
+upload to the volume, ``VolumeUpload``, and a keeper such as the local tier) on
+the upload pool the moment it is closed, so serialisation of later files
+overlaps the upload of earlier ones (``RankSave``).
 
 How the files go up (``upload_shape``): what a save pays beyond its bytes is
 per request: a round trip (20 ms and more a network away) and the server's
@@ -22,6 +23,7 @@ size. The shapes measured are in benchmarks/README.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -50,6 +52,7 @@ from dcp_volumes.checkpoint._byte_format import (
     write_item,
 )
 from dcp_volumes.checkpoint._manifest import FileRecord
+from dcp_volumes.checkpoint._tiers import FileKeeper, FileSink
 from dcp_volumes.checkpoint._writer_options import WriterOptions
 
 logger = logging.getLogger(__name__)
@@ -69,23 +72,14 @@ _FIRST_WAVE_SHARE = 0.75
 class WrittenItem:
     """``WriteResult.storage_data`` on its way to ``finish``: stock info plus the file record.
 
-    ``finish`` keeps only ``info`` for ``.metadata`` (stock readers must not
-    need dcp_volumes to unpickle it); the records go to the manifest.
+    Kept apart from ``FileRecord``: DCP carries one object per *item* from
+    ``write_data`` to ``finish``, and an item's place (stock's ``StorageInfo``, which
+    ``.metadata`` keeps: stock readers must not need dcp_volumes to unpickle it) is
+    not a fact of its file; the records go to the manifest.
     """
 
     info: StorageInfo
     record: FileRecord
-
-
-@dataclass(frozen=True)
-class _Placed:
-    """Where an item of the open file went: its offset and stored length, and its
-    stream transforms' descriptors (``None``: none)."""
-
-    item: WriteItem
-    offset: int
-    length: int
-    descriptors: list[str] | None
 
 
 class RankSave:
@@ -99,12 +93,14 @@ class RankSave:
     file, as stock DCP's writer does: offsets, lengths and checksums are those of
     the stored bytes, and the item's descriptors go into ``.metadata``.
 
-    The files are staged in ``local_copy`` (the local tier, where they stay)
-    or in a new directory of ``staging`` (removed once uploaded, unless
-    ``keep_staging``). The first failure (serialising or uploading) stops
-    serialisation, cancels queued uploads and is raised after the running ones
-    end; a failed save's staged files are removed (the local tier's too: it
-    has no manifest to say they are incomplete).
+    Each closed file goes to the volume (``VolumeUpload``) and to ``keepers``
+    (``_tiers.FileKeeper``: the local tier), on the upload threads. The files are
+    staged in the first keeper's directory (where they stay) or in a new
+    directory of ``staging`` (removed once uploaded, unless ``keep_staging``).
+    The first failure (serialising or uploading) stops serialisation, cancels
+    queued uploads and is raised after the running ones end; a failed save's
+    staged files are removed (a keeper's too: it has no manifest to say they are
+    incomplete).
     """
 
     def __init__(
@@ -116,7 +112,7 @@ class RankSave:
         prefix: str,
         items: Sequence[WriteItem],
         staging: StagingArea,
-        local_copy: str | None,
+        keepers: Sequence[FileKeeper],
         transforms: StreamTransforms | None,
     ) -> None:
         self.volume = volume
@@ -127,13 +123,10 @@ class RankSave:
         self.items = [i for i in items if i.type == WriteItemType.BYTE_IO]
         self.items += [i for i in items if i.type != WriteItemType.BYTE_IO]
         self.staging = staging
-        self.local_copy = local_copy
+        self.keepers = list(keepers)
         self.transforms = transforms
-        self.keep = options.keep_staging or local_copy is not None
         # Mount-path volumes get the file by rename: it must be on disk first.
-        self.fsync = options.sync_files and (
-            volume.capabilities.local_files or local_copy is not None
-        )
+        self.fsync = options.sync_files and volume.capabilities.local_files
         self.shape = upload_shape(
             volume,
             rank_bytes=estimate_bytes(self.items),
@@ -141,6 +134,9 @@ class RankSave:
             file_size=options.file_size,
             part_size=options.part_size,
         )
+        upload = VolumeUpload(volume, self.shape, options.part_size,
+                              keep=options.keep_staging or bool(self.keepers))
+        self.sinks: list[FileSink] = [upload, *self.keepers]
         self.save_dir = ""
         self.results: list[WriteResult] = []
         self.bytes_written = 0  # of the closed files
@@ -148,7 +144,7 @@ class RankSave:
         self._file: HashingFile | None = None  # the open file
         self._rel = ""  # its path in the checkpoint
         self._data = 0  # tensor data bytes in it (an object counts as its stored bytes)
-        self._placed: list[_Placed] = []  # its items
+        self._placed: list[tuple[WriteItem, StorageInfo]] = []  # its items and their places
         self._uploads: list[ThreadFuture[None]] = []
         # Set by the first upload that fails: serialisation stops. A flag, not a scan
         # of every upload before each item (items x files; benchmarks/HISTORY.md).
@@ -163,7 +159,7 @@ class RankSave:
         except BaseException:
             self._discard()
             raise
-        if not self.keep:
+        if not self.keepers and not self.options.keep_staging:
             StagingArea.remove(self.save_dir)
         elapsed = max(time.monotonic() - started, 1e-9)
         logger.debug(
@@ -178,23 +174,18 @@ class RankSave:
         return self.results
 
     def _make_dir(self) -> str:
-        if self.local_copy is None:
-            name = _layout.checkpoint_name(self.volume.root)
-            return self.staging.new_dir(f"{name}-r{self.rank}")
-        # The ranks of a node share this directory. An earlier save of this
-        # checkpoint name left this rank's files here (under other names now):
-        # this save's copy replaces them; other ranks' files are theirs.
-        remove_local_files(self.local_copy, _layout.rank_name_start(self.rank))
-        os.makedirs(self.local_copy, exist_ok=True)
-        return self.local_copy
+        if self.keepers:
+            return self.keepers[0].staging_dir(self.rank)
+        name = _layout.checkpoint_name(self.volume.root)
+        return self.staging.new_dir(f"{name}-r{self.rank}")
 
     def _discard(self) -> None:
         """A failed save's files are never trusted: removing them gives the disk space back."""
         if self.options.keep_staging:
             return
-        if self.local_copy is not None:
-            remove_local_files(self.save_dir, self.prefix)
-        else:
+        for keeper in self.keepers:
+            keeper.discard(self.prefix)
+        if not self.keepers:
             StagingArea.remove(self.save_dir)
 
     def _serialise_and_upload(self, planner: SavePlanner) -> None:
@@ -225,7 +216,10 @@ class RankSave:
         offset = file.tell()
         descriptors = write_item(file, planner.resolve_data(item), item, self.transforms)
         written = file.tell() - offset
-        self._placed.append(_Placed(item, offset, written, descriptors))
+        self._placed.append((item, StorageInfo(self._rel, offset, written)
+                             if descriptors is None else
+                             StorageInfo(self._rel, offset, written,
+                                         transform_descriptors=descriptors)))
         self._data += data_bytes(item) if item.tensor_data is not None else written
 
     def _open(self) -> HashingFile:
@@ -239,41 +233,32 @@ class RankSave:
         return self._file
 
     def _close_and_upload(self, pool: ThreadPoolExecutor) -> None:
-        """Close the open file, record its items' results and start its upload."""
+        """Close the open file, record its items' results and hand it to the sinks."""
         file = self._file
         if file is None:
             return
-        record = file.close(fsync=self.fsync)
+        record = dataclasses.replace(file.close(fsync=self.fsync), path=self._rel)
         self.bytes_written += record.size
-        for p in self._placed:
-            info = (
-                StorageInfo(self._rel, p.offset, p.length)
-                if p.descriptors is None
-                else StorageInfo(self._rel, p.offset, p.length,
-                                 transform_descriptors=p.descriptors)
-            )
+        for item, info in self._placed:
             self.results.append(
                 WriteResult(
-                    index=p.item.index,
-                    size_in_bytes=p.length,
+                    index=item.index,
+                    size_in_bytes=info.length,
                     storage_data=WrittenItem(info, record),
                 )
             )
         self._placed.clear()
-        upload = functools.partial(
-            upload_file,
-            self.volume,
-            file.path,
-            self._rel,
-            record.size,
-            keep=self.keep,
-            shape=self.shape,
-            part_size=self.options.part_size,
-        )
-        uploading = submit(pool, upload)
+        uploading = submit(pool, functools.partial(self._hand_over, record, file.path))
         uploading.add_done_callback(self._note_failure)
         self._uploads.append(uploading)
         self._file = None
+
+    def _hand_over(self, record: FileRecord, local_path: str) -> None:
+        """Give a closed file to every sink (upload threads). Its write results reach the
+        commit only once this returned: on a store whose listings do not lag they vouch
+        for the file."""
+        for sink in self.sinks:
+            sink.put(record, local_path)
 
     def _note_failure(self, upload_done: ThreadFuture[None]) -> None:
         if not upload_done.cancelled() and upload_done.exception() is not None:
@@ -382,43 +367,35 @@ class InFlightBytes:
                 self._changed.notify_all()
 
 
-def upload_file(
-    volume: Volume,
-    local: str,
-    rel: str,
-    size: int,
-    *,
-    keep: bool,
-    shape: UploadShape,
-    part_size: int,
-) -> None:
-    """Upload one closed file (upload threads). Its write results reach the commit only
-    once this returned: on a store whose listings do not lag they vouch for the file.
+@dataclass(frozen=True)
+class VolumeUpload:
+    """The sink that uploads a rank's closed files to the checkpoint's volume.
 
-    ``keep``: the staged file stays (the local tier); otherwise it is moved
-    (renamed on a mount, removed after the upload elsewhere).
+    ``keep``: the staged file stays (a keeper holds it, or ``keep_staging``);
+    otherwise it is moved (renamed on a mount, removed after the upload elsewhere).
     """
-    # A file larger than a part (one tensor larger than the files) goes up in
-    # parallel parts: alone at the end of a save, one stream would be its tail.
-    parts = min(shape.streams, -(-size // part_size))
-    # A multipart upload holds its parts in flight, a single PUT the whole file.
-    held = size if parts <= 1 else min(size, parts * part_size)
-    with shape.budget.hold(held) if shape.budget is not None else contextlib.nullcontext():
-        volume.put_file(
-            local,
-            rel,
-            part_size=part_size,
-            concurrency=max(1, parts),
-            move=not keep,
-            verify_size=False,
-        )
-    logger.debug("uploaded %s (%d bytes)", redact_url(volume.url_of(rel)), size)
 
+    volume: Volume
+    shape: UploadShape
+    part_size: int
+    keep: bool
 
-def remove_local_files(local_copy: str, name_prefix: str) -> None:
-    """Remove the data files starting with ``name_prefix`` from a local copy directory."""
-    for dirpath, _, names in os.walk(local_copy):
-        for name in names:
-            if name.startswith(name_prefix) and name.endswith(_layout.DATA_SUFFIX):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(dirpath, name))
+    def put(self, record: FileRecord, local_path: str) -> None:
+        """Upload one closed file (upload threads)."""
+        size, part_size = record.size, self.part_size
+        # A file larger than a part (one tensor larger than the files) goes up in
+        # parallel parts: alone at the end of a save, one stream would be its tail.
+        parts = min(self.shape.streams, -(-size // part_size))
+        # A multipart upload holds its parts in flight, a single PUT the whole file.
+        held = size if parts <= 1 else min(size, parts * part_size)
+        budget = self.shape.budget
+        with budget.hold(held) if budget is not None else contextlib.nullcontext():
+            self.volume.put_file(
+                local_path,
+                record.path,
+                part_size=part_size,
+                concurrency=max(1, parts),
+                move=not self.keep,
+                verify_size=False,
+            )
+        logger.debug("uploaded %s (%d bytes)", redact_url(self.volume.url_of(record.path)), size)

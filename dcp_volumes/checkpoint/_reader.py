@@ -3,17 +3,16 @@
 Reads any standard DCP checkpoint (ours or a stock writer's). For each data
 file a rank needs, neighbouring byte ranges are merged, fetched as parallel
 ranged GETs, and the items are deserialised from memory; files on a local
-volume or in the local tier are read in place instead, like stock DCP's
-reader does, with no extra copy. Where a manifest
-exists, file sizes are checked against it and every file read whole is
-verified against its checksum (``verify=True`` reads every file whole). With
-``local_copy_dir`` the files are read from the local tier when they match the
-manifest (the node's own copy, or the replicas it keeps of other nodes' files),
-from a peer node that holds them (``CheckpointManager(local_replicas=...)``),
-and from the volume otherwise.
+volume are read in place instead, like stock DCP's reader does, with no extra
+copy. Where a manifest exists, file sizes are checked against it and every
+file read whole is verified against its checksum (``verify=True`` reads every
+file whole). Before the volume, the reader asks its sources of copies, in
+order (``_tiers.FileSource``: with ``local_copy_dir``, this node's local copy;
+the manager's list adds other nodes'): a copy is read whole and checked, and
+read from the volume after all when it fails.
 
 This module plans the reads and schedules, verifies and finishes them; the
-reads of one file, up to handing its items to DCP's planner, are a ``FileJob``
+reads of one file, up to handing its items to DCP's planner, are a ``FileRead``
 (``_file_reads.py``).
 """
 
@@ -25,7 +24,6 @@ import uuid
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -38,11 +36,10 @@ from dcp_volumes._exceptions import (
     BucketNotFoundError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
-    ConfigurationError,
     VolumeNotFoundError,
 )
 from dcp_volumes._sizes import parse_size
-from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, Volume, redact_url
+from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, redact_url
 from dcp_volumes._world import available_cpus
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._discovery import (
@@ -53,12 +50,10 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
 )
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
-from dcp_volumes.checkpoint._file_reads import DEFAULT_COALESCE_GAP, Decoders, FileJob
+from dcp_volumes.checkpoint._file_reads import CopyMissing, Decoders, FileRead
 from dcp_volumes.checkpoint._layout import (
     MANIFEST_NAME,
     METADATA_NAME,
-    AtLocation,
-    Location,
     marker_rank,
     rank_manifest_name,
     rank_metadata_name,
@@ -71,7 +66,8 @@ from dcp_volumes.checkpoint._manifest import (
     read_manifest,
 )
 from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
-from dcp_volumes.checkpoint._peers import Exchange, PeerCopyMissing, PeerTier
+from dcp_volumes.checkpoint._reader_options import DEFAULT_COALESCE_GAP, ReaderOptions
+from dcp_volumes.checkpoint._tiers import SOURCE_NAMES, AtLocation, FileSource, Location, Offer
 
 logger = logging.getLogger(__name__)
 
@@ -79,42 +75,11 @@ logger = logging.getLogger(__name__)
 _DECODE_AHEAD_BYTES = 256 * 2**20
 # Smallest GET a file is split into to feed idle streams.
 _MIN_SPLIT = 4 * 2**20
-#: Where a load's bytes came from (``VolumeReader.sources``).
-SOURCES = ("local", "peer", "volume")
 # Keys per page of a listing (S3, GCS and Azure alike).
 _LISTING_PAGE = 1000
 # A listing page costs about ten HEADs: S3 prices a LIST as a PUT (12.5 GETs or HEADs)
 # and a full page is far more work for the server than one object's HEAD.
 _PAGE_COST = 10
-
-
-@dataclass(frozen=True)
-class ReaderOptions:
-    """Validated options of a ``VolumeReader`` (sizes in bytes).
-
-    Attributes:
-        verify: read every referenced file whole and check its checksum.
-        local_copy_dir: root of the local tier written by ``VolumeWriter``.
-        read_concurrency: ranged GETs in flight.
-        part_size: largest single ranged GET; longer ranges are split.
-        coalesce_gap: ranges closer than this are fetched as one.
-        prefetch_bytes: bytes fetched ahead of deserialisation.
-    """
-
-    verify: bool = False
-    local_copy_dir: str | None = None
-    read_concurrency: int = 16
-    part_size: int = 16 * 2**20
-    coalesce_gap: int = DEFAULT_COALESCE_GAP
-    prefetch_bytes: int = 1 * 2**30
-
-    def __post_init__(self) -> None:
-        if self.read_concurrency < 1:
-            raise ConfigurationError(f"read_concurrency={self.read_concurrency} must be >= 1.")
-        if self.part_size < 1:
-            raise ConfigurationError(f"part_size={self.part_size} must be >= 1 byte.")
-        if self.coalesce_gap < 0 or self.prefetch_bytes < 0:
-            raise ConfigurationError("coalesce_gap and prefetch_bytes must be >= 0 bytes.")
 
 
 class VolumeReader(AtLocation, StorageReader):
@@ -158,9 +123,8 @@ class VolumeReader(AtLocation, StorageReader):
             with stream transforms (``_extensions=``), as ``FileSystemReader``
             takes it; default: torch's (zstd included). Transformed items are
             fetched and undone whole; the rest keep ranged, in-place reads.
-        _peers: the manager's peer tier: files missing from this node's local
-            tier are asked of the other nodes (one collective in ``read_data``)
-            before the volume.
+        _sources: the manager's list of sources of copies, asked in this order
+            before the volume (default: the local copy in ``local_copy_dir``).
     """
 
     options: ReaderOptions
@@ -178,12 +142,10 @@ class VolumeReader(AtLocation, StorageReader):
         coalesce_gap: int | str = DEFAULT_COALESCE_GAP,
         prefetch_bytes: int | str = "1GiB",
         _extension_registry: Any | None = None,
-        _peers: PeerTier | None = None,
+        _sources: Sequence[FileSource] | None = None,
     ) -> None:
         super().__init__()
-        self._peers = _peers
-        self._sources = dict.fromkeys(SOURCES, 0)
-        self._from_peers: set[str] = set()
+        self._bytes_from = dict.fromkeys(SOURCE_NAMES, 0)
         self._transforms = ReaderTransforms(_extension_registry)
         self.options = ReaderOptions(
             verify=verify,
@@ -199,6 +161,7 @@ class VolumeReader(AtLocation, StorageReader):
             retry=retry,
             local_copy_dir=self.options.local_copy_dir,
         )
+        self._copies = list(_sources) if _sources is not None else self._location.sources()
         self._storage_data: dict[Any, Any] = {}
         self._metadata: Metadata | None = None
         self._metadata_error: CheckpointCorruptError | None = None
@@ -221,9 +184,9 @@ class VolumeReader(AtLocation, StorageReader):
 
     @property
     def sources(self) -> dict[str, int]:
-        """Bytes the last ``read_data`` read from ``"local"`` files (this node's local
-        tier and the replicas it keeps), from ``"peer"`` nodes and from the ``"volume"``."""
-        return dict(self._sources)
+        """Bytes the last ``read_data`` read from each source, by its name
+        (``_tiers.SOURCE_NAMES``; the volume's is ``"volume"``)."""
+        return dict(self._bytes_from)
 
     # -- StorageReader ----------------------------------------------------------------------
 
@@ -338,25 +301,25 @@ class VolumeReader(AtLocation, StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch what ``plan`` needs, verify it, and hand it to ``planner`` (all ranks)."""
         self._load_manifest()
-        self._sources = dict.fromkeys(SOURCES, 0)
+        self._bytes_from = dict.fromkeys(SOURCE_NAMES, 0)
         try:
-            jobs = self._plan_jobs(plan)
+            jobs = self._plan_reads(plan)
         except BaseException:
-            if self._peers is not None:  # the other ranks wait in the exchange: take part
-                self._peers.exchange(self._name(), {}, "").join()
+            for source in self._copies:  # a source may be collective: the others wait in it
+                source.offer(self._name(), {}).join()
             raise
-        exchange = self._fetch_from_peers(jobs, planner)
+        offers = self._ask_copies(jobs, planner)
         try:
-            self._read_jobs(jobs, plan, planner)
+            self._read_files(jobs, plan, planner)
         finally:
-            if exchange is not None:  # this rank's sends end with it: the group is free
-                exchange.join()
+            for offer in offers:  # what a source runs for this load ends with it
+                offer.join()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_jobs(self, jobs: Sequence[FileJob], plan: LoadPlan, planner: LoadPlanner) -> None:
-        """Fetch (or take from the local tier or a peer), verify and deliver ``jobs``."""
+    def _read_files(self, jobs: Sequence[FileRead], plan: LoadPlan, planner: LoadPlanner) -> None:
+        """Fetch (or take from a copy), verify and deliver ``jobs``."""
         self._split = self._split_size(sum(job.nbytes for job in jobs))
         decoders = self._decoders(jobs)
         with ThreadPoolExecutor(
@@ -364,11 +327,11 @@ class VolumeReader(AtLocation, StorageReader):
         ) as pool:
             try:
                 # The listing that checks sizes runs alongside the first fetches: a
-                # load pays no extra round trip for it. Files from the local tier
-                # were checked against the manifest already and are hashed whole
+                # load pays no extra round trip for it. Files from copies were
+                # checked against the manifest's sizes already and are hashed whole
                 # (one that fails falls back to a fetch, checked the same way):
-                # a restore from local files alone asks the volume nothing more.
-                remote = [job for job in jobs if not job.from_local]
+                # a restore from copies alone asks the volume nothing more.
+                remote = [job for job in jobs if not job.from_copy]
                 listing = pool.submit(self._listing, remote) if self._manifest and remote else None
                 submitted = 0
                 in_flight = 0
@@ -385,8 +348,8 @@ class VolumeReader(AtLocation, StorageReader):
                     if listing is not None:
                         self._check_sizes(remote, listing.result())
                         listing = None
-                    self._finish_job(pool, job, planner)
-                    self._sources[self._source_of(job)] += job.nbytes
+                    self._finish_read(pool, job, planner)
+                    self._bytes_from[job.supplier] += job.nbytes
                     in_flight -= job.nbytes
                     job.deliver(planner, decoders)
                     direct += len(job.direct)
@@ -485,7 +448,7 @@ class VolumeReader(AtLocation, StorageReader):
             info.relative_path in manifest.files for info in self._storage_data.values()
         )
 
-    def _plan_jobs(self, plan: LoadPlan) -> list[FileJob]:
+    def _plan_reads(self, plan: LoadPlan) -> list[FileRead]:
         per_file: dict[str, list[tuple[ReadItem, Any]]] = {}
         for req in plan.items:
             try:
@@ -509,16 +472,14 @@ class VolumeReader(AtLocation, StorageReader):
                         "listed in the manifest; the checkpoint is damaged or was modified "
                         "after it was committed."
                     )
-            job = FileJob.planned(rel, reqs, record, self.volume,
-                                  gap=self.options.coalesce_gap, verify=self.options.verify,
-                                  transforms=self._transforms)
-            if record is not None:
-                self._use_local_copy(job)
-            jobs.append(job)
+            jobs.append(FileRead.planned(rel, reqs, record, self.volume,
+                                         gap=self.options.coalesce_gap,
+                                         verify=self.options.verify,
+                                         transforms=self._transforms))
         return jobs
 
     @staticmethod
-    def _decoders(jobs: Sequence[FileJob]) -> Decoders | None:
+    def _decoders(jobs: Sequence[FileRead]) -> Decoders | None:
         """Threads to decompress (undo stream transforms) ahead, if any item needs it.
 
         Decompression is CPU work that releases the GIL: one thread per core
@@ -532,7 +493,7 @@ class VolumeReader(AtLocation, StorageReader):
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dcpv-decode")
         return Decoders(pool, window=2 * workers, budget=_DECODE_AHEAD_BYTES)
 
-    def _listing(self, jobs: Sequence[FileJob]) -> list[FileInfo]:
+    def _listing(self, jobs: Sequence[FileRead]) -> list[FileInfo]:
         """What the size check compares with: a listing of the checkpoint, or a HEAD of
         each file ``jobs`` read where that costs less than the listing's pages.
 
@@ -544,7 +505,7 @@ class VolumeReader(AtLocation, StorageReader):
         if len(jobs) >= _PAGE_COST * pages:
             return self.volume.list()
 
-        def head(job: FileJob) -> FileInfo | None:
+        def head(job: FileRead) -> FileInfo | None:
             try:
                 return self.volume.info(job.rel)
             except VolumeNotFoundError:
@@ -554,7 +515,7 @@ class VolumeReader(AtLocation, StorageReader):
                                 thread_name_prefix="dcpv-head") as pool:
             return [info for info in pool.map(head, jobs) if info is not None]
 
-    def _check_sizes(self, jobs: Sequence[FileJob], listing: Sequence[FileInfo]) -> None:
+    def _check_sizes(self, jobs: Sequence[FileRead], listing: Sequence[FileInfo]) -> None:
         """Every file the plan reads exists with the manifest's size (before any is used)."""
         expected = {job.rel: job.record for job in jobs if job.record is not None}
         if check_listing(expected, listing):
@@ -582,59 +543,26 @@ class VolumeReader(AtLocation, StorageReader):
     def _name(self) -> str:
         return _layout.checkpoint_name(self.volume.root)
 
-    def _use_local_copy(self, job: FileJob) -> None:
-        """Read ``job`` from this node's own copy or a replica it keeps, if one has the
-        manifest's size (its checksum is checked when read)."""
-        if self.options.local_copy_dir is None or job.record is None:
-            return
-        wrong: list[int] = []
-        for local_dir in _layout.local_copy_paths(self.options.local_copy_dir, self.volume.root):
-            path = os.path.join(local_dir, *job.rel.split("/"))
-            try:
-                size = os.path.getsize(path)
-            except OSError:
-                continue
-            if size == job.record.size:
-                job.read_local_copy(Volume(local_dir), size)
-                return
-            wrong.append(size)
-        if wrong:
-            logger.info("local copy of %s has %d bytes, manifest says %d: reading it from "
-                        "elsewhere", job.rel, wrong[0], job.record.size)
-        else:
-            logger.debug("no local copy of %s", job.rel)
-
-    def _fetch_from_peers(self, jobs: Sequence[FileJob], planner: LoadPlanner) -> Exchange | None:
-        """Every rank: files no local copy has are asked of the peers (one collective);
-        they arrive while the load goes on, each checked against the manifest, and are
-        read like local copies (one that does not arrive: from the volume)."""
-        peers, local_dir = self._peers, self.local_copy_path
-        self._from_peers = set()
-        if peers is None:
-            return None
-        needs = {job.rel: job.record for job in jobs
-                 if job.record is not None and not job.from_local and local_dir is not None}
-        # Up to prefetch_bytes are copied into the jobs' target tensors (and scratch) as
-        # they arrive: no disk write, no buffer of their own; the rest is written into
-        # the local tier and read back.
+    def _ask_copies(self, jobs: Sequence[FileRead], planner: LoadPlanner) -> list[Offer]:
+        """Every rank: ask each source, in order, for the files no earlier one supplies
+        (a source may be collective: each is asked, for nothing too). A supplied file is
+        read whole from there and checked against the manifest; the rest, and a copy
+        that fails, come from the volume."""
         by_rel = {job.rel: job for job in jobs}
-        exchange = peers.exchange(
-            self._name(), needs, local_dir or "",
-            copy_to=lambda rel: by_rel[rel].lay_out_for_peer(planner, self._saved_dtype),
-            memory_bytes=self.options.prefetch_bytes)
-        if local_dir is None:
-            return exchange
-        self._from_peers = set(exchange.arrivals)
-        for job in jobs:
-            arrival = exchange.arrivals.pop(job.rel, None)
-            if arrival is not None and job.record is not None:
-                job.read_from_peer(arrival, Volume(local_dir), job.record.size)
-        return exchange
-
-    def _source_of(self, job: FileJob) -> str:
-        if not job.from_local:
-            return "volume"
-        return "peer" if job.rel in self._from_peers else "local"
+        wanted = {job.rel: job.record for job in jobs if job.record is not None}
+        offers = []
+        for source in self._copies:
+            # Up to prefetch_bytes may be copied into the reads' target tensors (and
+            # scratch) as they arrive: no disk write, no buffer of their own.
+            offer = source.offer(
+                self._name(), dict(wanted),
+                into=lambda rel: by_rel[rel].lay_out_whole(planner, self._saved_dtype),
+                memory_bytes=self.options.prefetch_bytes)
+            offers.append(offer)
+            for rel, supply in offer.supplies.items():
+                by_rel[rel].read_copy(supply, source.name)
+                wanted.pop(rel, None)
+        return offers
 
     def _split_size(self, total: int) -> tuple[int, bool]:
         """Bytes per GET, and whether that is a cap (``split_range``'s ``at_most``).
@@ -656,32 +584,31 @@ class VolumeReader(AtLocation, StorageReader):
         properties = getattr(md, "properties", None)
         return getattr(properties, "dtype", None)
 
-    def _submit(self, pool: ThreadPoolExecutor, job: FileJob, planner: LoadPlanner) -> None:
+    def _submit(self, pool: ThreadPoolExecutor, job: FileRead, planner: LoadPlanner) -> None:
         job.start(pool, planner, self._saved_dtype, self._split)
 
-    def _finish_job(self, pool: ThreadPoolExecutor, job: FileJob, planner: LoadPlanner) -> None:
-        """Wait for a file's bytes and verify them; a bad local copy falls back to the volume."""
+    def _finish_read(self, pool: ThreadPoolExecutor, job: FileRead, planner: LoadPlanner) -> None:
+        """Wait for a file's bytes and verify them; a bad copy falls back to the volume."""
         try:
             job.wait()
-        except PeerCopyMissing as exc:
-            logger.warning("the peer copy of %s did not arrive (%s): reading it from the volume",
-                           job.rel, exc)
+        except CopyMissing as exc:
+            logger.warning("the %s copy of %s did not arrive (%s): reading it from the volume",
+                           job.supplier, job.rel, exc)
             job.fall_back_to(self.volume)
             self._submit(pool, job, planner)
-            self._finish_job(pool, job, planner)
+            self._finish_read(pool, job, planner)
             return
         if not job.whole or job.record is None:
             return
         actual = job.actual_checksum()
         if actual == job.record.checksum:
             return
-        if job.from_local:
-            logger.warning(
-                "local copy of %s fails its checksum: reading it from the volume", job.rel
-            )
+        if job.from_copy:
+            logger.warning("%s copy of %s fails its checksum: reading it from the volume",
+                           job.supplier, job.rel)
             job.fall_back_to(self.volume)
             self._submit(pool, job, planner)
-            self._finish_job(pool, job, planner)
+            self._finish_read(pool, job, planner)
             return
         raise CheckpointCorruptError(
             f"The checkpoint file {redact_url(self.volume.url_of(job.rel))} fails its "

@@ -1,4 +1,4 @@
-"""Retention: which old checkpoints go, deleting them safely, and the local tier's copies.
+"""Retention: which old checkpoints go, and deleting them safely.
 
 Rules (the manager applies them after each commit, ``dcp-volumes gc`` on demand):
 
@@ -12,40 +12,23 @@ Rules (the manager applies them after each commit, ``dcp-volumes gc`` on demand)
   nothing at all when the listing fails (``scan`` raises, so nothing runs);
 * delete ``.metadata`` first, so a crash half-way through a delete leaves a
   partial checkpoint, never one that looks complete.
-
-The local tier keeps the staged files of the newest checkpoint on local disk
-(``<local_dir>/<step dir>``); older local copies are dropped once a newer
-checkpoint is committed. The replicas a node keeps of other nodes' files
-(``<local_dir>/replicas/node-<n>/<step dir>``) follow the same rule, once the
-newer checkpoint's replica has arrived whole.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 
-from dcp_volumes import _env
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._discovery import (
     CheckpointInfo,
     ManifestCache,
     newest_complete,
-    parse_step,
     scan,
     sort_key,
 )
-from dcp_volumes.checkpoint._layout import (
-    METADATA_NAME,
-    is_commit_marker,
-    local_files,
-    replica_nodes,
-)
+from dcp_volumes.checkpoint._layout import METADATA_NAME, is_commit_marker
 
 logger = logging.getLogger(__name__)
 
@@ -123,63 +106,3 @@ def apply_retention(
                     "complete" if info.complete else "partial", info.url)
         delete_checkpoint(volume, info.name)
     return victims
-
-
-class LocalTier:
-    """The node-local copies of checkpoints: ``<directory>/<step dir>``, newest only.
-
-    Every rank of a node may share the directory (file names carry the rank);
-    only one rank per node (local rank 0) removes copies.
-    """
-
-    def __init__(self, directory: str, *, owner: bool) -> None:
-        self.directory = directory
-        self.owner = owner
-
-    @staticmethod
-    def default_dir(
-        local_dir: str | os.PathLike[str] | None, *, staging_dir: str | None, root_url: str
-    ) -> str:
-        """``local_dir``, else ``<staging dir>/dcp_volumes-local/<hash of the root URL>``."""
-        if local_dir is not None:
-            return os.path.abspath(os.path.expanduser(os.fspath(local_dir)))
-        base = staging_dir or _env.staging_dir() or tempfile.gettempdir()
-        # Keyed by the root so that two runs on one node never share local copies.
-        key = hashlib.sha256(root_url.encode()).hexdigest()[:16]
-        return os.path.join(os.path.abspath(base), "dcp_volumes-local", key)
-
-    def has(self, name: str) -> bool:
-        """Whether a (possibly partial) local copy of checkpoint ``name`` exists."""
-        return os.path.isdir(os.path.join(self.directory, name))
-
-    def held(self, name: str) -> dict[str, tuple[int, int]]:
-        """What this node holds of checkpoint ``name``: ``"own"`` (its local copy) and
-        ``"node-<n>"`` (its replica of node n's files) -> (data files, bytes); only those
-        that hold files."""
-        dirs = {"own": os.path.join(self.directory, name)}
-        dirs.update({f"node-{n}": os.path.join(d, name)
-                     for n, d in replica_nodes(self.directory).items()})
-        held = {}
-        for what, directory in dirs.items():
-            files = local_files(directory)
-            if files:
-                held[what] = (len(files), sum(files.values()))
-        return held
-
-    def has_replicas(self) -> bool:
-        """Whether this node keeps replicas of other nodes' files (``local_replicas``)."""
-        return bool(replica_nodes(self.directory))
-
-    def drop(self, name: str) -> None:
-        """Remove the local copy of ``name`` (a save of it failed)."""
-        if self.owner:
-            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-
-    def keep_only(self, name: str) -> None:
-        """Remove every local copy but ``name``'s: it superseded them by committing."""
-        if not self.owner or not os.path.isdir(self.directory):
-            return
-        for entry in os.listdir(self.directory):
-            if entry != name and parse_step(entry) is not None:
-                logger.debug("dropping local copy %s", entry)
-                shutil.rmtree(os.path.join(self.directory, entry), ignore_errors=True)

@@ -14,8 +14,8 @@ them, because ``.metadata`` holds only stock types.
 This module is the DCP adapter: DCP's calls, in DCP's order (see the class).
 A rank's serialisation and upload are a ``RankSave`` (``_rank_save.py``), the
 commit and the replacement of a committed checkpoint a ``Commit``
-(``_commit.py``); every name in a checkpoint, and its ``Location``, are
-``_layout``'s.
+(``_commit.py``); every name in a checkpoint is ``_layout``'s; where the files
+go besides the volume (``local_copy_dir``), and the ``Location``, ``_tiers``'.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import uuid
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future as ThreadFuture
-from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -53,20 +52,13 @@ from dcp_volumes.checkpoint._byte_format import estimate_bytes
 from dcp_volumes.checkpoint._commit import Commit
 from dcp_volumes.checkpoint._compression import ZstdCompression
 from dcp_volumes.checkpoint._extensions import check_serialization_format, writer_transforms
-from dcp_volumes.checkpoint._layout import AtLocation, Location
 from dcp_volumes.checkpoint._manifest import FileRecord
 from dcp_volumes.checkpoint._rank_save import RankSave, WrittenItem
 from dcp_volumes.checkpoint._state_copy import CpuStager
+from dcp_volumes.checkpoint._tiers import AtLocation, Location
 from dcp_volumes.checkpoint._writer_options import WriterOptions
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _RankFiles:
-    """``SavePlan.storage_data`` set by the coordinator: a rank's file-name prefix."""
-
-    prefix: str
 
 
 class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
@@ -377,17 +369,16 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         self._save_id = uuid.uuid4().hex
         tag = _layout.save_tag(self._save_id)
         ranks = [self._rank] * len(plans) if self._rank_local else range(len(plans))
+        # Each plan's storage_data: the file-name prefix of its rank's files.
         return [
-            dataclasses.replace(plan, storage_data=_RankFiles(_layout.rank_prefix(rank, tag)))
+            dataclasses.replace(plan, storage_data=_layout.rank_prefix(rank, tag))
             for rank, plan in zip(ranks, plans, strict=True)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Serialise this rank's items to staging files and upload them (all ranks)."""
-        storage = plan.storage_data
-        if isinstance(storage, _RankFiles):
-            prefix = storage.prefix
-        else:
+        prefix = plan.storage_data
+        if not isinstance(prefix, str):  # a plan the coordinator did not name
             prefix = _layout.rank_prefix(self._rank, _layout.save_tag(self._save_id))
         save = RankSave(
             self.volume,
@@ -396,7 +387,7 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
             prefix=prefix,
             items=plan.items,
             staging=self._staging_disk,
-            local_copy=self.local_copy_path,
+            keepers=self._location.keepers(sync=self.options.sync_files),
             transforms=self._transforms,
         )
         try:
@@ -449,7 +440,7 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
             overwrite=self.options.overwrite,
             rank=self._rank if self._rank_local else None,
             world_size=self._world_size,
-            local_copy=self.local_copy_path,
+            keepers=self._location.keepers(sync=self.options.sync_files),
             abandoned=lambda: self._abandoned,
         )
 

@@ -55,7 +55,7 @@ def main(rank: int, world: int, port: int, root: str, options: dict[str, Any], p
             def stop_upload(*args: Any, **kwargs: Any) -> Any:
                 _hold(signal_dir, rank)
 
-            _rank_save.upload_file = stop_upload  # type: ignore[assignment]
+            _rank_save.VolumeUpload.put = stop_upload  # type: ignore[method-assign]
         else:
             publish = Volume.publish
 
