@@ -5,7 +5,7 @@ behind it one ``Backend`` per kind of store (``_local.py``, ``_obstore.py``,
 ``_fsspec.py``). A backend works on *locations*: what ``Volume.full_path``
 gives (an absolute OS path on local volumes, ``bucket/key`` elsewhere). It
 maps its client's exceptions to the neutral kinds of ``_errors.py`` at its
-boundary; ``Volume`` retries and translates those (``_retry.py``), so no
+boundary; ``Volume`` retries (``_retry.py``) and translates (``_errors.py``) those, so no
 backend and no caller handles another client's errors.
 
 What a caller may need to know about a store is a ``Capabilities`` flag,
