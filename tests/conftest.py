@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-# Must precede any gcsfs import (see tests/emulators.py): without it every gcsfs
+# Must precede any gcsfs import (see testkit/emulators.py): without it every gcsfs
 # call waits ~60 s on a probe the emulator never answers.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 
-from tests.emulators import Azurite, Emulator, GcsEmulator, MotoServer
-from tests.radosgw import RadosGW
+from testkit.emulators import Azurite, Emulator, GcsEmulator, MotoServer
+from testkit.radosgw import RadosGW
 
 VolumeLocation = tuple[str, dict[str, Any]]
 
@@ -67,7 +67,7 @@ def radosgw() -> Iterator[RadosGW]:
     if RadosGW.find_binaries() is None:
         pytest.fail(
             "Ceph radosgw is not installed. Run `make test`, which installs it "
-            "(or: bash tests/install_radosgw.sh).",
+            "(or: bash testkit/install_radosgw.sh).",
             pytrace=False,
         )
     with RadosGW() as server:

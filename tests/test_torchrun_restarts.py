@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.dist import free_port
+from testkit.ports import free_port
 from tests.test_data_support import payload
 
 REPO = Path(__file__).resolve().parents[1]
