@@ -168,3 +168,27 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
             subprocess.run(["chattr", "-i", str(path)], check=False)
         else:
             path.chmod(0o755)
+
+
+# pytest-xdist groups (`make test` runs two workers with --dist loadgroup): the
+# tests of one group run on one worker, one after another.
+#   radosgw: one Ceph cluster for the session, not one per worker.
+#   kills:   real SIGKILLs/SIGTERMs of process trees and timed stalls, whose
+#            deadlines must not share the cores with another such test.
+_KILL_AND_TIMING_MODULES = frozenset({
+    "test_concurrency.py", "test_crash_injection.py", "test_demo.py", "test_exit_in_flight.py",
+    "test_preemption.py", "test_stalled_upload.py", "test_stalls.py",
+    "test_torchrun_restarts.py",
+})
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params.values() if callspec is not None else ()
+        on_radosgw = any(isinstance(p, str) and p == "radosgw" for p in params)
+        if item.path.name == "test_radosgw_server.py" or on_radosgw:
+            item.add_marker(pytest.mark.xdist_group("radosgw"))
+        elif item.path.name in _KILL_AND_TIMING_MODULES:
+            item.add_marker(pytest.mark.xdist_group("kills"))

@@ -165,6 +165,8 @@ def test_each_simulated_node_gets_cpus_of_its_own(monkeypatch: pytest.MonkeyPatc
     assert node_cpus([1, 1]) == ["4", "7"]
 
 
+# soak: a longer configuration (three jobs); the short form above proves every crash kind.
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_local_directory_volume_shrinking_with_the_naive_baseline(tmp_path: Path) -> None:
     volume = tmp_path / "volume"
