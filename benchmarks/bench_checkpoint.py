@@ -200,13 +200,15 @@ def run_cell(cfg: CheckpointConfig, job: Job, ranks: int) -> dict[str, Any]:
 
     units = len(job.methods) * job.repeats + 4 * job.load_repeats
     timeout = 120 + units * (20 + job.size_bytes / MiB * 0.3)
-    out = run_ranks(rank_main, ranks, (job,), timeout=timeout)
+    # fresh: each rank a new interpreter, as under torchrun (no fork server's pages).
+    out = run_ranks(rank_main, ranks, (job,), timeout=timeout, fresh=True)
     merged = [r[0] for r in out]
     reshard: list[dict[str, Any]] | None = None
     if cfg.reshard and "load" in job.methods and job.load_source:
         other = other_world(ranks)
         rjob = dataclasses.replace(job, methods=("load_reshard",), saved_world_size=ranks)
-        reshard = [r[0] for r in run_ranks(rank_main, other, (rjob,), timeout=timeout)]
+        reshard = [r[0] for r in run_ranks(rank_main, other, (rjob,), timeout=timeout,
+                                           fresh=True)]
     return summarise(merged, job, cfg.target, reshard)
 
 
