@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from testkit.radosgw import INSTALL_COMMAND, RadosGW
+from tests.conftest import unique_bucket_name
 
 pytestmark = pytest.mark.emulator
 
@@ -39,7 +40,7 @@ def rgw() -> Iterator[RadosGW]:
 
 @pytest.fixture
 def bucket(rgw: RadosGW, request: pytest.FixtureRequest) -> Iterator[str]:
-    name = "t-" + request.node.name.replace("_", "-").lower()[:40]
+    name = unique_bucket_name(request)
     rgw.create_bucket(name)
     try:
         yield name
