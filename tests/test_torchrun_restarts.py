@@ -140,6 +140,7 @@ def _sigterm_times(log: str) -> dict[int, float]:
     return times
 
 
+@pytest.mark.serial  # exits within a second of SIGTERM: not beside another worker's load
 @pytest.mark.parametrize("signals", [[], ["SIGTERM"]], ids=["no-signals", "sigterm-preempts"])
 def test_survivors_exit_at_once_on_torchruns_sigterm(
     tmp_path: Path, moto_server: Any, training_data: str, signals: list[str],
