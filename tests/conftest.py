@@ -173,11 +173,11 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
 # pytest-xdist groups (`make test` runs two workers with --dist loadgroup): the
 # tests of one group run on one worker, one after another.
 #   radosgw: one Ceph cluster for the session, not one per worker.
-#   kills:   real SIGKILLs/SIGTERMs of process trees and timed stalls, whose
-#            deadlines must not share the cores with another such test.
+#   kills:   real SIGKILLs/SIGTERMs of process trees, timed stalls and torchrun
+#            jobs, whose deadlines must not share the cores with another such test.
 _KILL_AND_TIMING_MODULES = frozenset({
     "test_concurrency.py", "test_crash_injection.py", "test_demo.py", "test_exit_in_flight.py",
-    "test_preemption.py", "test_stalled_upload.py", "test_stalls.py",
+    "test_preemption.py", "test_recipes.py", "test_stalled_upload.py", "test_stalls.py",
     "test_torchrun_restarts.py",
 })
 
