@@ -2,6 +2,12 @@
 # installs the CPU torch wheel, the package with its dev/bench extras, Azurite
 # (npm) into .tools/ and Ceph radosgw (Debian packages, as root), then runs
 # pytest. Stamps make repeats fast.
+#
+# Tiers: `make test` proves every promise once (each crash kind, backend, fault
+# kind, resume, the demo's short form); `make test-soak` runs the repetitions
+# kept for statistics (the `soak` marker: hundreds of kill trials, big-memory
+# runs, benchmark smoke runs, long demo configurations); `make test-gpu` the
+# CUDA path. CI (.ci/run) runs test, test-soak, then lint.
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -15,8 +21,11 @@ AZURITE := .tools/node_modules/.bin/azurite-blob
 INSTALL_STAMP := $(VENV)/.dcp-volumes-installed
 RADOSGW := /usr/bin/radosgw
 PYTEST_ARGS ?=
+# Two pytest-xdist workers (these machines have two cores); `loadgroup` keeps
+# each `xdist_group` (radosgw, the kill and timing tests) on one worker.
+XDIST ?= -n 2 --dist loadgroup
 
-.PHONY: test test-gpu lint demo setup constraints
+.PHONY: test test-soak test-gpu lint demo setup constraints
 
 setup: $(INSTALL_STAMP) $(AZURITE) $(RADOSGW)
 
@@ -44,17 +53,23 @@ $(AZURITE): tools/package.json tools/package-lock.json
 	test -x $@
 	touch -h $@
 
-# Ceph's S3 server for the conformance suite (tests/radosgw.py runs a private
+# Ceph's S3 server for the conformance suite (testkit/radosgw.py runs a private
 # one-node cluster on 127.0.0.1; nothing is configured system-wide).
 $(RADOSGW):
-	bash tests/install_radosgw.sh
+	bash testkit/install_radosgw.sh
 
+# The `serial` tests (deadlines of about a second) run alone once the workers are
+# done; exit status 5 is "none of them selected" (a PYTEST_ARGS subset).
 test: setup
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "not soak and not serial" $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest tests -m "serial and not soak" $(PYTEST_ARGS) || test $$? -eq 5
 
-# The GPU path (tests/test_gpu.py and the other `gpu` tests), on a machine with a
-# CUDA device; without one they are skipped, with the reason. `make test` runs
-# them too, so CI skips them there.
+test-soak: setup
+	$(PY) -m pytest tests -m soak $(XDIST) $(PYTEST_ARGS)
+
+# The GPU path (tests/test_gpu.py and the other `gpu` tests, soak ones included),
+# on a machine with a CUDA device; without one they are skipped, with the
+# reason. `make test` runs the short ones too, so CI skips them there.
 test-gpu: setup
 	$(PY) -m pytest tests -m gpu $(PYTEST_ARGS)
 

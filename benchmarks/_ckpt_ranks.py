@@ -683,7 +683,7 @@ def run_loads(
 
 
 # ---------------------------------------------------------------------------
-# The rank entry point (run through tests/dist.py run_ranks)
+# The rank entry point (run through testkit/ranks.py run_ranks)
 # ---------------------------------------------------------------------------
 
 

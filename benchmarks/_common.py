@@ -2,7 +2,7 @@
 
 The benchmarks are a package run from a repository checkout (``python -m
 benchmarks ...`` or ``dcp-volumes bench ...``): they import ``dcp_volumes`` and
-``tests.emulators`` from the same working tree.
+``testkit.emulators`` from the same working tree.
 """
 
 from __future__ import annotations
@@ -41,16 +41,6 @@ REMOTE_BANDWIDTH_BPS = 200e6
 # together (a NIC's limit), with no added latency (``tc netem`` is absent here).
 TBF_ENV = "DCP_VOLUMES_BENCH_TBF_RATE"
 LINKS = ("loopback", "remote", "tbf")
-
-
-def _latency_proxy_class() -> Any:
-    # The proxy lives in tests/proxy.py and is re-exported by tests/emulators.py
-    # once that module lists it; accept either so the benchmark does not care.
-    try:
-        from tests.emulators import LatencyProxy  # type: ignore[attr-defined]
-    except ImportError:
-        from tests.proxy import LatencyProxy
-    return LatencyProxy
 
 
 # ---------------------------------------------------------------------------
@@ -190,7 +180,9 @@ def _proxy_main(
 ) -> None:
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    proxy = _latency_proxy_class()(
+    from testkit.proxy import LatencyProxy
+
+    proxy = LatencyProxy(
         target_host, target_port, latency_s=latency_s, bandwidth_bps=bandwidth_bps,
         total_bandwidth_bps=total_bandwidth_bps,
     ).start()

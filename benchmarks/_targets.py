@@ -2,13 +2,13 @@
 
 A target is what ``--target`` names: an emulator or server this package starts
 and stops (``moto``: moto's S3 server in its own process; ``radosgw``: Ceph's
-S3 gateway on a private one-node cluster, ``tests/radosgw.py``; ``azurite``:
+S3 gateway on a private one-node cluster, ``testkit/radosgw.py``; ``azurite``:
 Azurite's Blob service; ``gcs``: gcp-storage-emulator; ``dir``: a local
 directory, the mount-path case), or a URL the user gives (``s3://bucket/prefix``
 with ``--endpoint`` and ``--storage-option``), e.g. a MinIO or a real bucket.
 
 Every target hands out a ``Server``: its endpoint, fsspec ``storage_options``
-(explicit credentials only; importing ``tests.emulators`` also points every
+(explicit credentials only; importing ``testkit.emulators`` also points every
 instance-metadata setting at a closed loopback port) and the process ids whose
 CPU time counts as the server's.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tests.emulators  # noqa: F401  (first: metadata endpoints -> a closed loopback port)
+import testkit.emulators  # noqa: F401  (first: metadata endpoints -> a closed loopback port)
 
 DEFAULT_TARGET = "moto"
 EMULATORS = ("moto", "radosgw", "azurite", "gcs", "dir")
@@ -76,7 +76,7 @@ _BUILTIN = {
     # s3torchconnector's writes fail on Ceph 16 (CompleteMultipartUpload answers an
     # empty ETag; shared/EMULATORS.md), so its rows stay off there.
     "radosgw": Target(
-        "radosgw", "s3", "s3fs", "Ceph 16 radosgw, one mon + memstore OSD (tests/radosgw.py)",
+        "radosgw", "s3", "s3fs", "Ceph 16 radosgw, one mon + memstore OSD (testkit/radosgw.py)",
         False,
     ),
     "azurite": Target(
@@ -280,7 +280,7 @@ def serve(target: Target, *buckets: str, memory_bytes: int = 0) -> Iterator[Any]
     ``memory_bytes``: how much the run stores at once at most (radosgw's
     memstore must hold it with room to spare, or Ceph blocks writes).
     """
-    from tests.emulators import Azurite, GcsEmulator, MotoServer
+    from testkit.emulators import Azurite, GcsEmulator, MotoServer
 
     if target.name == "dir" or (target.scheme == "file" and target.external):
         root = None if target.name == "dir" else str(target.bucket)
@@ -290,7 +290,7 @@ def serve(target: Target, *buckets: str, memory_bytes: int = 0) -> Iterator[Any]
     elif target.name == "moto":
         server = MotoServer(mode="process")
     elif target.name == "radosgw":
-        from tests.radosgw import INSTALL_COMMAND, RadosGW
+        from testkit.radosgw import INSTALL_COMMAND, RadosGW
 
         if RadosGW.find_binaries() is None:
             raise TargetError(

@@ -1,6 +1,6 @@
 """Checkpoint benchmark: VolumeWriter/VolumeReader against the stock DCP writers and the link.
 
-A matrix of cells, each one run of real gloo ranks (``tests/dist.py``) against
+A matrix of cells, each one run of real gloo ranks (``testkit/ranks.py``) against
 the target's server: every link (``loopback``, ``remote``: a proxy adding 20 ms
 per request and 200 Mbit/s per connection, ``tbf``: the kernel's token bucket
 in a network namespace) x every state size per rank x every rank count. In a
@@ -196,17 +196,19 @@ def other_world(ranks: int) -> int:
 
 def run_cell(cfg: CheckpointConfig, job: Job, ranks: int) -> dict[str, Any]:
     """One cell: the ranks save and load; then the load on another world size."""
-    from tests.dist import run_ranks
+    from testkit.ranks import run_ranks
 
     units = len(job.methods) * job.repeats + 4 * job.load_repeats
     timeout = 120 + units * (20 + job.size_bytes / MiB * 0.3)
-    out = run_ranks(rank_main, ranks, (job,), timeout=timeout)
+    # fresh: each rank a new interpreter, as under torchrun (no fork server's pages).
+    out = run_ranks(rank_main, ranks, (job,), timeout=timeout, fresh=True)
     merged = [r[0] for r in out]
     reshard: list[dict[str, Any]] | None = None
     if cfg.reshard and "load" in job.methods and job.load_source:
         other = other_world(ranks)
         rjob = dataclasses.replace(job, methods=("load_reshard",), saved_world_size=ranks)
-        reshard = [r[0] for r in run_ranks(rank_main, other, (rjob,), timeout=timeout)]
+        reshard = [r[0] for r in run_ranks(rank_main, other, (rjob,), timeout=timeout,
+                                           fresh=True)]
     return summarise(merged, job, cfg.target, reshard)
 
 

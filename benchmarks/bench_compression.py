@@ -61,7 +61,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 from dcp_volumes import VolumeReader, VolumeWriter  # noqa: E402
 from dcp_volumes._volume import Volume  # noqa: E402
 from dcp_volumes.checkpoint._compression import ZstdCompression, zstd_library  # noqa: E402
-from tests.emulators import MotoServer  # noqa: E402
+from testkit.emulators import MotoServer  # noqa: E402
 
 MiB = 1 << 20
 RESULTS_DIR = Path(
@@ -149,7 +149,7 @@ def same(a: Any, b: Any) -> bool:
 def _proxy_main(host: str, port: int, conn: Any) -> None:
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    from tests.proxy import LatencyProxy
+    from testkit.proxy import LatencyProxy
 
     proxy = LatencyProxy(
         host, port, latency_s=REMOTE_LATENCY_S, bandwidth_bps=REMOTE_BANDWIDTH_BPS

@@ -170,7 +170,7 @@ def table(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    from tests.emulators import MotoServer
+    from testkit.emulators import MotoServer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=256)

@@ -65,7 +65,7 @@ ROWS = ("volume", "node lost, no replicas", "node lost, peer tier", "same-node l
 
 
 def _free_port() -> int:
-    from tests.dist import free_port
+    from testkit.ports import free_port
 
     return free_port()
 

@@ -61,7 +61,7 @@ _RANK = "benchmarks._preempt_rank"
 
 
 def _free_port() -> int:
-    from tests.dist import free_port
+    from testkit.ports import free_port
 
     return free_port()
 

@@ -276,7 +276,7 @@ def run(ranks: Sequence[int], *, files: int = 8, parallel: int = 16,
     server or a counting proxy in the ranks' process would share their GIL, and
     at hundreds of ranks answer late enough to look stalled.
     """
-    from tests.emulators import MotoServer
+    from testkit.emulators import MotoServer
 
     rows: list[dict[str, Any]] = []
     with MotoServer(mode="process", record_requests=True) as s3, \

@@ -563,7 +563,7 @@ def _benchmarks_cli() -> Any:
     """``benchmarks.cli`` of the repository checkout, or None outside one.
 
     The suite is not in the wheel: it lives in ``benchmarks/`` of a checkout,
-    beside ``tests/`` (its emulator launchers). Found on ``sys.path``, in the
+    beside ``testkit/`` (its emulator launchers). Found on ``sys.path``, in the
     working directory, or beside this package (an editable install).
     """
     import importlib
@@ -572,7 +572,7 @@ def _benchmarks_cli() -> Any:
     roots = [Path.cwd(), Path(__file__).resolve().parent.parent]
     for root in roots:
         suite = root / "benchmarks" / "cli.py"
-        if suite.is_file() and (root / "tests" / "emulators.py").is_file():
+        if suite.is_file() and (root / "testkit" / "emulators.py").is_file():
             if str(root) not in sys.path:
                 sys.path.insert(0, str(root))
             break
@@ -599,7 +599,7 @@ def _bench(args: argparse.Namespace, out: Output) -> int:
     bench = _benchmarks_cli()
     if bench is None or not hasattr(args, "suite"):
         raise ConfigurationError(
-            "dcp-volumes bench runs from a repository checkout: its benchmarks/ and tests/ "
+            "dcp-volumes bench runs from a repository checkout: its benchmarks/ and testkit/ "
             "(the emulators) are not in the installed package; clone the repository and run "
             "`dcp-volumes bench ...` (or `python -m benchmarks ...`) in its root"
         )

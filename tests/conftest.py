@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-# Must precede any gcsfs import (see tests/emulators.py): without it every gcsfs
+# Must precede any gcsfs import (see testkit/emulators.py): without it every gcsfs
 # call waits ~60 s on a probe the emulator never answers.
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
@@ -35,8 +35,8 @@ from typing import Any
 import pytest
 
 from dcp_volumes.testing import MemoryStore
-from tests.emulators import Azurite, Emulator, GcsEmulator, MotoServer
-from tests.radosgw import RadosGW
+from testkit.emulators import Azurite, Emulator, GcsEmulator, MotoServer
+from testkit.radosgw import RadosGW
 
 VolumeLocation = tuple[str, dict[str, Any]]
 
@@ -72,7 +72,7 @@ def radosgw() -> Iterator[RadosGW]:
     if RadosGW.find_binaries() is None:
         pytest.fail(
             "Ceph radosgw is not installed. Run `make test`, which installs it "
-            "(or: bash tests/install_radosgw.sh).",
+            "(or: bash testkit/install_radosgw.sh).",
             pytrace=False,
         )
     with RadosGW() as server:
@@ -191,3 +191,27 @@ def read_only_dir(tmp_path: Path) -> Iterator[Path]:
             subprocess.run(["chattr", "-i", str(path)], check=False)
         else:
             path.chmod(0o755)
+
+
+# pytest-xdist groups (`make test` runs two workers with --dist loadgroup): the
+# tests of one group run on one worker, one after another.
+#   radosgw: one Ceph cluster for the session, not one per worker.
+#   kills:   real SIGKILLs/SIGTERMs of process trees, timed stalls and torchrun
+#            jobs, whose deadlines must not share the cores with another such test.
+_KILL_AND_TIMING_MODULES = frozenset({
+    "test_concurrency.py", "test_crash_injection.py", "test_demo.py", "test_exit_in_flight.py",
+    "test_preemption.py", "test_recipes.py", "test_stalled_upload.py", "test_stalls.py",
+    "test_torchrun_restarts.py",
+})
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params.values() if callspec is not None else ()
+        on_radosgw = any(isinstance(p, str) and p == "radosgw" for p in params)
+        if item.path.name == "test_radosgw_server.py" or on_radosgw:
+            item.add_marker(pytest.mark.xdist_group("radosgw"))
+        elif item.path.name in _KILL_AND_TIMING_MODULES:
+            item.add_marker(pytest.mark.xdist_group("kills"))

@@ -1,6 +1,6 @@
 """A ``Backend`` wrapper that makes the faults a proxy cannot: stale listings, vanishing files.
 
-A proxy in front of a server (``tests/emulators.py``) can fail, delay or cut
+A proxy in front of a server (``testkit/emulators.py``) can fail, delay or cut
 requests, but it cannot make a store *eventually consistent*: answer a
 listing without the objects written just before it, or say "not found" for an
 object that exists. This wrapper does that, at the backend protocol, on any

@@ -31,8 +31,8 @@ from dcp_volumes import (
 from dcp_volumes._volume import LAG_TOTAL_S, MEMORY_PROTOCOL, Volume
 from dcp_volumes.checkpoint import _reader
 from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
+from testkit.states import differences, empty_state, load_into, state_for
 from tests.faulty_backend import Faults, install
-from tests.scripts.states import differences, empty_state, state_for
 from tests.test_data_support import payload, read_id, write_samples
 
 _SIZE = 64
@@ -69,12 +69,6 @@ def _last_line(exc: BaseException) -> str:
     return str(exc).strip().splitlines()[-1][:300]
 
 
-def _load(url: str, opts: dict[str, Any]) -> dict[str, Any]:
-    got = empty_state(size=_SIZE)
-    dcp.load(got, storage_reader=VolumeReader(url, storage_options=opts), no_dist=True)
-    return got
-
-
 # -- 1. the save's check after upload ------------------------------------------------------
 
 
@@ -91,7 +85,7 @@ def test_a_briefly_stale_listing_after_upload_still_commits(
     want = state_for(1, size=_SIZE)
     dcp.save(want, storage_writer=VolumeWriter(f"{root}/ck", storage_options=opts,
                                                file_size="8KiB"), no_dist=True)
-    problems = differences(_load(f"{root}/ck", opts), want)
+    problems = differences(load_into(empty_state(size=_SIZE), f"{root}/ck", opts), want)
     with capsys.disabled():
         _report("save, stale check listing", faults,
                 f"committed, loads back {'equal' if not problems else problems[:3]}")
@@ -139,7 +133,7 @@ def test_where_listings_show_every_write_the_ranks_results_vouch_for_the_uploads
     assert faults.calls["list"] == 0
     assert faults.faults["objects hidden"] == 0
     faults.stale_lists = 0
-    assert differences(_load(f"{root}/ck", opts), want) == []
+    assert differences(load_into(empty_state(size=_SIZE), f"{root}/ck", opts), want) == []
 
 
 # -- 2. CheckpointManager discovery ----------------------------------------------------------
@@ -198,7 +192,7 @@ def test_a_load_survives_a_data_file_that_vanishes_for_a_moment(
                                                file_size="8KiB"), no_dist=True)
     faults = Faults(vanish=[".distcp"], vanish_calls=1)
     install(monkeypatch, faults)
-    problems = differences(_load(f"{root}/ck", opts), want)
+    problems = differences(load_into(empty_state(size=_SIZE), f"{root}/ck", opts), want)
     with capsys.disabled():
         _report("load, data files not found once each", faults,
                 f"loaded {'equal' if not problems else problems[:3]}")
@@ -224,7 +218,7 @@ def test_a_load_names_a_data_file_that_stays_gone(
     faults = Faults(vanish=[gone], vanish_calls=10**6)
     install(monkeypatch, faults)
     with pytest.raises(BaseException) as caught:
-        _load(f"{root}/ck", opts)
+        load_into(empty_state(size=_SIZE), f"{root}/ck", opts)
     text = str(caught.value)
     with capsys.disabled():
         _report("load, one data file gone for good", faults, f"failed: {_last_line(caught.value)}")
@@ -245,7 +239,7 @@ def test_a_load_with_a_stale_listing_is_not_called_damaged(
     dcp.save(want, storage_writer=VolumeWriter(f"{root}/ck", storage_options=opts,
                                                file_size="8KiB"), no_dist=True)
     faults.stale_lists, faults.stale_window_s, faults.stale_match = 1, 60, ".distcp"
-    problems = differences(_load(f"{root}/ck", opts), want)
+    problems = differences(load_into(empty_state(size=_SIZE), f"{root}/ck", opts), want)
     with capsys.disabled():
         _report("load, size-check listing stale", faults,
                 f"loaded {'equal' if not problems else problems[:3]}")
@@ -345,7 +339,7 @@ def test_a_load_refuses_a_data_file_that_reads_back_short(
     faults = Faults(short=[".distcp"], short_by=7)
     install(monkeypatch, faults)
     with pytest.raises(BaseException) as caught:
-        _load(f"{root}/ck", opts)
+        load_into(empty_state(size=_SIZE), f"{root}/ck", opts)
     text = _last_line(caught.value)
     with capsys.disabled():
         _report("load, data files read back 7 bytes short", faults, f"failed: {text}")
@@ -408,7 +402,8 @@ def test_a_save_makes_three_requests_besides_its_data(
         assert len(data_files) > 1  # the state spans several files
         assert calls.pop("upload") == len(data_files)
         assert calls == besides
-        assert differences(_load(f"{root}/{name}", opts), state_for(1, size=_SIZE)) == []
+        got = load_into(empty_state(size=_SIZE), f"{root}/{name}", opts)
+        assert differences(got, state_for(1, size=_SIZE)) == []
 
 
 @pytest.mark.timeout(30)
@@ -426,7 +421,7 @@ def test_the_commit_checks_the_uploads_while_the_manifest_goes_up(
                                                file_size="8KiB"), no_dist=True)
     assert faults.faults["no meeting"] == 0
     assert faults.calls["list"] == 1 and faults.calls["put"] == 2
-    assert differences(_load(f"{root}/ck", opts), want) == []
+    assert differences(load_into(empty_state(size=_SIZE), f"{root}/ck", opts), want) == []
 
 
 @pytest.mark.timeout(30)
@@ -452,7 +447,7 @@ def test_the_save_lists_its_location_while_dcp_plans(
     dcp.save(want, storage_writer=writer, planner=MeetingPlanner(), no_dist=True)
     assert faults.faults["no meeting"] == 0
     assert faults.calls["check_root"] == 1
-    assert differences(_load(f"{root}/ck", opts), want) == []
+    assert differences(load_into(empty_state(size=_SIZE), f"{root}/ck", opts), want) == []
 
 
 def _load_ck_with(faults: Faults, where: tuple[str, dict[str, Any]],

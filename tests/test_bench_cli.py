@@ -1,7 +1,7 @@
 """`dcp-volumes bench` argument handling, target resolution and the goodput model.
 
 Nothing here starts a server or a rank: the runs themselves are in
-``tests/test_benchmarks_smoke.py`` (slow).
+``tests/test_benchmarks_smoke.py`` (soak).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from benchmarks import cli as bench_cli
 from benchmarks._goodput import GoodputModel
 from benchmarks._targets import TargetError, parse_storage_options, resolve
 from dcp_volumes import cli
-from tests.emulators import repo_root
+from testkit.emulators import repo_root
 
 
 def _parse(*argv: str) -> argparse.Namespace:

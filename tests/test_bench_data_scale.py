@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.emulators import repo_root
+from testkit.emulators import repo_root
 
 
 def test_scale_run_at_ci_size(tmp_path: Path) -> None:

@@ -18,10 +18,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks._ckpt_ranks import save_repeats
-from tests.emulators import Azurite, repo_root
+from testkit.emulators import Azurite, repo_root
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.soak
 
 FIGURES = ("throughput", "blocking", "scaling", "goodput")
 FEW_METHODS = "memcpy,raw_put,fsspec_t8,vw_sync,vw_async_fresh,load"
@@ -45,7 +44,7 @@ def _run(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def _load(out: Path, stem: str, *, figures: tuple[str, ...] = ()) -> dict[str, Any]:
+def _report(out: Path, stem: str, *, figures: tuple[str, ...] = ()) -> dict[str, Any]:
     path = out / f"{stem}.json"
     assert path.exists(), f"the run wrote no {path.name}"
     for fig in figures:
@@ -57,16 +56,16 @@ def _load(out: Path, stem: str, *, figures: tuple[str, ...] = ()) -> dict[str, A
 def test_quick_suite_on_moto_loopback(tmp_path: Path) -> None:
     proc = _run(tmp_path, "all", "--quick", "--link", "loopback")
     assert "PASS" in proc.stdout or "MISS" in proc.stdout, "no verdict per cell"
-    report = _load(tmp_path, "checkpoint_quick", figures=FIGURES)
+    report = _report(tmp_path, "checkpoint_quick", figures=FIGURES)
     _check_checkpoint(report, links={"loopback"}, s3tc=True)
     assert (tmp_path / "checkpoint_quick.md").read_text().count("|") > 50
-    _check_data(_load(tmp_path, "data_quick"), remote=False)
+    _check_data(_report(tmp_path, "data_quick"), remote=False)
 
 
 def test_quick_checkpoint_behind_the_remote_link(tmp_path: Path) -> None:
     _run(tmp_path, "checkpoint", "--quick", "--link", "remote", "--methods", FEW_METHODS,
          "--no-local-tier")
-    report = _load(tmp_path, "checkpoint_quick", figures=FIGURES)
+    report = _report(tmp_path, "checkpoint_quick", figures=FIGURES)
     _check_checkpoint(report, links={"remote"}, s3tc=False, local_tier=False)
 
 
@@ -77,7 +76,7 @@ def test_quick_checkpoint_on_azurite(tmp_path: Path) -> None:
     _run(tmp_path, "checkpoint", "--quick", "--target", "azurite", "--link", "loopback",
          "--methods", FEW_METHODS, "--no-local-tier",
          "--no-reshard")
-    report = _load(tmp_path, "checkpoint_azurite_quick")
+    report = _report(tmp_path, "checkpoint_azurite_quick")
     assert report["config"]["target"] == "azurite"
     _check_checkpoint(report, links={"loopback"}, s3tc=False, local_tier=False, reshard=False)
 
@@ -92,7 +91,7 @@ def test_quick_compression_benchmark(tmp_path: Path) -> None:
         f"bench_compression --quick exited {proc.returncode}\n--- stdout ---\n"
         f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-5000:]}"
     )
-    _check_compression(_load(tmp_path, "compression_quick"))
+    _check_compression(_report(tmp_path, "compression_quick"))
 
 
 def _check_compression(report: dict[str, Any]) -> None:
@@ -123,8 +122,10 @@ def _check_checkpoint(
         where = f"{cell['link']} {cell['world_size']} x {cell['size_mib']} MiB"
         for method, s in cell["saves"].items():
             assert not s["error"], f"{where} {method} failed: {s['error']}"
-            repeats = save_repeats(method, report["config"]["repeats"])
-            assert len(s["e2e_s"]) == repeats, (where, method)
+            # memcpy (no I/O, noisy at small sizes) makes at least the cell's repeats.
+            repeats = report["config"]["repeats"]
+            made = len(s["e2e_s"])
+            assert made == repeats or (method == "memcpy" and made > repeats), (where, method)
             assert 0 < s["steady_blocking_s"] <= s["steady_e2e_s"] + 1e-6, (where, method)
             assert s["client_cpu_s_per_gib"] > 0, (where, method)
         assert {"vw_sync", "vw_async_fresh", "raw_put", "fsspec_t8"} <= set(cell["saves"])

@@ -23,7 +23,7 @@ from dcp_volumes._volume import FileInfo, Volume
 from dcp_volumes.data._cache import FileCache
 from dcp_volumes.data._entry import RECORD_XATTR
 from dcp_volumes.data._hot import SharedHot
-from tests.emulators import LatencyProxy, MotoServer
+from testkit.emulators import LatencyProxy, MotoServer
 from tests.test_data_support import disk_bytes, payload, write_samples
 
 # Fork: children start in milliseconds and need nothing pickled. They only use
@@ -420,7 +420,7 @@ def test_bad_cache_configuration(tmp_path: Path) -> None:
     assert not FileCache(tmp_path / "c").options.limit_chosen
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_large_file_ranged_fill_killed_midway(moto_server: MotoServer,
                                               s3_bucket: tuple[str, Any],
                                               tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from dcp_volumes import (
     VolumeWriter,
     storage_error,
 )
+from testkit.states import load_into
 from tests.checkpoint_helpers import data_file
 
 
@@ -34,16 +35,10 @@ def _damaged_checkpoint(ck: Path) -> None:
     data.write_bytes(bytes(raw))
 
 
-def _load(ck: Path, n: int = 64) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load({"w": torch.zeros(n)}, storage_reader=VolumeReader(ck), no_dist=True)
-
-
 def test_storage_error_finds_the_typed_error_inside_dcps_exception(tmp_path: Path) -> None:
     _damaged_checkpoint(tmp_path / "ck")
     with pytest.raises(BaseException) as err:
-        _load(tmp_path / "ck")
+        load_into({"w": torch.zeros(64)}, str(tmp_path / "ck"))
     assert not isinstance(err.value, DcpVolumesError)  # DCP's CheckpointException
     typed = storage_error(err.value)
     assert isinstance(typed, CheckpointCorruptError)
@@ -56,7 +51,7 @@ def test_a_missing_marker_is_named_as_the_file_a_save_writes(tmp_path: Path) -> 
     # messages: each must point at .metadata, not only at the fallback's name.
     (tmp_path / "empty").mkdir()
     with pytest.raises(BaseException) as err:
-        _load(tmp_path / "empty")
+        load_into({"w": torch.zeros(64)}, str(tmp_path / "empty"))
     text = str(err.value)
     assert "no .metadata)" in text and "no .metadata (nor __0.metadata)" in text
 

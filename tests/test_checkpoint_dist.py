@@ -15,8 +15,8 @@ from dcp_volumes import VolumeReader, VolumeWriter
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._layout import MANIFEST_NAME
 from dcp_volumes.checkpoint._manifest import Manifest
+from testkit.ranks import run_ranks
 from tests.checkpoint_helpers import assert_same, blank_like, join, sample_state
-from tests.dist import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -31,8 +31,8 @@ from dcp_volumes import (
 )
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
+from testkit.emulators import Azurite, MotoServer
 from tests.checkpoint_helpers import blank_like, data_file, failure_of, join, sample_state
-from tests.emulators import Azurite, MotoServer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

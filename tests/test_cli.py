@@ -34,7 +34,7 @@ from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from dcp_volumes.checkpoint._manifest import FileRecord, Manifest, checksum_bytes
 from dcp_volumes.cli import EXIT_CLOSED_STDOUT, main
-from tests.emulators import repo_root
+from testkit.emulators import repo_root
 
 Location = tuple[str, dict[str, Any]]
 

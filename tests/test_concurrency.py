@@ -22,15 +22,12 @@ import torch
 
 from dcp_volumes import CheckpointManager, DataLoader, FileCache, VolumeDataset
 from dcp_volumes._volume import Volume
+from testkit.states import seeded_state
 
 _SPAWN = mp.get_context("spawn")
+_SHAPES = {"w": (64, 64)}  # the state's tensors, by name
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def _state(step: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(64, 64, generator=g), "step": step}
 
 
 def _blank() -> dict[str, Any]:
@@ -74,7 +71,7 @@ def _saver(url: str, opts: dict[str, Any], staging: str, steps: list[int], keep:
         with CheckpointManager(url, storage_options=opts, keep_last=keep,
                                staging_dir=staging, async_save=True) as mgr:
             for step in steps:
-                mgr.save(step, _state(step))
+                mgr.save(step, seeded_state(step, _SHAPES, step=step))
         out.put(("ok", steps))
     except BaseException as exc:
         out.put(("error", f"{type(exc).__name__}: {exc}"))
@@ -88,7 +85,7 @@ def _check_exactly(url: str, opts: dict[str, Any], staging: str, steps: list[int
         for step in steps:
             out = _blank()
             assert mgr.restore(out, step=step) == step
-            assert torch.equal(out["w"], _state(step)["w"]) and out["step"] == step
+            assert torch.equal(out["w"], seeded_state(step, _SHAPES)["w"]) and out["step"] == step
 
 
 def test_two_managers_run_retention_on_one_root_at_once(root: tuple[str, dict[str, Any]],
@@ -260,7 +257,7 @@ def _race_rank(rank: int, world: int, url: str, opts: dict[str, Any], job: int,
 
 def _race_job(url: str, opts: dict[str, Any], job: int, meeting: str, staging: str,
               barrier: Any, out: Any) -> None:
-    from tests.dist import run_ranks
+    from testkit.ranks import run_ranks
 
     try:
         barrier.wait(timeout=60)

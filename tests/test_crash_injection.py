@@ -22,10 +22,8 @@ retention deletes, or between saves.
 from __future__ import annotations
 
 import collections
-import multiprocessing as mp
 import random
 import time
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -33,26 +31,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed.checkpoint as dcp
 
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._discovery import newest_complete, scan, step_dir
 from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from dcp_volumes.checkpoint._manager import CheckpointManager
-from dcp_volumes.checkpoint._reader import VolumeReader
+from testkit.emulators import MotoServer
+from testkit.ranks import forkserver_context
+from testkit.states import differences, empty_state, load_into, state_for
 from tests.conftest import unique_bucket_name
-from tests.emulators import MotoServer
 from tests.scripts import crash_child
-from tests.scripts.states import differences, empty_state, state_for
 
 _SIZE = 48  # tensors of 48x48: a few tens of KiB per checkpoint, so trials stay cheap
 
 
 def _context() -> Any:
-    ctx = mp.get_context("forkserver")
-    # Takes effect when this process starts its forkserver (first use).
-    ctx.set_forkserver_preload(["torch", "dcp_volumes", "s3fs", "tests.scripts.crash_child"])
-    return ctx
+    # The server run_ranks forks from (torch, dcp_volumes, s3fs), plus the child's module
+    # where this test starts the server first.
+    return forkserver_context("tests.scripts.crash_child")
 
 
 @dataclass
@@ -113,14 +109,6 @@ def _phase(events: list[tuple[Any, ...]], volume: Volume) -> str:
     return "between saves"
 
 
-def _load(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    state = empty_state(size=_SIZE)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is disabled": single process
-        dcp.load(state, storage_reader=VolumeReader(url, storage_options=options), no_dist=True)
-    return state
-
-
 def _check(root: str, options: dict[str, Any], keep_last: int, tally: Tally,
            newest_before: int | None) -> int | None:
     volume = Volume(root, storage_options=options)
@@ -131,7 +119,8 @@ def _check(root: str, options: dict[str, Any], keep_last: int, tally: Tally,
             continue
         tally.complete_checked += 1
         try:
-            diff = differences(_load(info.url, options), state_for(info.step, size=_SIZE))
+            got = load_into(empty_state(size=_SIZE), info.url, options)
+            diff = differences(got, state_for(info.step, size=_SIZE))
         except BaseException as exc:  # a "complete" checkpoint that cannot load is partial
             # (DCP raises CheckpointException, a BaseException)
             if isinstance(exc, KeyboardInterrupt):
@@ -259,7 +248,7 @@ def bucket(moto_process: MotoServer, request: pytest.FixtureRequest) -> Iterator
 
 @pytest.mark.parametrize(
     ("trials", "seed"),
-    [pytest.param(25, 1, id="quick"), pytest.param(200, 3, marks=pytest.mark.slow, id="many")],
+    [pytest.param(25, 1, id="quick"), pytest.param(200, 3, marks=pytest.mark.soak, id="many")],
 )
 def test_sigkill_at_random_instants_local(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], trials: int, seed: int
@@ -274,7 +263,7 @@ def test_sigkill_at_random_instants_local(
     ("trials", "seed"),
     # 100 kills in all on S3, each checked against the store; the local volume's 225 search
     # the orders of a save more widely (the commit protocol is the same).
-    [pytest.param(25, 2, id="quick"), pytest.param(75, 4, marks=pytest.mark.slow, id="many")],
+    [pytest.param(25, 2, id="quick"), pytest.param(75, 4, marks=pytest.mark.soak, id="many")],
 )
 def test_sigkill_at_random_instants_s3(
     bucket: tuple[str, dict[str, Any]], capsys: pytest.CaptureFixture[str], trials: int,

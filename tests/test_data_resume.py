@@ -17,8 +17,8 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from dcp_volumes import DataLoader, VolumeDataset
-from tests.dist import run_ranks
-from tests.emulators import repo_root
+from testkit.emulators import repo_root
+from testkit.ranks import run_ranks
 from tests.test_data_support import global_view, read_id, run_job, to_list, write_samples
 
 # More workers than this machine's cores is deliberate here (torch warns about it).
@@ -149,7 +149,7 @@ def test_a_state_saved_under_the_old_key_resumes_exactly(tmp_path: Path) -> None
     assert after["file_table"] == state["file_table"] and after["epoch"] == 1
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_repeated_kills_never_lose_or_repeat_samples(s3_bucket: tuple[str, Any],
                                                      tmp_path: Path) -> None:
     """Kill after each of several saves; the stitched stream is the uninterrupted one."""

@@ -6,7 +6,7 @@ partial checkpoint restored, the work lost per crash) and that the timing
 checks are measured and reported. Whether blocking, input wait and goodput
 meet their thresholds depends on the run being long enough to amortise one
 save interval per crash (``dcp-volumes demo --help``); the default
-configuration, which must PASS every check, runs in the ``slow`` test.
+configuration, which must PASS every check, runs in the ``soak`` test.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dcp_volumes.demo import DemoConfig, parse_storage_options
 from dcp_volumes.demo._config import plan_crashes
 from dcp_volumes.demo._launcher import MARKER, busy_processes, claim, node_cpus
 from dcp_volumes.demo._report import CrashOutcome, RunStats, _node_check, restart_lines
-from tests.dist import process_running
+from testkit.ranks import process_running
 
 CORRECTNESS = ("crashes", "weights", "samples", "epochs", "complete", "lost")
 TIMING = ("blocking", "input", "goodput")
@@ -165,6 +165,8 @@ def test_each_simulated_node_gets_cpus_of_its_own(monkeypatch: pytest.MonkeyPatc
     assert node_cpus([1, 1]) == ["4", "7"]
 
 
+# soak: a longer configuration (three jobs); the short form above proves every crash kind.
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_local_directory_volume_shrinking_with_the_naive_baseline(tmp_path: Path) -> None:
     volume = tmp_path / "volume"
@@ -201,7 +203,7 @@ def test_local_directory_volume_shrinking_with_the_naive_baseline(tmp_path: Path
     assert again.returncode == 2 and "--fresh" in again.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(1500)
 @pytest.mark.skipif(
     os.environ.get("DCP_VOLUMES_FULL_DEMO") != "1",

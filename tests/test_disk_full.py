@@ -43,10 +43,12 @@ from dcp_volumes import (
     storage_error,
 )
 from dcp_volumes._volume import Volume
-from tests.emulators import LatencyProxy, MotoServer
+from testkit.emulators import LatencyProxy, MotoServer
+from testkit.states import seeded_state
 from tests.test_data_support import read_id, write_samples
 
 pytestmark = pytest.mark.timeout(60)
+_SHAPES = {"w": (512, 1024)}  # 2 MiB
 
 MiB = 2**20
 
@@ -106,11 +108,6 @@ class _AnotherJobFillsTheDisk(DefaultSavePlanner):
         return super().finish_plan(new_plan)
 
 
-def _state(seed: int) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(512, 1024, generator=gen), "step": torch.tensor(seed)}  # 2 MiB
-
-
 def _quiet_save(state: dict[str, Any], writer: VolumeWriter, **kwargs: Any) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no process group: DCP warns on every call
@@ -123,7 +120,8 @@ def test_a_staging_disk_that_fills_during_serialisation(
     staging, ck = small_disk("8m"), tmp_path / "ck"
     writer = VolumeWriter(ck, staging_dir=staging, staging_headroom=0)
     with pytest.raises(BaseException) as caught:  # DCP's CheckpointException
-        _quiet_save(_state(1), writer, planner=_AnotherJobFillsTheDisk(staging, 256 * 2**10))
+        _quiet_save(seeded_state(1, _SHAPES, step=torch.tensor(1)), writer,
+                    planner=_AnotherJobFillsTheDisk(staging, 256 * 2**10))
     err = storage_error(caught.value)
     # What (the disk, the bytes), why and the fix; torch's "unexpected pos" is not the message.
     assert isinstance(err, DiskFullError) and isinstance(err, StagingError), caught.value
@@ -136,12 +134,12 @@ def test_a_staging_disk_that_fills_during_serialisation(
     assert files_below(staging) == {"filler": files_below(staging)["filler"]}  # space given back
 
     (staging / "filler").unlink()  # the other job is done
-    _quiet_save(_state(1), writer)
+    _quiet_save(seeded_state(1, _SHAPES, step=torch.tensor(1)), writer)
     got = {"w": torch.zeros(512, 1024), "step": torch.tensor(0)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(got, storage_reader=VolumeReader(ck), no_dist=True)
-    assert torch.equal(got["w"], _state(1)["w"]) and int(got["step"]) == 1
+    assert torch.equal(got["w"], seeded_state(1, _SHAPES)["w"]) and int(got["step"]) == 1
     assert files_below(staging) == {}
 
 

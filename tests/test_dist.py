@@ -1,15 +1,16 @@
-"""tests/dist.py: real gloo process groups started the torchrun way."""
+"""testkit/ranks.py: real gloo process groups started the torchrun way."""
 
 from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist import RankError, RankTimeoutError, run_ranks
+from testkit.ranks import RankError, RankTimeoutError, run_ranks
 
 
 def _all_reduce(rank: int, world_size: int, n: int) -> dict[str, object]:
@@ -54,6 +55,25 @@ def test_each_of_several_ranks_computes_on_one_thread_as_under_torchrun() -> Non
     assert run_ranks(_thread_count, 2, env={"OMP_NUM_THREADS": "1"}) == [1, 1]
     if "OMP_NUM_THREADS" not in os.environ:  # the default, as torchrun's
         assert run_ranks(_thread_count, 2) == [1, 1]
+
+
+def _where(rank: int, world_size: int, name: str) -> tuple[str | None, str, bool]:
+    import sys
+
+    return os.environ.get(name), os.getcwd(), "dcp_volumes" in sys.modules
+
+
+def test_ranks_see_the_callers_environment_and_directory_as_of_the_call(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    run_ranks(_thread_count, 1)  # the fork server starts with the environment of now
+    monkeypatch.setenv("TESTKIT_PROBE", "set later")
+    monkeypatch.chdir(tmp_path)
+    # Forked from the server, which imported dcp_volumes once for every rank.
+    assert run_ranks(_where, 2, "TESTKIT_PROBE") == [("set later", str(tmp_path), True)] * 2
+    # fresh: a new interpreter per rank, with nothing of the library imported.
+    assert run_ranks(_where, 1, "TESTKIT_PROBE", fresh=True) == [("set later", str(tmp_path),
+                                                                   False)]
 
 
 def test_exception_in_rank_surfaces_with_traceback() -> None:

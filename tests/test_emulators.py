@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.emulators import Emulator, LatencyProxy, MotoServer
+from testkit.emulators import Emulator, LatencyProxy, MotoServer
 
 pytestmark = pytest.mark.emulator
 

@@ -15,8 +15,9 @@ import pytest
 from dcp_volumes import CheckpointManager
 from dcp_volumes._exceptions import ConfigurationError, VolumeError
 from dcp_volumes._volume import Volume
-from tests.emulators import MotoServer, free_port
-from tests.scripts.states import differences, empty_state, state_for
+from testkit.emulators import MotoServer
+from testkit.ports import free_port
+from testkit.states import differences, empty_state, state_for
 from tests.test_cli import run_cli
 
 pytestmark = pytest.mark.emulator

@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from dcp_volumes import CheckpointManager, DataLoader, VolumeDataset, VolumeReader
 from dcp_volumes._volume import RetryPolicy, Volume
-from tests.dist import run_ranks
-from tests.emulators import LatencyProxy, MotoServer
-from tests.scripts.states import differences, empty_state, state_for
+from testkit.emulators import LatencyProxy, MotoServer
+from testkit.ranks import run_ranks
+from testkit.states import differences, empty_state, state_for
 from tests.test_data_support import payload, read_id, write_samples
 
 pytestmark = pytest.mark.emulator

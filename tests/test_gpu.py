@@ -2,7 +2,7 @@
 
 Run with ``make test-gpu`` (``pytest -m gpu``) on a machine with a CUDA device;
 everywhere else every test here is skipped, with the reason. Sizes: 1 GiB, and
-8 GiB (marked ``slow`` as well) of state on one device.
+8 GiB (marked ``soak`` as well) of state on one device.
 
 The bound on an async save: training is blocked only for the copy of the
 state from the device to host memory. That copy's floor is measured here,
@@ -31,7 +31,7 @@ pytestmark = [
 ]
 
 GiB = 2**30
-SIZES = [pytest.param(1, id="1GiB"), pytest.param(8, id="8GiB", marks=pytest.mark.slow)]
+SIZES = [pytest.param(1, id="1GiB"), pytest.param(8, id="8GiB", marks=pytest.mark.soak)]
 
 
 def _state(gib: int) -> dict[str, Any]:

@@ -35,7 +35,8 @@ from dcp_volumes import (
 )
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
-from tests.emulators import MotoServer
+from testkit.emulators import MotoServer
+from testkit.states import seeded_state
 from tests.test_cli import run_cli
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -44,8 +45,7 @@ Location = tuple[str, dict[str, Any]]
 
 
 def _state(seed: int = 0) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(8, 8, generator=g), "n": torch.arange(10) + seed, "meta": {"s": seed}}
+    return seeded_state(seed, {"w": (8, 8)}, n=torch.arange(10) + seed, meta={"s": seed})
 
 
 def _blank() -> dict[str, Any]:

@@ -22,8 +22,8 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_volumes import ConfigurationError, DataLoader, VolumeDataset
 from dcp_volumes.data._loader import default_num_workers
-from tests.dist import process_running, run_ranks
-from tests.emulators import LatencyProxy, MotoServer
+from testkit.emulators import LatencyProxy, MotoServer
+from testkit.ranks import process_running, run_ranks
 from tests.test_data_support import read_id, run_job, to_list, write_samples
 
 

@@ -34,9 +34,9 @@ from dcp_volumes.checkpoint._discovery import CheckpointInfo, parse_step, scan, 
 from dcp_volumes.checkpoint._layout import METADATA_NAME
 from dcp_volumes.checkpoint._manager import CheckpointManager
 from dcp_volumes.checkpoint._retention import retention_victims
-from tests.dist import run_ranks
-from tests.emulators import LatencyProxy, MotoServer
-from tests.scripts.states import Progress, differences, empty_state, state_for
+from testkit.emulators import LatencyProxy, MotoServer
+from testkit.ranks import run_ranks
+from testkit.states import Progress, differences, empty_state, state_for
 
 Location = tuple[str, dict[str, Any]]
 

@@ -31,7 +31,7 @@ from dcp_volumes._volume._options import (
     seconds_of,
     spell,
 )
-from tests.emulators import Azurite, MotoServer
+from testkit.emulators import Azurite, MotoServer
 from tests.test_data_support import write_samples
 
 POLICY = RetryPolicy(attempts=2, base_delay_s=0.05, max_delay_s=0.2)

@@ -27,8 +27,9 @@ import pytest
 from dcp_volumes import CheckpointManager, ConfigurationError
 from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from dcp_volumes.checkpoint._peers import sources_of, targets_of
-from tests.dist import free_port, run_ranks
-from tests.proxy import LatencyProxy
+from testkit.ports import free_port
+from testkit.proxy import LatencyProxy
+from testkit.ranks import run_ranks
 from tests.test_cli import run_cli
 from tests.test_disk_full import small_disk  # noqa: F401 - a fixture
 

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from dcp_volumes import CheckpointManager, ConfigurationError
-from tests.dist import free_port
-from tests.proxy import LatencyProxy
+from testkit.ports import free_port
+from testkit.proxy import LatencyProxy
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "preempt_train.py"
@@ -86,12 +86,6 @@ def _weights(out: Path) -> list[list[float]]:
     return [_rank(out, r)["weights"] for r in (0, 1)]
 
 
-@pytest.fixture
-def bucket(moto_server: Any, request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
-    name = f"preempt-{abs(hash(request.node.name)) % 10**8}-{random.randrange(10**6)}"
-    return moto_server.create_bucket(name), moto_server.storage_options()
-
-
 def _reference(tmp_path: Path, moto_server: Any, total: int) -> list[list[float]]:
     """Weights of an uninterrupted run of ``total`` steps."""
     root = moto_server.create_bucket(f"preempt-ref-{random.randrange(10**9)}")
@@ -102,9 +96,9 @@ def _reference(tmp_path: Path, moto_server: Any, total: int) -> list[list[float]
 
 
 def test_sigterm_to_torchrun_commits_the_current_step_and_the_restart_is_exact(
-    bucket: tuple[str, dict[str, Any]], moto_server: Any, tmp_path: Path
+    s3_bucket: tuple[str, dict[str, Any]], moto_server: Any, tmp_path: Path
 ) -> None:
-    root, options = bucket
+    root, options = s3_bucket
     total = 60  # ranks compare notes about every 0.5 s: the notice lands within ~20 steps
     at = random.Random(os.getpid()).randint(3, 10)  # a step between saves, or on one
     opts = {"storage_options": options, "interval": 4}
@@ -151,9 +145,9 @@ def test_sigterm_while_an_async_save_uploads_finishes_it_then_commits_the_curren
 
 
 def test_a_signal_that_reaches_one_rank_only_stops_every_rank_at_the_same_step(
-    bucket: tuple[str, dict[str, Any]], tmp_path: Path
+    s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
 ) -> None:
-    root, options = bucket
+    root, options = s3_bucket
     out = tmp_path / "job"
     proc = _launch(root, 40, out, {"storage_options": options, "interval": 5})
     _wait_for(lambda: min(_rank(out, r)["step"] for r in (0, 1)) >= 4, proc, out)
@@ -222,9 +216,9 @@ def test_the_grace_period_running_out_leaves_the_previous_checkpoint_intact(
 
 
 def test_without_preemption_signals_sigterm_keeps_its_default_action(
-    bucket: tuple[str, dict[str, Any]], tmp_path: Path
+    s3_bucket: tuple[str, dict[str, Any]], tmp_path: Path
 ) -> None:
-    root, options = bucket
+    root, options = s3_bucket
     out = tmp_path / "job"
     proc = _launch(root, 400, out, {"storage_options": options, "signals": []})
     _wait_for(lambda: _rank(out, 1)["step"] >= 3, proc, out)

@@ -1,6 +1,6 @@
-"""The radosgw launcher (tests/radosgw.py) against the real S3 semantics tests rely on.
+"""The radosgw launcher (testkit/radosgw.py) against the real S3 semantics tests rely on.
 
-Skipped when the Ceph binaries are not installed (``sudo bash tests/install_radosgw.sh``).
+Skipped when the Ceph binaries are not installed (``sudo bash testkit/install_radosgw.sh``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.radosgw import INSTALL_COMMAND, RadosGW
+from testkit.radosgw import INSTALL_COMMAND, RadosGW
+from tests.conftest import unique_bucket_name
 
 pytestmark = pytest.mark.emulator
 
@@ -39,7 +40,7 @@ def rgw() -> Iterator[RadosGW]:
 
 @pytest.fixture
 def bucket(rgw: RadosGW, request: pytest.FixtureRequest) -> Iterator[str]:
-    name = "t-" + request.node.name.replace("_", "-").lower()[:40]
+    name = unique_bucket_name(request)
     rgw.create_bucket(name)
     try:
         yield name
@@ -143,7 +144,7 @@ def test_storage_options_with_s3fs(rgw: RadosGW, bucket: str) -> None:
 
 
 def test_missing_binaries_error_names_the_install_command(tmp_path: Path) -> None:
-    from tests.emulators import EmulatorError
+    from testkit.emulators import EmulatorError
 
     with pytest.raises(EmulatorError, match=r"install_radosgw\.sh"):
         RadosGW(bin_dir=tmp_path).start()

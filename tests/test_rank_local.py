@@ -39,8 +39,9 @@ from dcp_volumes.checkpoint._layout import (
 )
 from dcp_volumes.checkpoint._manifest import Manifest
 from dcp_volumes.cli import main as cli_main
+from testkit.ports import free_port
+from testkit.ranks import run_ranks
 from tests.checkpoint_helpers import assert_same, blank_like, failure_of
-from tests.dist import free_port, run_ranks
 from tests.scripts import rank_local_child
 from tests.scripts.rank_local_child import rank_state
 

@@ -55,7 +55,7 @@ def _torchrun(*args: str) -> list[str]:
 
 
 def _free_port() -> int:
-    from tests.dist import free_port
+    from testkit.ports import free_port
 
     return free_port()
 

@@ -28,8 +28,9 @@ from dcp_volumes import (
 )
 from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from dcp_volumes.checkpoint._routing import TARGETS
+from testkit.proxy import LatencyProxy
+from testkit.states import seeded_state
 from tests.checkpoint_helpers import assert_same, blank_like, failure_of, join
-from tests.proxy import LatencyProxy
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -37,8 +38,7 @@ STOCK = {(m, n): getattr(sys.modules[m], n) for m, n, _ in TARGETS}
 
 
 def _state(seed: int = 0) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(64, 8, generator=g), "b": torch.arange(10) + seed, "step": seed}
+    return seeded_state(seed, {"w": (64, 8)}, b=torch.arange(10) + seed, step=seed)
 
 
 @pytest.fixture(autouse=True)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from benchmarks import bench_scale
 from dcp_volumes import CheckpointManager
 from dcp_volumes.checkpoint import _reader
-from tests.dist import run_ranks
-from tests.emulators import LatencyProxy, MotoServer
+from testkit.emulators import LatencyProxy, MotoServer
+from testkit.ranks import run_ranks
 
 pytestmark = [pytest.mark.emulator, pytest.mark.timeout(240)]
 

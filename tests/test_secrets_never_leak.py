@@ -39,7 +39,8 @@ from dcp_volumes import (
     ZstdCompression,
 )
 from dcp_volumes._volume import RetryPolicy, Volume
-from tests.emulators import MotoServer
+from testkit.emulators import MotoServer
+from testkit.states import load_into
 from tests.test_cli import run_cli
 from tests.test_data_support import write_samples
 
@@ -125,9 +126,8 @@ def _save(url: str, opts: dict[str, Any], tmp: Path) -> None:
             url, storage_options=opts, staging_dir=tmp, retry=FAST))
 
 
-def _load(url: str, opts: dict[str, Any], tmp: Path) -> None:
-    dcp.load({"w": torch.zeros(16), "s": 0}, no_dist=True,
-             storage_reader=VolumeReader(url, storage_options=opts, retry=FAST))
+def _dcp_load(url: str, opts: dict[str, Any], tmp: Path) -> None:
+    load_into({"w": torch.zeros(16), "s": 0}, url, opts, retry=FAST)
 
 
 def _restore(url: str, opts: dict[str, Any], tmp: Path) -> None:
@@ -159,7 +159,7 @@ def _routed_save(url: str, opts: dict[str, Any], tmp: Path) -> None:
 
 
 OPERATIONS: dict[str, Callable[[str, dict[str, Any], Path], None]] = {
-    "save": _save, "load": _load, "restore": _restore, "manager save": _manager_save,
+    "save": _save, "load": _dcp_load, "restore": _restore, "manager save": _manager_save,
     "dataset": _dataset, "cache fetch": _fetch, "routed save": _routed_save,
 }
 
@@ -259,7 +259,7 @@ def test_a_corrupt_checkpoint_on_s3_never_prints_the_secret(
     vol.publish(shard, b"short")
     with caplog.at_level(logging.DEBUG):
         with pytest.raises(BaseException) as err:
-            _load(f"{url}/step-00000001", opts, tmp_path)
+            _dcp_load(f"{url}/step-00000001", opts, tmp_path)
         _assert_hidden(_texts(err.value), "a load of a corrupt checkpoint")
         with CheckpointManager(url, storage_options=opts, staging_dir=tmp_path) as mgr:
             assert mgr.restore(_state()) is None  # not complete: skipped, with a warning

@@ -18,11 +18,13 @@ import torch
 
 from dcp_volumes import CheckpointError, CheckpointManager, RetryPolicy
 from dcp_volumes._volume import Volume
-from tests.emulators import LatencyProxy, MotoServer
+from testkit.emulators import LatencyProxy, MotoServer
+from testkit.states import seeded_state
 
 pytestmark = [pytest.mark.emulator, pytest.mark.timeout(60)]
 
 TIMEOUT_S = 2.0
+_MODEL = {f"w{i}": (128, 128) for i in range(4)}  # the state's tensors, by name
 
 
 @pytest.fixture
@@ -32,11 +34,6 @@ def stalling_s3(moto_server: MotoServer, s3_bucket: tuple[str, Any]
     url, direct = s3_bucket
     with LatencyProxy.in_front_of(moto_server) as proxy:
         yield f"{url}/run", direct, moto_server.storage_options(proxy.endpoint), proxy
-
-
-def _state(step: int) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(step)
-    return {"model": {f"w{i}": torch.randn(128, 128, generator=gen) for i in range(4)}}
 
 
 def _manager(root: str, opts: dict[str, Any], attempts: int) -> CheckpointManager:
@@ -58,7 +55,7 @@ def test_a_stalled_shard_is_retried_after_the_timeout_without_blocking_training(
     with _manager(root, opts, attempts=3) as mgr:
         proxy.stall_next(1, method="PUT")  # the first data file's upload hangs
         started = time.monotonic()
-        mgr.save(1, _state(1))
+        mgr.save(1, {"model": seeded_state(1, _MODEL)})
         returned = time.monotonic() - started
         mgr.wait()
         committed = time.monotonic() - started
@@ -72,7 +69,7 @@ def test_a_stalled_shard_is_retried_after_the_timeout_without_blocking_training(
         assert latest is not None and latest.step == 1 and latest.complete
         got = {"model": {f"w{i}": torch.zeros(128, 128) for i in range(4)}}
         assert mgr.restore(got) == 1
-        for name, want in _state(1)["model"].items():
+        for name, want in seeded_state(1, _MODEL).items():
             assert torch.equal(got["model"][name], want), name
 
 
@@ -83,10 +80,11 @@ def test_an_upload_that_always_stalls_fails_at_the_next_save_in_bounded_time(
     with _manager(root, opts, attempts=2) as mgr:
         proxy.stall_next(10_000, method="PUT")  # every upload hangs
         started = time.monotonic()
-        mgr.save(1, _state(1))
+        mgr.save(1, {"model": seeded_state(1, _MODEL)})
         assert time.monotonic() - started < TIMEOUT_S
         with pytest.raises(CheckpointError) as caught:
-            mgr.save(2, _state(2))  # step 1's failure surfaces here; step 2 is not started
+            # step 1's failure surfaces here; step 2 is not started
+            mgr.save(2, {"model": seeded_state(2, _MODEL)})
         failed_after = time.monotonic() - started
         proxy.clear_faults()  # the link is healthy again
         text = str(caught.value)
@@ -97,7 +95,7 @@ def test_an_upload_that_always_stalls_fails_at_the_next_save_in_bounded_time(
         assert not Volume(root, storage_options=direct).exists("step-00000001/.metadata")
         assert mgr.latest() is None
 
-        mgr.save(3, _state(3))
+        mgr.save(3, {"model": seeded_state(3, _MODEL)})
         mgr.wait()
         # (step 1's partial files went with retention once step 3 committed)
         assert [(i.step, i.complete) for i in mgr.list()] == [(3, True)]

@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from dcp_volumes import ConfigurationError, RetryPolicy, VolumeReader, VolumeWriter
+from dcp_volumes import ConfigurationError, RetryPolicy, VolumeWriter
 from dcp_volumes._volume import _stall
+from testkit.emulators import LatencyProxy, MotoServer
+from testkit.states import load_into
 from tests.checkpoint_helpers import assert_same, blank_like, sample_state
-from tests.emulators import LatencyProxy, MotoServer
 
 pytestmark = [pytest.mark.emulator, pytest.mark.timeout(90)]
 
@@ -39,10 +40,10 @@ def _save(url: str, opts: dict[str, Any], state: dict[str, Any], **kw: Any) -> f
     return time.monotonic() - started
 
 
-def _load(url: str, opts: dict[str, Any], state: dict[str, Any], **kw: Any) -> float:
-    got = blank_like(state)
+def _timed_load(url: str, opts: dict[str, Any], state: dict[str, Any], **kw: Any) -> float:
+    """Seconds to load ``state``'s checkpoint at ``url``, checked bit for bit."""
     started = time.monotonic()
-    dcp.load(got, storage_reader=VolumeReader(url, storage_options=opts, **kw))
+    got = load_into(blank_like(state), url, opts, **kw)
     took = time.monotonic() - started
     assert_same(got, state)
     return took
@@ -70,7 +71,7 @@ def test_a_save_through_stalled_requests_ends_within_seconds(
     assert took < BOUND_S, f"save took {took:.1f}s through {dict(proxy.stalled)}"
     proxy.clear_faults()
     proxy.fault_rate = 0.0
-    _load(url, opts, state)
+    _timed_load(url, opts, state)
 
 
 @pytest.mark.parametrize("after_bytes", [0, 4096], ids=["never-answered", "held-mid-body"])
@@ -85,7 +86,7 @@ def test_a_load_through_stalled_requests_ends_within_seconds(
     # The data files' first GET stalls for certain (beside the 5% drawn).
     for _ in range(2):
         proxy.stall_next(1, method="GET", after_bytes=after_bytes)
-    took = _load(url, opts, state)
+    took = _timed_load(url, opts, state)
     assert sum(proxy.stalled.values()) >= 2
     assert took < BOUND_S, f"load took {took:.1f}s through {dict(proxy.stalled)}"
 
@@ -105,7 +106,7 @@ def test_a_slow_transfer_that_moves_is_never_cut(
         with LatencyProxy.in_front_of(moto_server, bandwidth_bps=bandwidth) as proxy:
             opts = moto_server.storage_options(proxy.endpoint)
             save_s = _save(f"{url}/{name}", opts, state, retry=policy, upload_concurrency=1)
-            load_s = _load(f"{url}/{name}", opts, state, retry=policy, **one_get)
+            load_s = _timed_load(f"{url}/{name}", opts, state, retry=policy, **one_get)
             if name == "slow":  # the link was the limit: longer than stall_s
                 assert min(save_s, load_s) > link_s > policy.stall_s
             assert not proxy.dropped and not proxy.stalled

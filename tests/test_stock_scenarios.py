@@ -32,8 +32,8 @@ from torch.testing._internal.distributed.checkpoint_utils import (
 )
 
 from dcp_volumes import VolumeReader, VolumeWriter
+from testkit.ranks import run_ranks
 from tests.checkpoint_helpers import join, stock_reader
-from tests.dist import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 

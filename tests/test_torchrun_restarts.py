@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.dist import free_port
+from testkit.ports import free_port
 from tests.test_data_support import payload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,6 +140,7 @@ def _sigterm_times(log: str) -> dict[int, float]:
     return times
 
 
+@pytest.mark.serial  # exits within a second of SIGTERM: not beside another worker's load
 @pytest.mark.parametrize("signals", [[], ["SIGTERM"]], ids=["no-signals", "sigterm-preempts"])
 def test_survivors_exit_at_once_on_torchruns_sigterm(
     tmp_path: Path, moto_server: Any, training_data: str, signals: list[str],

@@ -30,8 +30,8 @@ from dcp_volumes._exceptions import (
 )
 from dcp_volumes._volume import RetryPolicy, Volume, despite_lag, redact_url
 from dcp_volumes.testing import MemoryStore
+from testkit.emulators import Azurite, Emulator, LatencyProxy
 from tests.conftest import EMULATOR_FIXTURE, unique_bucket_name
-from tests.emulators import Azurite, Emulator, LatencyProxy
 
 
 @pytest.fixture
@@ -313,7 +313,7 @@ def test_secret_from_storage_options_is_scrubbed(tmp_path) -> None:
 
 
 def test_transient_connection_drops_are_retried(moto_server, s3_bucket, caplog) -> None:
-    from tests.proxy import LatencyProxy
+    from testkit.proxy import LatencyProxy
 
     url, options = s3_bucket
     Volume(url, storage_options=options).publish("r/obj", b"payload" * 100)
@@ -335,7 +335,7 @@ def test_a_listing_that_keeps_failing_is_not_taken_for_a_missing_bucket(
     moto_server, s3_bucket
 ) -> None:
     """Cut listings are a transient failure: never "the bucket does not exist"."""
-    from tests.proxy import LatencyProxy
+    from testkit.proxy import LatencyProxy
 
     url, _ = s3_bucket
     with LatencyProxy.in_front_of(moto_server) as proxy:

@@ -15,18 +15,11 @@ from dcp_volumes import VolumeReader, VolumeWriter
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._rank_save import InFlightBytes
 from dcp_volumes.checkpoint._state_copy import CpuStager, free_pooled_buffers
+from testkit.states import seeded_state
 from tests.checkpoint_helpers import assert_same, blank_like, join
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def _state(seed: int) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "w": torch.randn(256, 256, generator=gen),
-        "b": torch.randn(256, generator=gen),
-        "step": seed,
-    }
+_SHAPES = {"w": (256, 256), "b": (256,)}  # the state's tensors, by name
 
 
 def _pointers(staged: dict[str, Any]) -> set[int]:
@@ -36,18 +29,18 @@ def _pointers(staged: dict[str, Any]) -> set[int]:
 def test_a_new_stager_reuses_the_buffers_a_finished_save_gave_back() -> None:
     free_pooled_buffers()
     first = CpuStager(cache=True)
-    staged = first.stage(_state(1))
+    staged = first.stage(seeded_state(1, _SHAPES, step=1))
     used = _pointers(staged)
     first.release()
 
     second = CpuStager(cache=True)  # a new writer, as most training code makes per save
-    fresh = _state(2)
+    fresh = seeded_state(2, _SHAPES, step=2)
     restaged = second.stage(fresh)
     assert _pointers(restaged) == used
     assert_same(restaged, fresh)  # refreshed in place, not the first save's values
 
     # While `second` holds them (its save is in flight), another stager gets its own.
-    other = CpuStager(cache=True).stage(_state(3))
+    other = CpuStager(cache=True).stage(seeded_state(3, _SHAPES, step=3))
     assert _pointers(other).isdisjoint(used)
 
     # Another shape never receives them.
@@ -65,9 +58,9 @@ def test_fresh_writers_per_async_save_load_back_each_saves_own_values(
     free_pooled_buffers()
     for step in range(3):
         writer = VolumeWriter(join(url, f"step-{step}"), storage_options=opts)
-        dcp.async_save(_state(step), storage_writer=writer).result()
+        dcp.async_save(seeded_state(step, _SHAPES, step=step), storage_writer=writer).result()
     for step in range(3):
-        expected = _state(step)
+        expected = seeded_state(step, _SHAPES, step=step)
         target = blank_like(expected)
         reader = VolumeReader(join(url, f"step-{step}"), storage_options=opts)
         dcp.load(target, storage_reader=reader)

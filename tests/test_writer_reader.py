@@ -35,9 +35,9 @@ from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._file_reads import coalesce, find_span, split_range
 from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from dcp_volumes.checkpoint._manifest import Manifest
+from testkit.emulators import LatencyProxy, MotoServer
 from tests import faulty_backend
 from tests.checkpoint_helpers import assert_same, blank_like, failure_of, join, sample_state
-from tests.emulators import LatencyProxy, MotoServer
 
 # dcp.save/load without a process group warn that they run in a single process.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -679,7 +679,7 @@ def test_coalesce_rejects_bad_ranges() -> None:
 # -- async staging cost (benchmark target) -----------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.soak
 def test_async_save_reuses_buffers_and_bounds_memory(tmp_path: Path) -> None:
     """Extra RAM <= 1.25x the state on the first save, ~nothing on later ones (buffers reused).
 

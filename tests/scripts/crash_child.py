@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dcp_volumes.checkpoint._manager import CheckpointManager
-from tests.scripts.states import differences, empty_state, state_for
+from testkit.states import differences, empty_state, state_for
 
 # (message prefix, event): the manager's log lines for each phase.
 _PHASES = (

@@ -5,7 +5,7 @@ One ceph-mon, one memstore ceph-osd (data in RAM) and radosgw (beast frontend), 
 mon/osd data) that ``stop()`` removes. Auth is off inside the cluster; S3 requests are
 signed with the fixed fake credentials of one rgw user (``dcpvtest``/``dcpvtestsecret``).
 
-Install the binaries with ``sudo bash tests/install_radosgw.sh`` (Debian/Ubuntu
+Install the binaries with ``sudo bash testkit/install_radosgw.sh`` (Debian/Ubuntu
 packages ``radosgw ceph-mon ceph-osd ceph-common``; Ceph 16 on Debian 12).
 
 Measured on a 2-core Debian 12 machine (Ceph 16.2.15): ``start()`` 1.6-1.9 s idle,
@@ -24,7 +24,7 @@ answers with an empty ``<ETag>`` (HEAD has the right one). botocore's default re
 checksums work over plain HTTP here. Bucket names need at least 3 characters.
 
 Usable outside pytest: ``sys.path.insert(0, repo_root)``, then
-``from tests.radosgw import RadosGW``.
+``from testkit.radosgw import RadosGW``.
 """
 
 from __future__ import annotations
@@ -46,11 +46,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .emulators import Emulator, EmulatorError, S3Api, free_port
+from .emulators import Emulator, EmulatorError, S3Api
+from .ports import free_port
 
 __all__ = ["INSTALL_COMMAND", "RadosGW"]
 
-INSTALL_COMMAND = "sudo bash tests/install_radosgw.sh"
+INSTALL_COMMAND = "sudo bash testkit/install_radosgw.sh"
 
 # Fixed fake credentials of the rgw user; they grant access to this private server only.
 _RGW_KEY = "dcpvtest"

@@ -9,7 +9,7 @@ Shared surface (see `Emulator`): ``start()``, ``stop()``, context manager,
 ``reset()`` wipes everything, buckets/containers included, on every backend.
 
 Usable outside pytest: benchmarks do ``sys.path.insert(0, repo_root)`` and then
-``from tests.emulators import MotoServer, LatencyProxy``.
+``from testkit.emulators import MotoServer, LatencyProxy``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
+from .ports import free_port
 from .proxy import LatencyProxy
 
 if TYPE_CHECKING:
@@ -69,7 +69,6 @@ __all__ = [
     "LatencyProxy",
     "MotoServer",
     "S3Api",
-    "free_port",
     "repo_root",
 ]
 
@@ -87,15 +86,8 @@ class EmulatorError(RuntimeError):
 
 
 def repo_root() -> Path:
-    """The repository root (the parent of ``tests/``)."""
+    """The repository root (the parent of ``testkit/``)."""
     return Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _http(

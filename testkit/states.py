@@ -2,14 +2,20 @@
 
 Every tensor of ``state_for(step)`` is derived from ``step`` alone (and the
 rank for per-rank entries), so a test that only knows which step was restored
-can check the restored bytes exactly.
+can check the restored bytes exactly. ``seeded_state`` builds a flat state of
+given shapes the same way; ``load_into`` restores a checkpoint in one process.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_volumes import VolumeReader
 
 
 class Progress:
@@ -48,6 +54,28 @@ def state_for(step: int, *, rank: int | None = None, size: int = 64) -> dict[str
         gr = torch.Generator().manual_seed(10_000 * (rank + 1) + step)
         state[f"rank{rank}"] = torch.randint(0, 1 << 30, (size,), generator=gr)
     return state
+
+
+def seeded_state(seed: int, shapes: Mapping[str, tuple[int, ...]], **extra: Any) -> dict[str, Any]:
+    """Float32 tensors of ``shapes`` drawn in order from ``seed``, then the ``extra`` entries."""
+    g = torch.Generator().manual_seed(seed)
+    state: dict[str, Any] = {name: torch.randn(*shape, generator=g)
+                             for name, shape in shapes.items()}
+    state.update(extra)
+    return state
+
+
+def load_into(
+    target: dict[str, Any], url: str, storage_options: Mapping[str, Any] | None = None,
+    **reader_options: Any,
+) -> dict[str, Any]:
+    """``dcp.load`` the checkpoint at ``url`` into ``target`` in this process alone; returns it."""
+    reader = VolumeReader(url, storage_options=dict(storage_options or {}), **reader_options)
+    with warnings.catch_warnings():
+        # Without a process group DCP warns that it loads in a single process: intended here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, storage_reader=reader, no_dist=True)
+    return target
 
 
 def empty_state(*, rank: int | None = None, size: int = 64) -> dict[str, Any]:

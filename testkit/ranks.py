@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in fresh processes, started the way torchrun starts them.
+"""Run a function on N gloo ranks in new processes, started the way torchrun starts them.
 
 Our own small helper (not ``torch.testing._internal``)::
 
@@ -14,6 +14,12 @@ MASTER_ADDR and MASTER_PORT in its environment (and, with more than one
 rank, OMP_NUM_THREADS=1 unless set, as torchrun does; torch's thread count
 follows it), calls ``init_process_group("gloo")`` through the
 ``env://`` method, runs ``fn(rank, world_size, *args)`` and destroys the group.
+
+Ranks fork from a server that imported torch, torch.distributed and
+dcp_volumes once (``forkserver_context``) instead of each importing them again;
+each rank still gets the caller's environment and working directory as of the
+call. ``fresh=True`` spawns a new interpreter per rank instead, for a test
+about what happens at import.
 """
 
 from __future__ import annotations
@@ -25,13 +31,18 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["RankError", "RankTimeoutError", "free_port", "run_ranks"]
+from .ports import free_port
+
+__all__ = ["PRELOAD", "RankError", "RankTimeoutError", "forkserver_context", "process_running",
+           "run_ranks"]
+
+# What the fork server imports before it forks any process.
+PRELOAD = ("torch", "torch.distributed", "dcp_volumes", "s3fs")
 
 # After the first rank fails, peers blocked in a collective get this long to
 # fail or finish on their own before they are killed.
@@ -55,10 +66,15 @@ class RankTimeoutError(RankError, TimeoutError):
         self.ranks = ranks
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def forkserver_context(*preload: str) -> Any:
+    """multiprocessing's forkserver context; its server imports ``PRELOAD`` and ``preload``.
+
+    There is one server per process, started at the first use of the context:
+    the modules named then are the ones it holds.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([*PRELOAD, *preload])
+    return ctx
 
 
 def _rank_main(
@@ -68,8 +84,14 @@ def _rank_main(
     port: int,
     args: tuple[Any, ...],
     env: Mapping[str, str] | None,
+    caller: tuple[dict[str, str], str],
     results: Any,
 ) -> None:
+    # A forked rank has the fork server's environment and directory: take the caller's.
+    environ, cwd = caller
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
     os.environ.update(
         {
             "RANK": str(rank),
@@ -127,6 +149,7 @@ def run_ranks(
     *args: Any,
     timeout: float = 120.0,
     env: Mapping[str, str] | None = None,
+    fresh: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
 
@@ -136,6 +159,8 @@ def run_ranks(
         *args: extra picklable arguments passed to every rank.
         timeout: seconds for the whole run; hung ranks are killed after it.
         env: extra environment variables for every rank.
+        fresh: spawn each rank as a new interpreter (nothing imported yet) instead
+            of forking it from the preloaded server.
 
     Returns:
         The ranks' return values, indexed by rank.
@@ -146,13 +171,14 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError("world_size must be >= 1")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn") if fresh else forkserver_context()
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, rank, world_size, port, args, env, results),
+            args=(fn, rank, world_size, port, args, env, (dict(os.environ), os.getcwd()),
+                  results),
             name=f"rank{rank}",
         )
         for rank in range(world_size)

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Install Ceph radosgw + one mon + one OSD (Debian/Ubuntu packages) for tests/radosgw.py.
+# Install Ceph radosgw + one mon + one OSD (Debian/Ubuntu packages) for testkit/radosgw.py.
 #
 # Idempotent: returns at once when the binaries are already there. Needs root
 # (or sudo). Installs with --no-install-recommends; no service is started or
-# configured: tests/radosgw.py runs its own private cluster on 127.0.0.1.
+# configured: testkit/radosgw.py runs its own private cluster on 127.0.0.1.
 #
 # Measured on Debian 12 (2 cores, package lists fresh): 19 s, 64 packages (Ceph
 # 16.2.15), 66 MB download, 257 MiB installed (+66 MB of .debs in the apt cache);
