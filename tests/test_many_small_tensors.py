@@ -1,0 +1,90 @@
+"""A real model's shape: 10,240 small tensors through ``dcp.async_save`` and a resharded load."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dcp_volumes import VolumeReader, VolumeWriter
+from tests.checkpoint_helpers import assert_same, blank_like
+from tests.dist import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+SMALL = 10_240  # tensors in the whole state, over both saving ranks
+SHARDED = 4  # of them DTensors sharded over the saving ranks (the rest each rank's own)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.float64)
+
+
+def _small(i: int) -> torch.Tensor:
+    """The ``i``-th small tensor: a few bytes to a few KiB, of several dtypes and shapes."""
+    g = torch.Generator().manual_seed(i)
+    dtype = _DTYPES[i % len(_DTYPES)]
+    shape: tuple[int, ...] = [(), (0,), (7,), (3, 5), (16, 16), (2, 3, 4), (257,)][i % 7]
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype == torch.int64:
+        return torch.randint(-(2**40), 2**40, shape, generator=g)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _sharded_full(j: int) -> torch.Tensor:
+    return torch.randn(6, 33, generator=torch.Generator().manual_seed(10**6 + j))
+
+
+def _expected() -> dict[str, Any]:
+    """The state the two ranks save together, as one process loads it."""
+    state: dict[str, Any] = {f"layers.{i}.p": _small(i) for i in range(SMALL - SHARDED)}
+    state.update({f"sharded.{j}": _sharded_full(j) for j in range(SHARDED)})
+    state["step"] = 42
+    return state
+
+
+def _async_save_two_ranks(rank: int, world: int, url: str, opts: dict[str, Any]) -> bool:
+    """Each rank owns every other small tensor; the DTensors are split between both."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (world,))
+    state: dict[str, Any] = {
+        f"layers.{i}.p": _small(i) for i in range(rank, SMALL - SHARDED, world)
+    }
+    state.update({f"sharded.{j}": distribute_tensor(_sharded_full(j), mesh, [Shard(0)])
+                  for j in range(SHARDED)})
+    state["step"] = 42
+    fut = dcp.async_save(state, storage_writer=VolumeWriter(url, storage_options=opts))
+    for key, value in state.items():  # training goes on: the save holds its own copy
+        if key.startswith("layers.") and value.numel() and value.dtype != torch.bool:
+            value.add_(1)
+    fut.result()
+    dist.barrier()
+    return True
+
+
+def _check_roundtrip(url: str, opts: dict[str, Any]) -> None:
+    assert run_ranks(_async_save_two_ranks, 2, url, opts, timeout=300) == [True, True]
+    # Loaded by one process without a process group: another rank count and sharding.
+    expected = _expected()
+    out = blank_like(expected)
+    out["step"] = 0
+    dcp.load(out, storage_reader=VolumeReader(url, storage_options=opts))
+    assert_same(out, expected)  # bit-equal tensors, equal objects
+
+
+def test_ten_thousand_small_tensors_async_save_resharded_load_local(tmp_path: Path) -> None:
+    _check_roundtrip(str(tmp_path / "ck"), {})
+
+
+@pytest.mark.emulator
+def test_ten_thousand_small_tensors_async_save_resharded_load_s3(
+    s3_bucket: tuple[str, dict[str, Any]],
+) -> None:
+    url, opts = s3_bucket
+    _check_roundtrip(url + "/ck", opts)
