@@ -88,3 +88,46 @@ def test_ten_thousand_small_tensors_async_save_resharded_load_s3(
 ) -> None:
     url, opts = s3_bucket
     _check_roundtrip(url + "/ck", opts)
+
+
+def test_a_tensor_item_is_torch_saves_bytes_without_running_it(tmp_path: Path) -> None:
+    """Small tensors skip torch.save's calls: the same bytes (its records carry no CRC-32 and
+    the serialisation id is the frame's), torch.load reads them, their data is located."""
+    import io
+
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from dcp_volumes.checkpoint._byte_format import HashingFile, without_zip_crc32, write_item
+
+    buffer = torch.arange(1000, dtype=torch.float32)
+    tensors = [_small(i) for i in range(14)] + [
+        buffer[100:400].view(30, 10),  # a view into a larger buffer: only its own bytes
+        torch.rand(3, 2**17),  # 1.5 MiB: written without gathering
+        torch.arange(6.0).view(2, 3).t(),  # not contiguous: torch.save itself
+    ]
+    item = WriteItem(index=None, type=WriteItemType.TENSOR)  # type: ignore[arg-type]
+    f = HashingFile(str(tmp_path / "data"))
+    spans = []
+    with without_zip_crc32():
+        for t in tensors:
+            start = f.tell()
+            assert write_item(f, t, item, None) is None
+            spans.append((start, f.tell()))
+        record = f.close(fsync=False)
+        stock = []
+        for t in tensors:
+            out = io.BytesIO()
+            torch.save(t.clone(), out)
+            stock.append(out.getvalue())
+    data = (tmp_path / "data").read_bytes()
+    for (start, end), t, theirs in zip(spans, tensors, stock, strict=True):
+        ours = data[start:end]
+        assert len(ours) == len(theirs)
+        assert_same(torch.load(io.BytesIO(ours), weights_only=True), t)
+        if t.numel() and t.is_contiguous():
+            at, nbytes = record.tensors[start]
+            assert data[at : at + nbytes] == t.reshape(-1).view(torch.uint8).numpy().tobytes()
+            # Up to the data, torch.save's bytes; after it only its serialisation id
+            # (derived from the values) may differ.
+            head = at - start
+            assert ours[: head + nbytes] == theirs[: head + nbytes]
