@@ -131,3 +131,39 @@ def test_a_tensor_item_is_torch_saves_bytes_without_running_it(tmp_path: Path) -
             # (derived from the values) may differ.
             head = at - start
             assert ours[: head + nbytes] == theirs[: head + nbytes]
+
+
+def test_small_tensors_are_staged_as_views_of_one_buffer_reused_across_saves() -> None:
+    from dcp_volumes.checkpoint._state_copy import CpuStager, free_pooled_buffers
+
+    free_pooled_buffers()
+    weight = torch.nn.Parameter(torch.randn(4, 4))  # copied, not recorded by autograd
+    state: dict[str, Any] = {
+        "model": {f"p{i}": _small(i) for i in range(2, 30)},
+        "big": torch.randn(2**19),  # 2 MiB: a buffer of its own
+        "optim": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(5)}},
+                  "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "list": [torch.arange(3), "x", weight],
+    }
+    expected = {k: v for k, v in state.items() if k != "list"}
+    stager = CpuStager(cache=True)
+    staged = stager.stage(state)
+    assert isinstance(staged, dict)
+    assert_same({k: v for k, v in staged.items() if k != "list"}, expected)
+    for ours, theirs in zip(staged["list"], state["list"], strict=True):
+        assert torch.equal(ours, theirs) if isinstance(theirs, torch.Tensor) else ours == theirs
+    assert not staged["list"][2].requires_grad
+    small = [t for t in staged["model"].values() if t.numel()] + [staged["list"][0]]
+    storages = {t.untyped_storage().data_ptr() for t in small}
+    assert len(storages) == 1, "small tensors share one staging buffer"
+    assert staged["big"].untyped_storage().data_ptr() not in storages
+    pointers = [t.data_ptr() for t in small]
+    state["model"]["p2"].add_(1)  # training goes on: the staged copy stays
+    assert not torch.equal(staged["model"]["p2"], state["model"]["p2"])
+    stager.release()
+    again = CpuStager(cache=True).stage(state)  # a new writer: the pooled buffer, refreshed
+    assert isinstance(again, dict)
+    assert [t.data_ptr() for t in [t for t in again["model"].values() if t.numel()]
+            + [again["list"][0]]] == pointers
+    assert torch.equal(again["model"]["p2"], state["model"]["p2"])
+    free_pooled_buffers()
