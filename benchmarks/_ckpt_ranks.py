@@ -4,7 +4,9 @@ Every rank holds its own state dict (distinct keys per rank, so DCP's
 de-duplication of replicated tensors never drops one): by default a model and
 its Adam state (``shape="mixed"``: a few large tensors, a dozen medium ones and
 many small ones, each parameter with ``exp_avg``, ``exp_avg_sq`` and a
-one-element ``step``), or ``shape="uniform"`` tensors of one size. It runs the
+one-element ``step``), ``shape="uniform"`` tensors of one size, ``"small:N"``
+(4 big tensors and N of a few KiB) or a transformers model's names and shapes
+with its AdamW state (``"gpt2"``, ``"llama"``; ``make_state``). It runs the
 methods it is given in order. A method is a number of saves (or loads); for each save the
 rank records the time until the call gave control back to training
 (``blocking_s``) and until the checkpoint was committed (``e2e_s``), and its
@@ -50,6 +52,7 @@ transfers from ``_raw.raw_store``.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -145,7 +148,7 @@ class Job:
     load_repeats: int = 2
     load_source: str | None = None  # checkpoint URL the DCP readers load
     keep: tuple[str, ...] = field(default=())  # methods whose last save the loads need
-    shape: str = "mixed"  # the state: "mixed" (model + Adam) or "uniform" tensors
+    shape: str = "mixed"  # the state: see make_state
     multipart: bool = True  # whether the store has a parallel-parts upload
     server_pids: tuple[int, ...] = ()  # the server's processes, for its CPU time
     # Loading on another world size: the ranks whose saved state each rank reads
@@ -217,10 +220,82 @@ def param_sizes(size_bytes: int) -> list[tuple[str, int]]:
     return sizes
 
 
+# Tensors of the "small:N" shape: a few KiB each (norms, biases, a step per parameter).
+FEW_KIB = 4096
+BIG_TENSORS = 4
+
+
+def _model_dims(full: dict[str, int], scale: float) -> dict[str, int]:
+    """A config's widths times ``scale`` (multiples of 8, at least 8); layer counts stay."""
+    return {k: v if k == "layers" else max(8, int(v * scale) // 8 * 8) for k, v in full.items()}
+
+
+GPT2_SMALL = {"layers": 12, "hidden": 768, "inner": 3072, "vocab": 50257, "positions": 1024}
+LLAMA_1B = {"layers": 16, "hidden": 2048, "inner": 8192, "vocab": 128256, "kv": 512}
+
+
+def gpt2_params(d: dict[str, int]) -> list[tuple[str, tuple[int, ...]]]:
+    """GPT2LMHeadModel's state dict names and shapes (``lm_head`` is tied to ``wte``)."""
+    h, i = d["hidden"], d["inner"]
+    out = [("transformer.wte.weight", (d["vocab"], h)),
+           ("transformer.wpe.weight", (d["positions"], h))]
+    for n in range(d["layers"]):
+        b = f"transformer.h.{n}."
+        out += [(b + "ln_1.weight", (h,)), (b + "ln_1.bias", (h,)),
+                (b + "attn.c_attn.weight", (h, 3 * h)), (b + "attn.c_attn.bias", (3 * h,)),
+                (b + "attn.c_proj.weight", (h, h)), (b + "attn.c_proj.bias", (h,)),
+                (b + "ln_2.weight", (h,)), (b + "ln_2.bias", (h,)),
+                (b + "mlp.c_fc.weight", (h, i)), (b + "mlp.c_fc.bias", (i,)),
+                (b + "mlp.c_proj.weight", (i, h)), (b + "mlp.c_proj.bias", (h,))]
+    return [*out, ("transformer.ln_f.weight", (h,)), ("transformer.ln_f.bias", (h,))]
+
+
+def llama_params(d: dict[str, int]) -> list[tuple[str, tuple[int, ...]]]:
+    """LlamaForCausalLM's state dict names and shapes (Llama 3.2 1B: ``lm_head`` tied)."""
+    h, i, kv = d["hidden"], d["inner"], d["kv"]
+    out = [("model.embed_tokens.weight", (d["vocab"], h))]
+    for n in range(d["layers"]):
+        b = f"model.layers.{n}."
+        out += [(b + "self_attn.q_proj.weight", (h, h)), (b + "self_attn.k_proj.weight", (kv, h)),
+                (b + "self_attn.v_proj.weight", (kv, h)), (b + "self_attn.o_proj.weight", (h, h)),
+                (b + "mlp.gate_proj.weight", (i, h)), (b + "mlp.up_proj.weight", (i, h)),
+                (b + "mlp.down_proj.weight", (h, i)),
+                (b + "input_layernorm.weight", (h,)), (b + "post_attention_layernorm.weight", (h,))]
+    return [*out, ("model.norm.weight", (h,))]
+
+
+MODELS = {"gpt2": (GPT2_SMALL, gpt2_params), "llama": (LLAMA_1B, llama_params)}
+
+
+def model_params(shape: str, size_bytes: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The model's parameters, widths scaled so that they and AdamW's two moments
+    (float32) take about ``size_bytes``."""
+    full, params = MODELS[shape]
+
+    def state_bytes(scale: float) -> int:
+        return sum(3 * 4 * math.prod(s) for _, s in params(_model_dims(full, scale)))
+
+    lo, hi = 0.0, 1.0
+    for _ in range(30):  # the largest scale whose state fits (1.0: the real config)
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if state_bytes(mid) <= size_bytes else (lo, mid)
+    return params(_model_dims(full, lo))
+
+
+def shape_names() -> str:
+    return "mixed, uniform, small:N (4 big + N small tensors), " + ", ".join(MODELS)
+
+
 def make_state(
     rank: int, size_bytes: int, tensor_bytes: int, shape: str = "mixed"
 ) -> dict[str, Any]:
-    """About ``size_bytes`` of float32 tensors with keys unique to this rank."""
+    """About ``size_bytes`` of float32 tensors with keys unique to this rank.
+
+    ``mixed``: a model and its Adam state; ``uniform``: ``tensor_bytes`` tensors;
+    ``small:N``: 4 big tensors and ``N`` of a few KiB (a real model's count);
+    ``gpt2`` / ``llama``: GPT-2 small's / Llama 3.2 1B's parameter names and
+    shapes, widths scaled to the size, with AdamW's state (a 0-d ``step`` each).
+    """
     import torch
 
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -233,10 +308,29 @@ def make_state(
                 for i in range(n)
             }
         }
+    if shape.startswith("small:"):
+        n_small = int(shape.split(":", 1)[1])
+        big = max(4, (size_bytes - n_small * FEW_KIB) // BIG_TENSORS // 4)
+        model = {f"rank{rank}.big{i}": torch.rand(big, generator=gen) for i in range(BIG_TENSORS)}
+        model.update({f"rank{rank}.small{i:05d}": torch.rand(FEW_KIB // 4, generator=gen)
+                      for i in range(n_small)})
+        return {"model": model}
+    if shape in MODELS:
+        model = {}
+        optim: dict[str, Any] = {}
+        for name, dims in model_params(shape, size_bytes):
+            key = f"rank{rank}.{name}"
+            model[key] = torch.rand(dims, generator=gen)
+            optim[key] = {
+                "step": torch.tensor(1000.0),
+                "exp_avg": torch.rand(dims, generator=gen),
+                "exp_avg_sq": torch.rand(dims, generator=gen),
+            }
+        return {"model": model, "optim": {"state": optim}}
     if shape != "mixed":
-        raise ValueError(f"unknown state shape {shape!r}: use 'mixed' or 'uniform'")
-    model: dict[str, Any] = {}
-    optim: dict[str, Any] = {}
+        raise ValueError(f"unknown state shape {shape!r}: use one of {shape_names()}")
+    model = {}
+    optim = {}
     for name, nbytes in param_sizes(size_bytes):
         key = f"rank{rank}.{name}"
         model[key] = torch.rand(nbytes // 4, generator=gen)

@@ -37,6 +37,14 @@ SUITES = ("checkpoint", "data", "all", "replot", "scale")
 QUICK = {"sizes": (8,), "ranks": (2,), "repeats": 2, "load_repeats": 1, "local_tier_repeats": 1}
 
 
+def _shape(text: str) -> str:
+    kind, _, count = text.partition(":")
+    if text in ("mixed", "uniform", "gpt2", "llama") or (kind == "small" and count.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: use mixed, uniform, small:N (N small tensors), gpt2 or llama")
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
@@ -74,9 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-repeats", type=int, default=None, help="loads per reader (default 2)")
     g.add_argument("--methods", default=None,
                    help="comma-separated save methods (and 'load'); default: all that apply")
-    g.add_argument("--shape", choices=("mixed", "uniform"), default="mixed",
+    g.add_argument("--shape", type=_shape, default="mixed",
                    help="mixed: model + Adam state, a few large and many small tensors "
-                        "(default); uniform: --tensor-mib tensors")
+                        "(default); uniform: --tensor-mib tensors; small:N: 4 big tensors "
+                        "and N of 4 KiB (small:2048, small:10240); gpt2, llama: GPT-2 small's "
+                        "and Llama 3.2 1B's names and shapes, widths scaled to --sizes, with "
+                        "AdamW's state")
     g.add_argument("--tensor-mib", type=float, default=8,
                    help="tensor size of --shape uniform (e.g. 0.015625: 16 KiB)")
     g.add_argument("--vw-file-size", default=None, help="VolumeWriter file_size, e.g. 32MiB")

@@ -25,6 +25,7 @@ __all__ = [
     "StreamTransforms",
     "ZStandard",
     "copy_state_dict",
+    "copy_tensors",
     "create_cpu_state_dict",
     "load_tensor_in_place",
 ]
@@ -84,6 +85,16 @@ try:
 except ImportError:  # pragma: no cover - depends on the torch version
     copy_state_dict = None
     create_cpu_state_dict = None
+
+
+def copy_tensors(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``targets[i].copy_(sources[i])`` for every ``i``, in one call where torch has it."""
+    foreach_copy = getattr(torch, "_foreach_copy_", None)
+    if foreach_copy is not None:
+        foreach_copy(targets, sources)
+        return
+    for target, source in zip(targets, sources, strict=True):  # pragma: no cover - old torch
+        target.copy_(source)
 
 
 def load_tensor_in_place(view: memoryview) -> torch.Tensor:

@@ -4,7 +4,10 @@ The format is stock DCP's (``torch.distributed.checkpoint.filesystem``):
 ``BYTE_IO`` items as raw bytes, tensors as ``torch.save`` of a CPU tensor whose
 storage holds only its data, back to back (with torch.save's switch for no
 zip CRC-32 set); ``StorageInfo(relative_path, offset, length)`` locates each
-item. ``HashingFile`` hashes every byte on its way to disk, for the manifest.
+item. A contiguous tensor's item is written as torch.save's bytes around its
+data (``_Frame``, made once per dtype and shape) without running torch.save:
+its calls cost more than a small tensor's data. ``HashingFile`` hashes every
+byte on its way to disk, for the manifest.
 A rank's save (``_rank_save``) writes items with ``write_item``; the reader's
 ``FileRead`` reads them back.
 """
@@ -12,6 +15,7 @@ A rank's save (``_rank_save``) writes items with ``write_item``; the reader's
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import os
 import sys
@@ -34,6 +38,9 @@ _ITEM_OVERHEAD = 4096
 # torch.save makes ~40 small writes per item, each a Python call into the
 # hash and the file otherwise (half the CPU of a save of small tensors).
 _GATHER = 64 * 1024
+
+# Tensor frames kept (a model has a few hundred distinct dtype and shape pairs).
+_FRAMES_KEPT = 4096
 
 # torch.save gives every zip record a CRC-32 that torch.load never checks; each data
 # file is hashed whole for the manifest instead, so the CRC is CPU spent for nothing
@@ -89,6 +96,26 @@ class HashingFile:
         self._store(view.cast("B"))
         return size
 
+    def write_framed(self, head: bytes, data: memoryview, tail: bytes) -> None:
+        """One tensor item as ``torch.save`` lays it out: ``head``, the tensor's bytes
+        (``data``, C-contiguous), ``tail``; the data's place is noted for the record."""
+        size = data.nbytes
+        start = self._size
+        self._tensors[start] = (start + len(head), size)
+        if size < _GATHER:
+            self._gathered += head
+            self._gathered += data
+            self._gathered += tail
+            self._size += len(head) + size + len(tail)
+            if len(self._gathered) >= _GATHER:
+                self._drain()
+            return
+        self.write(head)
+        self._drain()
+        self._size += size
+        self._store(data)
+        self.write(tail)
+
     def _drain(self) -> None:
         if self._gathered:
             self._store(self._gathered)
@@ -127,6 +154,82 @@ class HashingFile:
 
 def _address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+class _Frame:
+    """What ``torch.save`` writes around a tensor's data: the same bytes for every
+    contiguous CPU tensor of one dtype and shape (its zip records carry no CRC-32 in
+    a save, and nothing else in them depends on the values)."""
+
+    __slots__ = ("data", "head", "tail")
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        probe = torch.zeros(shape, dtype=dtype)
+        nbytes = probe.numel() * probe.element_size()
+        writes: list[bytes] = []
+        at = -1  # which write was the data
+
+        class _Recorder(io.RawIOBase):
+            def writable(self) -> bool:
+                return True
+
+            def write(self, data: Any) -> int:
+                nonlocal at
+                view = memoryview(data)
+                if at < 0 and view.nbytes == nbytes and _address(view) == probe.data_ptr():
+                    at = len(writes)
+                writes.append(view.tobytes())
+                return view.nbytes
+
+        # Inside without_zip_crc32, as every write_item.
+        torch.save(probe, cast(IO[bytes], _Recorder()))
+        if at < 0:
+            raise ValueError(f"torch.save did not write a {dtype} tensor's data in one piece")
+        self.head = b"".join(writes[:at])
+        self.tail = b"".join(writes[at + 1 :])
+        self.data = ctypes.c_char * nbytes  # the data's type, made once
+
+    def data_of(self, tensor: torch.Tensor) -> memoryview:
+        """The bytes of ``tensor`` (C-contiguous, on CPU) without a copy, valid while it lives."""
+        return memoryview(self.data.from_address(tensor.data_ptr())).cast("B")
+
+
+_frames: dict[tuple[torch.dtype, torch.Size], _Frame | None] = {}
+_frames_lock = threading.Lock()
+# Dtypes whose tensors torch.save writes as plain data (no conjugate or quantized state).
+_FRAMED_DTYPES = frozenset({
+    torch.float64, torch.float32, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+})
+
+
+def _frame_of(tensor: torch.Tensor) -> _Frame | None:
+    """The frame ``torch.save`` puts around ``tensor``, or None where it must run itself."""
+    if (
+        type(tensor) is not torch.Tensor
+        or tensor.device.type != "cpu"
+        or tensor.layout != torch.strided
+        or tensor.dtype not in _FRAMED_DTYPES
+        or not tensor.is_contiguous()
+        or tensor.requires_grad
+        or tensor.numel() == 0
+    ):
+        return None
+    key = (tensor.dtype, tensor.shape)
+    try:
+        return _frames[key]
+    except KeyError:
+        pass
+    frame: _Frame | None
+    try:
+        frame = _Frame(tensor.dtype, tuple(tensor.shape))
+    except ValueError:
+        frame = None
+    with _frames_lock:
+        if len(_frames) >= _FRAMES_KEPT:
+            _frames.clear()
+        _frames[key] = frame
+    return frame
 
 
 def plain_cpu_tensor(data: torch.Tensor) -> torch.Tensor:
@@ -171,13 +274,18 @@ def write_item(
     item: WriteItem,
     transforms: StreamTransforms | None,
 ) -> list[str] | None:
-    """Serialise one item into ``file``; returns its transform descriptors (None: none)."""
+    """Serialise one item into ``file`` (inside ``without_zip_crc32``); returns its
+    transform descriptors (None: none)."""
     out: IO[bytes] = cast(IO[bytes], file)
     descriptors: list[str] = []
     if transforms is not None:
         out, descriptors = transforms.transform_save_stream(item, cast(io.IOBase, file))
     if isinstance(data, io.BytesIO):
         out.write(data.getbuffer())
+    elif not descriptors and (frame := _frame_of(data)) is not None:
+        # torch.save's bytes without running it: its calls cost more than a small
+        # tensor's data. A view's storage may be larger: only its own bytes are written.
+        file.write_framed(frame.head, frame.data_of(data), frame.tail)
     else:
         # torch.save streams each storage as a memoryview: no copy in RAM.
         tensor = plain_cpu_tensor(data)

@@ -144,6 +144,7 @@ class RankSave:
         self._file: HashingFile | None = None  # the open file
         self._rel = ""  # its path in the checkpoint
         self._data = 0  # tensor data bytes in it (an object counts as its stored bytes)
+        self._limit = 0  # the data bytes it may take
         self._placed: list[tuple[WriteItem, StorageInfo]] = []  # its items and their places
         self._uploads: list[ThreadFuture[None]] = []
         # Set by the first upload that fails: serialisation stops. A flag, not a scan
@@ -208,9 +209,8 @@ class RankSave:
 
     def _write(self, item: WriteItem, planner: SavePlanner, pool: ThreadPoolExecutor) -> None:
         """Serialise ``item`` into the open file, first closing a full one."""
-        if self._file is not None and self._data + data_bytes(item) > self.shape.size_of(
-            self.files - 1
-        ):
+        nbytes = data_bytes(item)
+        if self._file is not None and self._data + nbytes > self._limit:
             self._close_and_upload(pool)
         file = self._file if self._file is not None else self._open()
         offset = file.tell()
@@ -220,7 +220,7 @@ class RankSave:
                              if descriptors is None else
                              StorageInfo(self._rel, offset, written,
                                          transform_descriptors=descriptors)))
-        self._data += data_bytes(item) if item.tensor_data is not None else written
+        self._data += nbytes if item.tensor_data is not None else written
 
     def _open(self) -> HashingFile:
         name = _layout.data_file_name(self.prefix, self.files)
@@ -230,6 +230,7 @@ class RankSave:
         os.makedirs(os.path.dirname(local), exist_ok=True)
         self._file = HashingFile(local)
         self._data = 0
+        self._limit = self.shape.size_of(self.files - 1)
         return self._file
 
     def _close_and_upload(self, pool: ThreadPoolExecutor) -> None:
