@@ -39,7 +39,7 @@ def location(target: str) -> Iterator[tuple[str, dict[str, Any]]]:
         with tempfile.TemporaryDirectory(prefix="dcpv-per-item-") as d:
             yield d, {}
         return
-    from tests.emulators import MotoServer
+    from testkit.emulators import MotoServer
 
     with MotoServer() as server:
         yield server.create_bucket("per-item"), server.storage_options()

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dcp_volumes import VolumeReader, VolumeWriter
+from testkit.ranks import run_ranks
 from tests.checkpoint_helpers import assert_same, blank_like
-from tests.dist import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
