@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_volumes import _exit_safe
@@ -77,7 +78,7 @@ class Commit:
             a rank that died before writing anything still makes it incomplete.
         keepers: the sinks that keep this checkpoint's files on this node: each is
             told the manifest once committed.
-        abandoned: asked right before the marker goes up: true when the save's
+        abandoned: looked at right before the marker goes up: set when the save's
             caller stopped waiting for it (a preemption's grace ran out), and the
             save must then never commit.
     """
@@ -88,7 +89,7 @@ class Commit:
     rank: int | None = None
     world_size: int | None = None
     keepers: Sequence[FileKeeper] = ()
-    abandoned: Callable[[], bool] = lambda: False
+    abandoned: threading.Event = field(default_factory=threading.Event)
 
     @property
     def manifest_name(self) -> str:
@@ -225,7 +226,7 @@ class Commit:
             try:
                 if checked is not None:
                     self._check(checked)
-                if self.abandoned():
+                if self.abandoned.is_set():
                     raise CheckpointError(
                         f"The save to {self.volume.display_url} was abandoned (its caller "
                         "stopped waiting for it) and is not committed."

@@ -25,6 +25,7 @@ import functools
 import logging
 import os
 import pickle
+import threading
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
@@ -245,7 +246,7 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
             self, self._staging_disk.close
         )
         self._save_id = uuid.uuid4().hex
-        self._abandoned = False  # abandon(): the save in flight must not commit
+        self._abandoned = threading.Event()  # abandon(): the save in flight must not commit
         self._is_coordinator = False
         self._rank = 0
         self._rank_local = False
@@ -270,7 +271,14 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         state = self.__dict__.copy()
         state["_finalizer"] = None
         state["_root_listing"] = None
+        state["_abandoned"] = self._abandoned.is_set()  # an Event does not pickle
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        abandoned = threading.Event()
+        if state.pop("_abandoned"):
+            abandoned.set()
+        self.__dict__.update(state, _abandoned=abandoned)
 
     def storage_meta(self) -> StorageMeta:
         """``StorageMeta`` stored in ``.metadata``: the checkpoint URL and this save's id."""
@@ -310,14 +318,14 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         For a caller that stops waiting (a preemption's grace ran out); the save
         fails at its commit, so nothing partial is ever taken for complete.
         """
-        self._abandoned = True
+        self._abandoned.set()
 
     # -- StorageWriter ----------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save; ``checkpoint_id`` (a URL or path) replaces the location."""
         self._location.move_to(checkpoint_id)
-        self._abandoned = False
+        self._abandoned.clear()
         self._root_listing = None  # of the old location, if a save stopped before planning
         self._save_id = uuid.uuid4().hex
 
@@ -441,7 +449,7 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
             rank=self._rank if self._rank_local else None,
             world_size=self._world_size,
             keepers=self._location.keepers(sync=self.options.sync_files),
-            abandoned=lambda: self._abandoned,
+            abandoned=self._abandoned,
         )
 
 
