@@ -350,9 +350,9 @@ def _exchange_with_slow_chunks(rank: int, world: int, base: str) -> dict[str, An
     import torch.distributed as dist
 
     from dcp_volumes.checkpoint import _peers
-    from dcp_volumes.checkpoint._file_reads import CopyMissing
     from dcp_volumes.checkpoint._local_tier import replica_dir
     from dcp_volumes.checkpoint._manifest import FileRecord, checksum_bytes
+    from dcp_volumes.checkpoint._supply import CopyMissing
 
     name = "step-00000002"
     blobs = {f"__1_0_{i}.distcp": bytes([i + 1]) * (4 * 65536) for i in range(3)}

@@ -46,34 +46,7 @@ from dcp_volumes._volume import LAG_TOTAL_S, Volume, despite_lag, redact_url
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, checksum_file
 from dcp_volumes.checkpoint._reader_options import DEFAULT_COALESCE_GAP
-
-#: ``put(offset, data)``: puts a file's bytes, arriving in pieces, at their offset in a
-#: read's buffers (``FileRead.lay_out_whole``).
-PutBytes = Callable[[int, memoryview], None]
-
-
-@dataclass(frozen=True)
-class Arrived:
-    """A file a source sent in whole, checked against the manifest on arrival: its
-    checksum, and whether it is in the read's buffers (else in the supply's volume)."""
-
-    checksum: str
-    in_buffers: bool
-
-
-class CopyMissing(Exception):
-    """A file a source was to send did not arrive whole and matching the manifest (a
-    damaged copy, a failed transfer): it is read from the volume."""
-
-
-@dataclass(frozen=True)
-class Supply:
-    """Where a source has one file: ``volume`` holds it (a local directory), or will once
-    ``arrival`` settles (a transfer under way; its bytes may land in the read's buffers
-    instead)."""
-
-    volume: Volume
-    arrival: ThreadFuture[Arrived] | None = None
+from dcp_volumes.checkpoint._supply import Arrived, PutBytes, Supply
 
 
 @dataclass

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from dcp_volumes import _env
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._discovery import parse_step
-from dcp_volumes.checkpoint._file_reads import PutBytes, Supply
 from dcp_volumes.checkpoint._layout import DATA_SUFFIX, checkpoint_name, rank_name_start
 from dcp_volumes.checkpoint._manifest import FileRecord
+from dcp_volumes.checkpoint._supply import PutBytes, Supply
 
 logger = logging.getLogger(__name__)
 

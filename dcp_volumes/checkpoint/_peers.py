@@ -64,7 +64,6 @@ from dcp_volumes._volume import Volume
 from dcp_volumes._world import World
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._coordination import Coordinator, summary
-from dcp_volumes.checkpoint._file_reads import Arrived, CopyMissing, PutBytes, Supply
 from dcp_volumes.checkpoint._local_tier import (
     LocalTier,
     copy_dir,
@@ -73,6 +72,7 @@ from dcp_volumes.checkpoint._local_tier import (
     replica_dir,
 )
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, Manifest
+from dcp_volumes.checkpoint._supply import Arrived, CopyMissing, PutBytes, Supply
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
 )
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
-from dcp_volumes.checkpoint._file_reads import CopyMissing, Decoders, FileRead
+from dcp_volumes.checkpoint._file_reads import Decoders, FileRead
 from dcp_volumes.checkpoint._layout import (
     MANIFEST_NAME,
     METADATA_NAME,
@@ -67,6 +67,7 @@ from dcp_volumes.checkpoint._manifest import (
 )
 from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
 from dcp_volumes.checkpoint._reader_options import DEFAULT_COALESCE_GAP, ReaderOptions
+from dcp_volumes.checkpoint._supply import CopyMissing
 from dcp_volumes.checkpoint._tiers import SOURCE_NAMES, AtLocation, FileSource, Location, Offer
 
 logger = logging.getLogger(__name__)

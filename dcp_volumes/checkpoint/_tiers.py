@@ -25,9 +25,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from dcp_volumes._volume import RetryPolicy, Volume
-from dcp_volumes.checkpoint._file_reads import PutBytes, Supply
 from dcp_volumes.checkpoint._local_tier import LocalCopies, LocalCopy, copy_dir
 from dcp_volumes.checkpoint._manifest import FileRecord
+from dcp_volumes.checkpoint._supply import PutBytes, Supply
 
 #: Where a load's bytes came from (``VolumeReader.sources``): the sources' names.
 SOURCE_NAMES = ("local", "peer", "volume")
