@@ -127,3 +127,13 @@ def scatter(data: memoryview, outs: Sequence[memoryview]) -> int:
         out[:n] = data[got : got + n]
         got += n
     return got
+
+
+
+def keys_by_bucket(paths: Sequence[str]) -> dict[str, list[str]]:
+    """``bucket/key`` paths grouped by bucket, in order: one batch request per bucket."""
+    grouped: dict[str, list[str]] = {}
+    for path in paths:
+        bucket, _, key = path.partition("/")
+        grouped.setdefault(bucket, []).append(key)
+    return grouped

@@ -35,7 +35,14 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal, get_args
 
-from dcp_volumes._volume._backend import Capabilities, Data, FileInfo, Listing, scatter
+from dcp_volumes._volume._backend import (
+    Capabilities,
+    Data,
+    FileInfo,
+    Listing,
+    keys_by_bucket,
+    scatter,
+)
 from dcp_volumes._volume._errors import (
     AccessDenied,
     BackendError,
@@ -485,11 +492,7 @@ class MemoryBackend:
             store._store(path, body, create_only=create_only)
 
     def delete(self, paths: Sequence[str]) -> None:
-        by_bucket: dict[str, list[str]] = {}
-        for path in paths:
-            bucket, _, key = path.partition("/")
-            by_bucket.setdefault(bucket, []).append(key)
-        for bucket, keys in by_bucket.items():
+        for bucket, keys in keys_by_bucket(paths).items():
             # One request per bucket (a batch): a fault aimed at any of its keys meets it.
             store = self._serve("delete", " ".join(f"{bucket}/{key}" for key in keys))
             with store._lock:

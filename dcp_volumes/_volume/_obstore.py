@@ -31,7 +31,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dcp_volumes._exceptions import BackendNotInstalledError
-from dcp_volumes._volume._backend import Capabilities, Data, FileInfo, Listing, scatter
+from dcp_volumes._volume._backend import (
+    Capabilities,
+    Data,
+    FileInfo,
+    Listing,
+    keys_by_bucket,
+    scatter,
+)
 from dcp_volumes._volume._client_watchdog import watch_client_start
 from dcp_volumes._volume._errors import (
     AccessDenied,
@@ -411,11 +418,7 @@ class ObstoreBackend:
             self._obs.put(store, key, data, mode="create" if create_only else "overwrite")
 
     def delete(self, paths: Sequence[str]) -> None:
-        by_bucket: dict[str, list[str]] = {}
-        for path in paths:
-            bucket, _, key = path.partition("/")
-            by_bucket.setdefault(bucket, []).append(key)
-        for bucket, keys in by_bucket.items():
+        for bucket, keys in keys_by_bucket(paths).items():
             with self._client_errors():
                 store = self._store(bucket, _SERVER_WORK)
                 try:
