@@ -41,6 +41,9 @@ _GATHER = 64 * 1024
 
 # Tensor frames kept (a model has a few hundred distinct dtype and shape pairs).
 _FRAMES_KEPT = 4096
+# Larger tensors go through torch.save: its calls cost little beside their data, and
+# a frame's probe is a tensor of the same size (memory a save must not add).
+_FRAMED_MAX_BYTES = 1 << 20
 
 # torch.save gives every zip record a CRC-32 that torch.load never checks; each data
 # file is hashed whole for the manifest instead, so the CRC is CPU spent for nothing
@@ -178,7 +181,9 @@ class _Frame:
                 view = memoryview(data)
                 if at < 0 and view.nbytes == nbytes and _address(view) == probe.data_ptr():
                     at = len(writes)
-                writes.append(view.tobytes())
+                    writes.append(b"")  # the data itself: not kept
+                else:
+                    writes.append(view.tobytes())
                 return view.nbytes
 
         # Inside without_zip_crc32, as every write_item.
@@ -213,6 +218,7 @@ def _frame_of(tensor: torch.Tensor) -> _Frame | None:
         or not tensor.is_contiguous()
         or tensor.requires_grad
         or tensor.numel() == 0
+        or tensor.numel() * tensor.element_size() > _FRAMED_MAX_BYTES
     ):
         return None
     key = (tensor.dtype, tensor.shape)
