@@ -42,6 +42,7 @@ from dcp_volumes._sizes import parse_size
 from dcp_volumes._volume import LAG_TOTAL_S, FileInfo, RetryPolicy, redact_url
 from dcp_volumes._world import available_cpus
 from dcp_volumes.checkpoint import _layout
+from dcp_volumes.checkpoint._collector_hold import HoldDuringTransfer, ends_hold_on_error
 from dcp_volumes.checkpoint._discovery import (
     NO_STEP,
     CheckpointInfo,
@@ -175,6 +176,7 @@ class VolumeReader(AtLocation, StorageReader):
         self._read_ahead: tuple[str, int | None, Metadata, Any] | None = None
         self._split = (self.options.part_size, False)  # per load: see _split_size
         self._load_id = uuid.uuid4().hex
+        self._collector = HoldDuringTransfer()  # from set-up to this rank's read_data
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -237,8 +239,10 @@ class VolumeReader(AtLocation, StorageReader):
         done.set_result(manifest)
         self._read_ahead = (self.volume.url, None, metadata, done)
 
+    @ends_hold_on_error
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Unpickle ``.metadata`` (``__{rank}.metadata`` when DCP passes ``rank=``)."""
+        self._collector.take()  # a load's first hook; its metadata lives as long as the load
         rank = kwargs.get("rank")
         ahead = self._read_ahead
         if ahead is not None and ahead[0] == self.volume.url and ahead[1] == rank:
@@ -273,10 +277,12 @@ class VolumeReader(AtLocation, StorageReader):
         metadata.storage_meta = storage_meta
         return metadata
 
+    @ends_hold_on_error
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         """Take the storage index from ``metadata`` and load the manifest (all ranks)."""
+        self._collector.take()
         if metadata.storage_data is None:
             raise CheckpointCorruptError(
                 f"The .metadata of {self.volume.display_url} has no storage index; it was not "
@@ -291,16 +297,27 @@ class VolumeReader(AtLocation, StorageReader):
             self._manifest_loaded = False
         self._load_manifest()
 
+    @ends_hold_on_error
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Passed through (all ranks)."""
         return plan
 
+    @ends_hold_on_error
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Passed through (coordinator)."""
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Fetch what ``plan`` needs, verify it, and hand it to ``planner`` (all ranks)."""
+        try:
+            done = self._read_data(plan, planner)
+        except BaseException:
+            self._collector.end()
+            raise
+        self._collector.end(after=planner)  # its plans and the metadata go with it
+        return done
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         self._load_manifest()
         self._bytes_from = dict.fromkeys(SOURCE_NAMES, 0)
         try:

@@ -50,6 +50,7 @@ from dcp_volumes._volume import FileInfo, RetryPolicy
 from dcp_volumes._world import World, distributed
 from dcp_volumes.checkpoint import _layout
 from dcp_volumes.checkpoint._byte_format import estimate_bytes
+from dcp_volumes.checkpoint._collector_hold import HoldDuringTransfer, ends_hold_on_error
 from dcp_volumes.checkpoint._commit import Commit
 from dcp_volumes.checkpoint._compression import ZstdCompression
 from dcp_volumes.checkpoint._extensions import check_serialization_format, writer_transforms
@@ -256,6 +257,9 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         self._state_copy = CpuStager(
             cache=self.options.cache_staged_state_dict, background=self.options.async_staging
         )
+        # Held from staging (or set-up) to this rank's last hook of the save.
+        self._collector = HoldDuringTransfer()
+        self._planner: SavePlanner | None = None  # of the save in flight, for the hold's end
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -271,6 +275,7 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         state = self.__dict__.copy()
         state["_finalizer"] = None
         state["_root_listing"] = None
+        state["_planner"] = None
         state["_abandoned"] = self._abandoned.is_set()  # an Event does not pickle
         return state
 
@@ -297,6 +302,7 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         With ``async_staging`` the copy runs in a background thread and a
         future of the staged copy is returned at once.
         """
+        self._collector.take()
         return self._state_copy.stage(state_dict)
 
     def synchronize_staging(self) -> None:
@@ -325,12 +331,15 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save; ``checkpoint_id`` (a URL or path) replaces the location."""
         self._location.move_to(checkpoint_id)
+        self._end_hold()  # of a save that ended where no hook of ours ran
         self._abandoned.clear()
         self._root_listing = None  # of the old location, if a save stopped before planning
         self._save_id = uuid.uuid4().hex
 
+    @ends_hold_on_error
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Record this rank's role (all ranks)."""
+        self._collector.take()
         self._is_coordinator = is_coordinator
         world = World.current() if distributed() else None
         rank = kwargs.get("rank")
@@ -356,12 +365,14 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         listing = started.result() if started is not None else self.volume.check_root(create=True)
         return {f.path for f in listing}
 
+    @ends_hold_on_error
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Check the staging directory can take this rank's bytes (all ranks)."""
         self._staging_disk.check()
         self._staging_disk.ensure_space(estimate_bytes(plan.items))
         return plan
 
+    @ends_hold_on_error
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Check the volume, refuse or clear an existing checkpoint, name files (coordinator).
 
@@ -383,8 +394,10 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
             for rank, plan in zip(ranks, plans, strict=True)
         ]
 
+    @ends_hold_on_error
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Serialise this rank's items to staging files and upload them (all ranks)."""
+        self._planner = planner
         prefix = plan.storage_data
         if not isinstance(prefix, str):  # a plan the coordinator did not name
             prefix = _layout.rank_prefix(self._rank, _layout.save_tag(self._save_id))
@@ -402,6 +415,8 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
             results = save.run(planner)
         finally:
             self._state_copy.release()  # serialised: the buffers may serve the next save
+            if not self._commits_here():
+                self._end_hold(after=planner)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -412,6 +427,12 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         In a rank-local save every rank commits its own files: its manifest, then
         ``__<rank>.metadata``.
         """
+        try:
+            self._finish(metadata, results)
+        finally:
+            self._end_hold(after=self._planner)
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_md: dict[Any, StorageInfo] = {}
         files: dict[str, FileRecord] = {}
         for rank_results in results:
@@ -439,6 +460,15 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         )
 
     # -- internals --------------------------------------------------------------------------
+
+    def _commits_here(self) -> bool:
+        """Whether DCP calls ``finish`` on this rank (the coordinator; every rank if rank-local)."""
+        return self._is_coordinator or self._rank_local
+
+    def _end_hold(self, after: object = None) -> None:
+        """End this save's hold on the collector (once ``after``, its planner, is dropped)."""
+        self._planner = None
+        self._collector.end(after)
 
     def _commit(self) -> Commit:
         """The commit of this save: the coordinator's, or in a rank-local save this rank's."""
