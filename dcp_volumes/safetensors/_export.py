@@ -280,7 +280,7 @@ def _assemble(path: str, members: Sequence[_Source], loader: _Loader,
                     raise SafetensorsError(f"{m.fqn}: loaded {tensor.numel()} elements, "
                                            f"expected {entry.nbytes // m.dtype.itemsize}.")
                 if entry.nbytes:
-                    write_all(fd, memoryview(tensor.view(torch.uint8).numpy()), entry.start)
+                    write_all(fd, tensor.view(torch.uint8).numpy().data, entry.start)
                 written += entry.nbytes
             if progress is not None:
                 progress(written)
