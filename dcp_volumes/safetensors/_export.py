@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from dcp_volumes._exceptions import CheckpointExistsError, ConfigurationError
 from dcp_volumes._sizes import parse_size
 from dcp_volumes._staging_disk import StagingArea
-from dcp_volumes._volume import Volume, write_all
+from dcp_volumes._volume import Volume, redact_url, write_all
 from dcp_volumes.safetensors._format import SafetensorsError, layout
 from dcp_volumes.safetensors._index import (
     INDEX_NAME,
@@ -170,7 +170,7 @@ def export_safetensors(
     dest_storage_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     staging_dir: str | os.PathLike[str] | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ExportResult:
     """Write a committed DCP checkpoint's tensors as Hugging Face safetensors files.
 
@@ -198,7 +198,8 @@ def export_safetensors(
         overwrite: replace an existing export at ``dest_url`` (otherwise its
             index makes this raise ``CheckpointExistsError``).
         staging_dir: local directory for the output files on their way out.
-        progress: called with the bytes written after each tensor group.
+        progress: called as ``progress(bytes_just_written, total_bytes)`` after each
+            group of tensors is in place (a progress bar's update).
 
     Returns:
         ``ExportResult``: the files and their tensors, the total tensor bytes.
@@ -220,6 +221,8 @@ def export_safetensors(
         [Planned(s.name, _numel(s.shape) * s.dtype.itemsize, _numel(s.shape)) for s in sources],
         int(limit),
     )
+    total = sum(m.nbytes for ms in plan for m in ms)
+    report = (lambda n: progress(n, total)) if progress is not None else None
     loader = _Loader(reader, metadata)
     staging = StagingArea(staging_dir)
     uploads = ThreadPoolExecutor(1, thread_name_prefix="dcpv-export-upload")
@@ -231,7 +234,7 @@ def export_safetensors(
             name = file_name(i, len(plan))
             files[name] = [m.name for m in members]
             path = os.path.join(staged_dir, name)
-            _assemble(path, [by_name[m.name] for m in members], loader, progress)
+            _assemble(path, [by_name[m.name] for m in members], loader, report)
             if pending is not None:
                 pending.result()  # at most one file uploading while the next is built
             pending = uploads.submit(_upload, dest, path, name)
@@ -241,7 +244,6 @@ def export_safetensors(
     finally:
         uploads.shutdown(wait=True, cancel_futures=True)
         staging.close()
-    total = sum(m.nbytes for ms in plan for m in ms)
     logger.info("exported %d tensors (%d bytes) in %d file(s) to %s", len(sources), total,
                 len(plan), dest.display_url)
     return ExportResult(files, total, dest.url_of(INDEX_NAME))
@@ -255,8 +257,9 @@ def _claim(dest: Volume, overwrite: bool) -> None:
         return
     if not overwrite:
         raise CheckpointExistsError(
-            f"{dest.url_of(INDEX_NAME)} exists: {dest.display_url} holds a complete export. "
-            "Fix: pick another destination, or pass overwrite=True (--overwrite) to replace it."
+            f"{redact_url(dest.url_of(INDEX_NAME))} exists: {dest.display_url} holds a complete "
+            "export. Fix: pick another destination, or pass overwrite=True (--overwrite) to "
+            "replace it."
         )
     dest.delete(INDEX_NAME)
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from dcp_volumes._exceptions import CheckpointNotFoundError, VolumeNotFoundError
-from dcp_volumes._volume import RetryPolicy, Volume
+from dcp_volumes._volume import RetryPolicy, Volume, redact_url
 from dcp_volumes.safetensors._format import (
     FIRST_READ_BYTES,
     LENGTH_BYTES,
@@ -83,7 +83,7 @@ def read_headers(volume: Volume, concurrency: int = 16,
     lock = threading.Lock()
 
     def one(file: str) -> Header:
-        where = volume.url_of(file)
+        where = redact_url(volume.url_of(file))
         try:
             size = volume.info(file).size
             first = volume.read_bytes(file, 0, FIRST_READ_BYTES)
@@ -127,7 +127,7 @@ def _weight_map(volume: Volume, stats: ReadStats) -> dict[str, str]:
     stats.header_requests += 1
     if data is not None:
         stats.header_bytes += len(data)
-        return parse_index(data, volume.url_of(INDEX_NAME))
+        return parse_index(data, redact_url(volume.url_of(INDEX_NAME)))
     if volume.exists(SINGLE_NAME):
         stats.header_requests += 1
         return {"": SINGLE_NAME}  # every tensor of the one file (see to_metadata)
@@ -288,9 +288,9 @@ class SafetensorsReader(StorageReader):
         got = self.volume.read_into(span.file, start, out)
         if got != len(out):
             raise SafetensorsError(
-                f"{self.volume.url_of(span.file)}: {len(out)} bytes expected at byte {start}, "
-                f"{got} arrived; the file is shorter than its header says (changed or "
-                "truncated). Fix: re-upload or re-export the model."
+                f"{redact_url(self.volume.url_of(span.file))}: {len(out)} bytes expected at "
+                f"byte {start}, {got} arrived; the file is shorter than its header says "
+                "(changed or truncated). Fix: re-upload or re-export the model."
             )
         with self._stats_lock:
             self.stats.data_requests += 1
@@ -315,9 +315,9 @@ class SafetensorsReader(StorageReader):
             target = _narrow(target, item.dest_offsets, item.lengths)
             if target.shape != src.shape:
                 raise SafetensorsError(
-                    f"{self.volume.url_of(span.file)}: tensor {item.storage_index.fqn!r} "
-                    f"has shape {list(span.shape)}; the target's part {list(target.shape)} "
-                    f"does not match the file's {list(src.shape)}."
+                    f"{redact_url(self.volume.url_of(span.file))}: tensor "
+                    f"{item.storage_index.fqn!r} has shape {list(span.shape)}; the target's part "
+                    f"{list(target.shape)} does not match the file's {list(src.shape)}."
                 )
             target.copy_(src)
             planner.commit_tensor(item, target)

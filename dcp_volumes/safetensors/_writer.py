@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_volumes._exceptions import CheckpointExistsError
 from dcp_volumes._sizes import parse_size
-from dcp_volumes._volume import RetryPolicy, Volume
+from dcp_volumes._volume import RetryPolicy, Volume, redact_url
 from dcp_volumes.checkpoint._writer import VolumeWriter
 from dcp_volumes.safetensors._export import DEFAULT_MAX_SHARD_SIZE, export_safetensors, parse_dtype
 from dcp_volumes.safetensors._index import INDEX_NAME
@@ -99,8 +99,8 @@ class SafetensorsWriter(VolumeWriter):
         model = self._model()
         if not self._overwrite_model and model.exists(INDEX_NAME):
             raise CheckpointExistsError(
-                f"{model.url_of(INDEX_NAME)} exists: {model.display_url} holds a complete "
-                "model. Fix: save elsewhere, or pass overwrite=True to replace it."
+                f"{redact_url(model.url_of(INDEX_NAME))} exists: {model.display_url} holds a "
+                "complete model. Fix: save elsewhere, or pass overwrite=True to replace it."
             )
         return super().prepare_global_plan(plans)
 
