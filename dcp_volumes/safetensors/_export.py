@@ -170,6 +170,7 @@ def export_safetensors(
     dest_storage_options: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     staging_dir: str | os.PathLike[str] | None = None,
+    extra_files: Mapping[str, bytes | str] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> ExportResult:
     """Write a committed DCP checkpoint's tensors as Hugging Face safetensors files.
@@ -198,6 +199,9 @@ def export_safetensors(
         overwrite: replace an existing export at ``dest_url`` (otherwise its
             index makes this raise ``CheckpointExistsError``).
         staging_dir: local directory for the output files on their way out.
+        extra_files: small files to write beside the model before the index, by
+            name (``{"config.json": model.config.to_json_string()}``, tokenizer
+            files): what ``from_pretrained`` needs besides the weights.
         progress: called as ``progress(bytes_just_written, total_bytes)`` after each
             group of tensors is in place (a progress bar's update).
 
@@ -207,6 +211,12 @@ def export_safetensors(
     from dcp_volumes.checkpoint._reader import VolumeReader
 
     cast = parse_dtype(dtype)
+    for extra in extra_files or {}:
+        if not extra or "/" in extra or extra in (".", "..", INDEX_NAME):
+            raise ConfigurationError(
+                f"extra_files: {extra!r} is not a plain file name beside the model (and not "
+                f"{INDEX_NAME}, which the export writes)."
+            )
     limit = parse_size(max_shard_size, what="max_shard_size")
     if not limit or limit <= 0:
         raise ConfigurationError(f"max_shard_size={max_shard_size!r} must be a positive size.")
@@ -240,6 +250,8 @@ def export_safetensors(
             pending = uploads.submit(_upload, dest, path, name)
         if pending is not None:
             pending.result()
+        for extra, content in (extra_files or {}).items():
+            dest.publish(extra, content.encode() if isinstance(content, str) else content)
         _commit(dest, plan)
     finally:
         uploads.shutdown(wait=True, cancel_futures=True)
