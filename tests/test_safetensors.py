@@ -328,8 +328,8 @@ def test_hostile_files_are_refused_naming_file_and_tensor(
     assert says in text
     if case != "header length":
         assert "'a'" in text or "'b'" in text or "for a" in text
-    if case not in ("shape",):
-        assert isinstance(storage_error(info.value), CheckpointCorruptError | CheckpointNotFoundError)
+    if case != "shape":  # (DCP's planner refuses the shape before the reader is asked)
+        assert isinstance(storage_error(info.value), CheckpointCorruptError)
 
 
 def test_header_bytes_are_what_the_safetensors_library_writes() -> None:
