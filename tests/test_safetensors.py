@@ -341,3 +341,19 @@ def test_header_bytes_are_what_the_safetensors_library_writes() -> None:
     body = b"".join(tensors[e.name].reshape(-1).view(torch.uint8).numpy().tobytes()
                     for e in entries)
     assert head + body == safetensors_torch.save(tensors, metadata={"format": "pt"})
+
+
+def test_export_then_reader_on_every_volume(conformance_url: Any, tmp_path: Path) -> None:
+    """The conformance run: local, file://, moto, radosgw, Azurite, GCS and the in-memory store."""
+    url, opts = conformance_url
+    torch.manual_seed(0)
+    model = {"a.weight": torch.randn(16, 8), "b.weight": torch.randn(8), "n": torch.arange(5)}
+    dcp.save({"model": model}, storage_writer=VolumeWriter(str(tmp_path / "ck")), no_dist=True)
+    dest = f"{url.rstrip('/')}/hf"
+    export_safetensors(str(tmp_path / "ck"), dest, dtype=None, max_shard_size=600,
+                       dest_storage_options=opts)
+    with pytest.raises(CheckpointExistsError):
+        export_safetensors(str(tmp_path / "ck"), dest, dest_storage_options=opts)
+    target = {k: torch.zeros_like(v) for k, v in model.items()}
+    dcp.load(target, storage_reader=SafetensorsReader(dest, storage_options=opts), no_dist=True)
+    assert all(torch.equal(target[k], v) for k, v in model.items())
