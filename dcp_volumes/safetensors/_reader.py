@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -181,6 +181,26 @@ def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]
     return tensor
 
 
+@dataclass
+class _Pending:
+    """One read item in flight: its target, and its bytes when they need a copy."""
+
+    item: ReadItem
+    target: torch.Tensor
+    buf: bytearray | None = None
+    parts: list[Future[int]] = field(default_factory=list)
+
+
+def _fits(target: torch.Tensor, span: TensorSpan, item: ReadItem, nbytes: int) -> bool:
+    """Whether the span's bytes can go straight into ``target``: whole rows, same dtype,
+    a contiguous CPU tensor of exactly that many bytes."""
+    whole_rows = all(int(o) == 0 for o in item.storage_offsets[1:]) and tuple(
+        int(n) for n in item.lengths[1:]) == span.shape[1:]
+    return (whole_rows and target.dtype == span.dtype and target.device.type == "cpu"
+            and target.is_contiguous() and target.numel() * target.element_size() == nbytes
+            and tuple(target.shape) == tuple(int(n) for n in item.lengths))
+
+
 class SafetensorsReader(StorageReader):
     """DCP storage reader of a Hugging Face safetensors model on any volume.
 
@@ -264,18 +284,25 @@ class SafetensorsReader(StorageReader):
             raise SafetensorsError("A safetensors model holds tensors only; the load plan asks "
                                    "for a non-tensor item.")
         with ThreadPoolExecutor(self.read_concurrency, thread_name_prefix="dcpv-st-read") as pool:
-            batch: list[tuple[ReadItem, bytearray, list[Future[int]]]] = []
+            batch: list[_Pending] = []
             held = 0
             for item in items:
                 span = self._spans[item.storage_index]
                 start, end, _ = _row_span(span, item)
-                buf = bytearray(end - start)
-                view = memoryview(buf)
-                parts = [pool.submit(self._read_part, span, start + o,
-                                     view[o:min(o + _PART_BYTES, len(buf))])
-                         for o in range(0, len(buf), _PART_BYTES)]
-                batch.append((item, buf, parts))
-                held += len(buf)
+                target = _narrow(planner.resolve_tensor(item).detach(), item.dest_offsets,
+                                 item.lengths)
+                pending = _Pending(item, target)
+                if _fits(target, span, item, end - start):
+                    # The file's bytes are the target's: read them into it, no copy.
+                    view = target.reshape(-1).view(torch.uint8).numpy().data
+                else:
+                    pending.buf = bytearray(end - start)
+                    view = memoryview(pending.buf)
+                    held += end - start
+                pending.parts = [pool.submit(self._read_part, span, start + o,
+                                             view[o:min(o + _PART_BYTES, end - start)])
+                                 for o in range(0, end - start, _PART_BYTES)]
+                batch.append(pending)
                 if held >= _WINDOW_BYTES:
                     self._deliver(batch, planner)
                     batch, held = [], 0
@@ -297,30 +324,32 @@ class SafetensorsReader(StorageReader):
             self.stats.data_bytes += got
         return got
 
-    def _deliver(self, batch: Sequence[tuple[ReadItem, bytearray, list[Future[int]]]],
-                 planner: LoadPlanner) -> None:
-        for item, buf, parts in batch:
-            for part in parts:
+    def _deliver(self, batch: Sequence[_Pending], planner: LoadPlanner) -> None:
+        for pending in batch:
+            for part in pending.parts:
                 part.result()
-            span = self._spans[item.storage_index]
-            rows = int(item.lengths[0]) if span.shape else 0
-            if buf:
-                src = torch.frombuffer(buf, dtype=span.dtype)
-            else:
-                src = torch.empty(0, dtype=span.dtype)
-            src = src.reshape((rows, *span.shape[1:]) if span.shape else ())
-            src = _narrow(src, [0, *item.storage_offsets[1:]] if span.shape else [],
-                          list(item.lengths))
-            target = planner.resolve_tensor(item).detach()
-            target = _narrow(target, item.dest_offsets, item.lengths)
-            if target.shape != src.shape:
-                raise SafetensorsError(
-                    f"{redact_url(self.volume.url_of(span.file))}: tensor "
-                    f"{item.storage_index.fqn!r} has shape {list(span.shape)}; the target's part "
-                    f"{list(target.shape)} does not match the file's {list(src.shape)}."
-                )
-            target.copy_(src)
+            item, target = pending.item, pending.target
+            if pending.buf is not None:
+                self._copy(item, pending.buf, target)
             planner.commit_tensor(item, target)
+
+    def _copy(self, item: ReadItem, buf: bytearray, target: torch.Tensor) -> None:
+        """The rows read (``buf``) narrowed to the item and copied into ``target``
+        (``copy_`` casts the dtype)."""
+        span = self._spans[item.storage_index]
+        rows = int(item.lengths[0]) if span.shape else 0
+        src = (torch.frombuffer(buf, dtype=span.dtype) if buf
+               else torch.empty(0, dtype=span.dtype))
+        src = src.reshape((rows, *span.shape[1:]) if span.shape else ())
+        src = _narrow(src, [0, *item.storage_offsets[1:]] if span.shape else [],
+                      list(item.lengths))
+        if target.shape != src.shape:
+            raise SafetensorsError(
+                f"{redact_url(self.volume.url_of(span.file))}: tensor "
+                f"{item.storage_index.fqn!r} has shape {list(span.shape)}; the target's part "
+                f"{list(target.shape)} does not match the file's {list(src.shape)}."
+            )
+        target.copy_(src)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
