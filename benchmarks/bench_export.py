@@ -28,6 +28,7 @@ Writes benchmarks/results/export.json (``--quick``: export_quick.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -56,13 +57,14 @@ RESULTS_DIR = Path(
 
 
 def _save_rank(rank: int, world: int, url: str, opts: dict[str, Any], size_mib: int,
-               tensor_mib: int) -> None:
+               tensor_mib: int, how: str = "dcp") -> float:
     import torch
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from dcp_volumes import VolumeWriter
+    from dcp_volumes import SafetensorsWriter, VolumeWriter
 
     warnings.simplefilter("ignore")
     mesh = init_device_mesh("cpu", (world,))
@@ -71,7 +73,15 @@ def _save_rank(rank: int, world: int, url: str, opts: dict[str, Any], size_mib: 
     model = {f"layers.{i}.weight": distribute_tensor(torch.randn(rows, COLS, generator=g),
                                                      mesh, [Shard(0)])
              for i in range(max(1, size_mib // tensor_mib))}
-    dcp.save({"model": model, "step": 1}, storage_writer=VolumeWriter(url, storage_options=opts))
+    dist.barrier()
+    start = time.perf_counter()
+    if how == "dcp":
+        dcp.save({"model": model, "step": 1},
+                 storage_writer=VolumeWriter(url, storage_options=opts))
+    else:  # the same shards straight to the HF layout (bfloat16)
+        dcp.save(model, storage_writer=SafetensorsWriter(
+            url, storage_options=opts, max_shard_size="64MiB", dtype=torch.bfloat16))
+    return time.perf_counter() - start
 
 
 def _load_rank(rank: int, world: int, url: str, opts: dict[str, Any]) -> dict[str, float]:
@@ -92,7 +102,8 @@ def _load_rank(rank: int, world: int, url: str, opts: dict[str, Any]) -> dict[st
     dist.barrier()
     start = time.perf_counter()
     dcp.load(target, storage_reader=reader)
-    return {"seconds": time.perf_counter() - start, "bytes": reader.stats.data_bytes}
+    return {"seconds": time.perf_counter() - start, "bytes": reader.stats.data_bytes,
+            "requests": reader.stats.data_requests}
 
 
 # -- the three exports, each run in a fresh process (``--child``) -----------------------------
@@ -106,10 +117,8 @@ def _disk_sampler(directory: str) -> tuple[threading.Event, list[int]]:
             total = 0
             for root, _, files in os.walk(directory):
                 for f in files:
-                    try:
+                    with contextlib.suppress(OSError):  # gone since the walk saw it
                         total += os.path.getsize(os.path.join(root, f))
-                    except OSError:
-                        pass
             peak[0] = max(peak[0], total)
 
     threading.Thread(target=run, daemon=True).start()
@@ -237,13 +246,18 @@ def main(argv: list[str] | None = None) -> int:
         bucket = s3.create_bucket("bench-export")
         opts = s3.storage_options()
         src = f"{bucket}/step-1"
-        run_ranks(_save_rank, 2, src, opts, args.size_mib, args.tensor_mib, timeout=1800)
+        dcp_save_s = max(run_ranks(_save_rank, 2, src, opts, args.size_mib, args.tensor_mib,
+                                   timeout=1800))
+        writer_s = max(run_ranks(_save_rank, 2, f"{bucket}/hf-writer", opts, args.size_mib,
+                                 args.tensor_mib, "safetensors", timeout=1800))
+        print(f"save, 2 ranks: VolumeWriter {dcp_save_s:.2f} s, SafetensorsWriter "
+              f"{writer_s:.2f} s", flush=True)
         for method in ("floor", "ours", "torch"):
             r = _run_child(method, src, f"{bucket}/hf-{method}", opts, shard)
             rows.append({"method": method, **r})
             print(f"export {method:6} {r['seconds']:7.2f} s  peak RSS "
-                  f"{r['peak_rss'] / MiB:7.0f} MiB  local disk {r['local_disk_peak'] / MiB:7.0f} MiB",
-                  flush=True)
+                  f"{r['peak_rss'] / MiB:7.0f} MiB  local disk "
+                  f"{r['local_disk_peak'] / MiB:7.0f} MiB", flush=True)
         loads = run_ranks(_load_rank, 2, f"{bucket}/hf-ours", opts, timeout=1800)
         load_s = max(r["seconds"] for r in loads)
         raw_s, raw_bytes = _raw_read(f"{bucket}/hf-ours", opts)
@@ -257,11 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['method']} | {r['seconds']:.2f} | {r['seconds'] / floor:.2f} | "
               f"{r['peak_rss'] / MiB:.0f} | {r['local_disk_peak'] / MiB:.0f} |")
+    requests = sum(r["requests"] for r in loads)
     print(f"| SafetensorsReader, 2 ranks | {load_s:.2f} | {load_s / raw_s:.2f} x raw ranged GETs "
-          f"({raw_s:.2f} s, {raw_bytes / MiB:.0f} MiB) | | |")
+          f"({raw_s:.2f} s, {raw_bytes / MiB:.0f} MiB; {requests} GETs) | | |")
+    print(f"| save, 2 ranks: VolumeWriter (fp32 DCP) | {dcp_save_s:.2f} | | | |")
+    print(f"| save, 2 ranks: SafetensorsWriter (bf16 HF) | {writer_s:.2f} | | | |")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     out = RESULTS_DIR / ("export_quick.json" if args.quick else "export.json")
     out.write_text(json.dumps({"args": vars(args), "exports": rows, "load_s": load_s,
+                               "volume_writer_s": dcp_save_s, "safetensors_writer_s": writer_s,
+                               "load_requests": requests,
                                "raw_read_s": raw_s, "raw_read_bytes": raw_bytes}, indent=1))
     return 0
 

@@ -357,3 +357,16 @@ def test_export_then_reader_on_every_volume(conformance_url: Any, tmp_path: Path
     target = {k: torch.zeros_like(v) for k, v in model.items()}
     dcp.load(target, storage_reader=SafetensorsReader(dest, storage_options=opts), no_dist=True)
     assert all(torch.equal(target[k], v) for k, v in model.items())
+
+
+def test_a_stock_dcp_checkpoint_exports_too(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    torch.manual_seed(0)
+    model = {"w": torch.randn(32, 4), "b": torch.randn(4).half()}
+    dcp.save({"model": model, "optim": {"step": torch.tensor(3)}},
+             storage_writer=FileSystemWriter(str(tmp_path / "ck")), no_dist=True)
+    export_safetensors(str(tmp_path / "ck"), str(tmp_path / "hf"), dtype="float32")
+    got = _tensors(tmp_path / "hf")
+    assert got.keys() == {"w", "b"}
+    assert torch.equal(got["w"], model["w"]) and torch.equal(got["b"], model["b"].float())
