@@ -286,6 +286,10 @@ class SafetensorsReader(StorageReader):
         with ThreadPoolExecutor(self.read_concurrency, thread_name_prefix="dcpv-st-read") as pool:
             batch: list[_Pending] = []
             held = 0
+            # Where the server reads the whole object for each range, a span is one GET.
+            whole = self.volume.capabilities.ranged_reads_cost_whole_object
+            part = max(1, max((s.end - s.start for s in self._spans.values()), default=1)
+                       if whole else _PART_BYTES)
             for item in items:
                 span = self._spans[item.storage_index]
                 start, end, _ = _row_span(span, item)
@@ -300,8 +304,8 @@ class SafetensorsReader(StorageReader):
                     view = memoryview(pending.buf)
                     held += end - start
                 pending.parts = [pool.submit(self._read_part, span, start + o,
-                                             view[o:min(o + _PART_BYTES, end - start)])
-                                 for o in range(0, end - start, _PART_BYTES)]
+                                             view[o:min(o + part, end - start)])
+                                 for o in range(0, end - start, part)]
                 batch.append(pending)
                 if held >= _WINDOW_BYTES:
                     self._deliver(batch, planner)
