@@ -250,6 +250,9 @@ class SafetensorsReader(StorageReader):
         self._stats_lock = threading.Lock()
         self._spans: dict[Any, TensorSpan] = {}
 
+    def __repr__(self) -> str:
+        return f"SafetensorsReader({self.volume.display_url!r})"
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load; ``checkpoint_id`` (a URL or path) replaces the location."""
         if checkpoint_id is not None and os.fspath(checkpoint_id) != self.volume.url:

@@ -83,6 +83,9 @@ class SafetensorsWriter(VolumeWriter):
         super().__init__(_parts_url(url), storage_options=storage_options, overwrite=True,
                          staging_dir=staging_dir, retry=retry)
 
+    def __repr__(self) -> str:
+        return f"SafetensorsWriter({redact_url(self.model_url)!r})"
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save; ``checkpoint_id`` (a URL or path) replaces the model's directory."""
         if checkpoint_id is not None:
