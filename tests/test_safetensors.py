@@ -204,6 +204,7 @@ def _sharded_load(rank: int, world: int, directory: str) -> dict[str, Any]:
     dcp.load(target, storage_reader=reader)
     return {"full": {k: v.full_tensor() for k, v in target.items()},
             "read": reader.stats.data_bytes, "requests": reader.stats.data_requests,
+            "header_requests": reader.stats.header_requests,
             "w_rows": target["w"].to_local().shape[0],
             "b_rows": target["b"].to_local().shape[0]}
 
@@ -225,6 +226,7 @@ def test_reader_reshards_onto_one_and_four_ranks_reading_only_its_spans(tmp_path
             assert torch.equal(r["full"][k], v.to(r["full"][k].dtype)), k
         assert r["read"] == r["w_rows"] * COLS * 4 + r["b_rows"] * 8 + ROWS * COLS * 2
         assert r["requests"] == 3
+        assert r["header_requests"] == 1 + 2 * 2  # the index; per file its size and header
 
 
 # -- crash, refusal, hostile input ----------------------------------------------------------
