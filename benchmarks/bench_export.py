@@ -20,6 +20,7 @@ targets), timed against raw ranged GETs of the same bytes (16 streams).
 Usage::
 
     python benchmarks/bench_export.py --quick     # 256 MiB state, 64 MiB files
+    python benchmarks/bench_export.py --quick --target radosgw
     python benchmarks/bench_export.py --size-mib 2048 --max-shard-mib 512
 
 Writes benchmarks/results/export.json (``--quick``: export_quick.json).
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mib", type=int, default=2048)
     parser.add_argument("--max-shard-mib", type=int, default=512)
     parser.add_argument("--tensor-mib", type=int, default=32)
+    parser.add_argument("--target", choices=("moto", "radosgw"), default="moto",
+                        help="the S3 server, started here on 127.0.0.1 (default: moto)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -238,11 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.size_mib, args.max_shard_mib, args.tensor_mib = 256, 64, 16
     from testkit.emulators import MotoServer
+    from testkit.radosgw import RadosGW
     from testkit.ranks import run_ranks
 
     shard = args.max_shard_mib * MiB
     rows: list[dict[str, Any]] = []
-    with MotoServer(mode="process") as s3:
+    server = (MotoServer(mode="process") if args.target == "moto"
+              else RadosGW(memstore_bytes=max(2 << 30, 8 * args.size_mib * MiB)))
+    with server as s3:
         bucket = s3.create_bucket("bench-export")
         opts = s3.storage_options()
         src = f"{bucket}/step-1"
@@ -263,9 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         raw_s, raw_bytes = _raw_read(f"{bucket}/hf-ours", opts)
     floor = rows[0]["seconds"]
     print()
-    print(f"$ python benchmarks/bench_export.py {'--quick' if args.quick else ''}".rstrip())
+    print("$ python benchmarks/bench_export.py " + " ".join(sys.argv[1:]))
     print(f"state {args.size_mib} MiB fp32 (2 ranks, Shard(0)), output bfloat16, files of "
-          f"{args.max_shard_mib} MiB, moto loopback")
+          f"{args.max_shard_mib} MiB, {args.target} loopback")
     print("| export | seconds | x floor | peak RSS MiB | local disk peak MiB |")
     print("|---|---|---|---|---|")
     for r in rows:
@@ -277,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| save, 2 ranks: VolumeWriter (fp32 DCP) | {dcp_save_s:.2f} | | | |")
     print(f"| save, 2 ranks: SafetensorsWriter (bf16 HF) | {writer_s:.2f} | | | |")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    out = RESULTS_DIR / ("export_quick.json" if args.quick else "export.json")
+    name = "export" + ("" if args.target == "moto" else f"_{args.target}")
+    out = RESULTS_DIR / (name + ("_quick.json" if args.quick else ".json"))
     out.write_text(json.dumps({"args": vars(args), "exports": rows, "load_s": load_s,
                                "volume_writer_s": dcp_save_s, "safetensors_writer_s": writer_s,
                                "load_requests": requests,
