@@ -35,6 +35,9 @@ if _typing.TYPE_CHECKING:
     from dcp_volumes.data._cache import FileCache
     from dcp_volumes.data._dataset import VolumeDataset
     from dcp_volumes.data._loader import DataLoader
+    from dcp_volumes.safetensors._export import export_safetensors
+    from dcp_volumes.safetensors._reader import SafetensorsReader
+    from dcp_volumes.safetensors._writer import SafetensorsWriter
 
 # The classes import torch (seconds to start); load them on first use so that
 # `import dcp_volumes` and CLI commands that need no torch stay fast.
@@ -52,6 +55,9 @@ _LAZY = {
     "FileCache": "dcp_volumes.data._cache",
     "VolumeDataset": "dcp_volumes.data._dataset",
     "DataLoader": "dcp_volumes.data._loader",
+    "SafetensorsReader": "dcp_volumes.safetensors._reader",
+    "SafetensorsWriter": "dcp_volumes.safetensors._writer",
+    "export_safetensors": "dcp_volumes.safetensors._export",
 }
 
 
@@ -89,6 +95,8 @@ __all__ = [
     "RetryPolicy",
     "Route",
     "Routing",
+    "SafetensorsReader",
+    "SafetensorsWriter",
     "StagingError",
     "VolumeAccessError",
     "VolumeDataset",
@@ -100,6 +108,7 @@ __all__ = [
     "ZstdCompression",
     "__version__",
     "active_routes",
+    "export_safetensors",
     "route",
     "storage_error",
     "unroute",

@@ -516,6 +516,26 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK
 
 
+# -- export (Hugging Face safetensors) -------------------------------------------------------
+
+
+def _configure_export(p: argparse.ArgumentParser) -> None:
+    from dcp_volumes.safetensors._cli import configure
+
+    configure(p)
+
+
+@command("export", "write a checkpoint's model as Hugging Face safetensors files (no local copy)",
+         _configure_export)
+def _export(args: argparse.Namespace, out: Output) -> int:
+    from dcp_volumes.safetensors._cli import run
+
+    doc = run(args, _storage_options(args.storage_options), out.bar)
+    out.json(doc)
+    out.line(f"exported {doc['summary']} to {redact_url(args.dest)}")
+    return EXIT_OK
+
+
 # -- entry point ----------------------------------------------------------------------------
 
 

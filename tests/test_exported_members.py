@@ -14,6 +14,10 @@ EXPECTED = {
     "VolumeWriter",
     # compression="zstd" with a level and threads (VolumeWriter(compression=...))
     "ZstdCompression",
+    # Hugging Face safetensors on volumes: save, load, export (issue 46)
+    "SafetensorsReader",
+    "SafetensorsWriter",
+    "export_safetensors",
     # the retry/timeout policy the classes above take as retry=
     "RetryPolicy",
     # errors users catch

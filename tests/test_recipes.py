@@ -68,7 +68,7 @@ def _as_torch(ckpt: Path, tmp_path: Path) -> dict[str, Any]:
 
 def test_every_recipe_block_is_tested() -> None:
     assert set(recipes()) == {"ddp_train.py", "fsdp_train.py", "titan_style.py", "titan_loop.py",
-                              "lightning_train.py", "preemptible_train.py"}
+                              "lightning_train.py", "preemptible_train.py", "hf_export.py"}
 
 
 def test_ddp_recipe_resumes_where_an_uninterrupted_run_ends(tmp_path: Path) -> None:
@@ -193,3 +193,22 @@ def test_preemptible_recipe_on_slurm_usr1_saves_the_step_and_resumes(tmp_path: P
                 child.send_signal(signal.SIGUSR1)
 
     _preempt(tmp_path, usr1_to_workers)
+
+
+def test_hf_export_recipe_gives_what_from_pretrained_loads(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    script = _write(tmp_path, "hf_export.py")["hf_export.py"]
+    ckpt, hf = tmp_path / "run1" / "step-1", tmp_path / "run1" / "hf-1"
+    _run(_torchrun(str(script), str(ckpt), str(hf)), cwd=tmp_path,
+         env={"HF_HUB_OFFLINE": "1"})
+    saved = _as_torch(ckpt, tmp_path)["model"]
+    files = sorted(hf.glob("*.safetensors"))
+    assert (hf / "model.safetensors.index.json").exists() and files
+    exported = {k: v for f in files for k, v in load_file(str(f)).items()}
+    assert set(exported) == set(saved)
+    model = LlamaForCausalLM.from_pretrained(str(hf), dtype=torch.bfloat16)
+    for name, tensor in model.state_dict().items():
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, saved[name].to(torch.bfloat16)), name

@@ -305,7 +305,8 @@ def test_bad_storage_options_json_never_echoes_it(tmp_path: Path) -> None:
 # Every public type that holds storage options (or a URL that may carry a secret), as a
 # user builds it: a guard below makes a new public type join this list.
 HOLDERS = {"CheckpointInfo", "CheckpointManager", "DataLoader", "FileCache", "Route",
-           "Routing", "VolumeDataset", "VolumeReader", "VolumeWriter"}
+           "Routing", "VolumeDataset", "VolumeReader", "VolumeWriter",
+           "SafetensorsReader", "SafetensorsWriter"}
 # Public types that hold neither.
 NO_OPTIONS = {"RetryPolicy", "ZstdCompression"}
 
@@ -337,6 +338,10 @@ def test_no_public_object_shows_the_secret(
                                                     staging_dir=tmp_path))
         objects["VolumeReader"].append(VolumeReader(f"{bucket}/run/step-00000001",
                                                     storage_options=opts))
+        objects["SafetensorsWriter"].append(dcp_volumes.SafetensorsWriter(
+            f"{bucket}/hf", storage_options=opts, staging_dir=tmp_path))
+        objects["SafetensorsReader"].append(dcp_volumes.SafetensorsReader(
+            f"{bucket}/hf", storage_options=opts))
         ds = VolumeDataset(f"{bucket}/train", storage_options=opts,
                            cache_dir=tmp_path / "cache", shuffle=False)
         loader = DataLoader(ds, batch_size=2, num_workers=0)
