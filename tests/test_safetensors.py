@@ -36,7 +36,7 @@ from dcp_volumes.cli import main
 from dcp_volumes.safetensors._format import layout
 from dcp_volumes.safetensors._index import INDEX_NAME
 from testkit.ranks import run_ranks
-from tests.safetensors_helpers import TOKENS, tiny_llama, train_one_step_fsdp2
+from testkit.models import TOKENS, tiny_llama, train_one_step_fsdp2
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 os.environ["HF_HUB_OFFLINE"] = "1"
