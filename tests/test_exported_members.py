@@ -14,6 +14,8 @@ EXPECTED = {
     "VolumeWriter",
     # compression="zstd" with a level and threads (VolumeWriter(compression=...))
     "ZstdCompression",
+    # client-side checkpoint encryption (VolumeWriter/VolumeReader/CheckpointManager(encryption=))
+    "Encryption",
     # the retry/timeout policy the classes above take as retry=
     "RetryPolicy",
     # errors users catch
@@ -34,6 +36,11 @@ EXPECTED = {
     "VolumeExistsError",
     "VolumeNotFoundError",
     "BackendNotInstalledError",
+    # encryption: client-side keys and tampering, and the store's own (SSE) refusals
+    "EncryptionError",
+    "EncryptionKeyError",
+    "CheckpointTamperedError",
+    "VolumeEncryptionError",
     # the typed error behind DCP's CheckpointException (a BaseException)
     "storage_error",
     # routing dcp.save/async_save/load to the classes above for chosen URL prefixes
