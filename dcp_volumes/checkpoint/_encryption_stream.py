@@ -188,7 +188,7 @@ class EncryptedStreams(StreamTransformExtension):
         return REGISTRY_NAME
 
     @classmethod
-    def from_descriptor(cls, version: str) -> EncryptedStreams:  # type: ignore[override]
+    def from_descriptor(cls, version: str) -> EncryptedStreams:
         """The decrypter for one item's descriptor (its key id, stream id, compression)."""
         fields = _parse_version(version)
         if fields["version"].partition(".")[0] != FORMAT_VERSION:
