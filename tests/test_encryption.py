@@ -324,3 +324,27 @@ def test_kill_trials_with_encryption_on(tmp_path: Path, capsys: pytest.CaptureFi
     tally = run_trials(str(tmp_path / "run"), {}, {}, trials=8, keep_last=2, max_delay_s=0.5,
                        seed=44, encryption_key=KEY)
     _report(tally, "local, encrypted, 8 trials", capsys)
+
+
+def test_cli_inspect_and_verify_say_encrypted_and_authenticate_given_the_key(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_cli import run_cli
+
+    monkeypatch.delenv("DCP_VOLUMES_ENCRYPTION_KEY", raising=False)
+    ck = tmp_path / "ck"
+    dcp.save(_state(), storage_writer=VolumeWriter(ck, encryption=Encryption(key=KEY, key_id="k7"),
+                                                   compression="zstd"))
+    shown = run_cli("inspect", str(ck))
+    assert shown.returncode == 0 and "encrypted, key id k7 (no key given" in shown.stdout
+    assert "stream=" not in shown.stdout and "marked" in shown.stdout  # names stay visible
+    plain = run_cli("verify", str(ck))
+    assert plain.returncode == 0 and "no key given" in plain.stdout
+    key_file = tmp_path / "key"
+    key_file.write_text(base64.b64encode(KEY).decode() + "\n")
+    given = run_cli("verify", str(ck), "--encryption-key-file", str(key_file))
+    assert given.returncode == 0 and "every item authenticated" in given.stdout, given
+    key_file.write_bytes(OLD_KEY)  # 32 raw bytes: the wrong key
+    wrong = run_cli("verify", str(ck), "--encryption-key-file", str(key_file))
+    assert wrong.returncode == 1 and "is not the key" in wrong.stdout, wrong
+    for result in (shown, plain, given, wrong):
+        assert not any(t in result.stdout + result.stderr for t in _key_texts(KEY, OLD_KEY))
