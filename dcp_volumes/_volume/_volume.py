@@ -284,6 +284,7 @@ class Volume:
             where=lambda: redact_url(self.url_of(relpath)),
             scrub=self._scrubber(relpath),
             create_only=create_only,
+            encryption=self._server_side_encryption,
         )
 
     # -- queries --------------------------------------------------------------------------
