@@ -191,7 +191,9 @@ def checkpoint_config(args: argparse.Namespace, command: str) -> Any:
         from benchmarks._ckpt_ranks import ENCRYPTED
 
         extra = [m for m in ("vw_sync", "vw_async", *ENCRYPTED) if m not in methods]
-        methods = (*methods, *extra)
+        # Before "load": the loads read the last saves of the methods before them.
+        saves = tuple(m for m in methods if m != "load")
+        methods = (*saves, *extra, *(("load",) if "load" in methods else ()))
     return CheckpointConfig(
         target=resolve(args.target, endpoint=args.endpoint, options=args.storage_option),
         links=_links(args),

@@ -92,6 +92,7 @@ class _FrameWriter(io.RawIOBase):
         self._out = output
         self._buf = bytearray()
         self._index = 0
+        self._sealed = bytearray(FRAME_SIZE + TAG_BYTES)  # reused: one frame's ciphertext
         output.write(header)
 
     def writable(self) -> bool:
@@ -100,8 +101,10 @@ class _FrameWriter(io.RawIOBase):
     def _emit(self, data: Any, final: bool) -> None:
         nonce = os.urandom(NONCE_BYTES)
         aad = self._header + _FRAME_AAD.pack(self._index, final)
+        sealed = memoryview(self._sealed)[:len(data) + TAG_BYTES]
+        self._cipher.encrypt_into(nonce, data, aad, sealed)
         self._out.write(nonce)
-        self._out.write(self._cipher.encrypt(nonce, data, aad))
+        self._out.write(sealed)  # written out before the next frame reuses the buffer
         self._index += 1
 
     def write(self, b: Any) -> int:
@@ -240,13 +243,14 @@ class EncryptedStreams(StreamTransformExtension):
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
         """``input`` (one stored item) authenticated, decrypted (and decompressed) into memory."""
-        data = memoryview(input.read())
+        # An item already in memory is read in place.
+        data = input.getbuffer() if isinstance(input, io.BytesIO) else memoryview(input.read())
         plain = self._decrypt(data)
         if self._compression is not None:
-            return self._compression.transform_from(io.BytesIO(plain))
-        return io.BytesIO(plain)
+            return self._compression.transform_from(plain)
+        return plain
 
-    def _decrypt(self, data: memoryview) -> bytearray:
+    def _decrypt(self, data: memoryview) -> io.BytesIO:
         if len(data) < _FIXED.size or bytes(data[:8]) != MAGIC:
             raise _tampered("its encryption header is missing or damaged")
         _, flags, frame_size, check, stream_id, id_len = _FIXED.unpack_from(data)
@@ -271,8 +275,14 @@ class EncryptedStreams(StreamTransformExtension):
         body = data[header_end:]
         record = frame_size + _FRAME_OVERHEAD
         count = max(1, -(-len(body) // record))
-        plain = bytearray(max(0, len(body) - count * _FRAME_OVERHEAD))
-        out = memoryview(plain)
+        # The plaintext is decrypted straight into the stream handed on (no copy after).
+        total = max(0, len(body) - count * _FRAME_OVERHEAD)
+        plain = io.BytesIO()
+        if total:
+            plain.seek(total - 1)
+            plain.write(b"\0")
+            plain.seek(0)
+        out = plain.getbuffer()
         wrong_check = check != key_check(key)
         from cryptography.exceptions import InvalidTag
 
@@ -294,6 +304,7 @@ class EncryptedStreams(StreamTransformExtension):
                     ) from None
                 raise _tampered(f"authentication of frame {i} of {count} failed") from None
             wrong_check = False  # a frame opened: the key is right, the header was altered
+        out.release()  # the stream may be read (and resized) again
         if check != key_check(key):
             raise _tampered("its key check was altered")
         return plain
