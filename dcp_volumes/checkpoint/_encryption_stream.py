@@ -92,7 +92,7 @@ class _FrameWriter(io.RawIOBase):
         self._out = output
         self._buf = bytearray()
         self._index = 0
-        self._sealed = bytearray(FRAME_SIZE + TAG_BYTES)  # reused: one frame's ciphertext
+        self._sealed: bytearray | None = None  # reused for whole frames' ciphertext
         output.write(header)
 
     def writable(self) -> bool:
@@ -101,10 +101,15 @@ class _FrameWriter(io.RawIOBase):
     def _emit(self, data: Any, final: bool) -> None:
         nonce = os.urandom(NONCE_BYTES)
         aad = self._header + _FRAME_AAD.pack(self._index, final)
-        sealed = memoryview(self._sealed)[:len(data) + TAG_BYTES]
-        self._cipher.encrypt_into(nonce, data, aad, sealed)
         self._out.write(nonce)
-        self._out.write(sealed)  # written out before the next frame reuses the buffer
+        if len(data) < FRAME_SIZE:  # a small item's only frame: no buffer to keep
+            self._out.write(self._cipher.encrypt(nonce, data, aad))
+        else:
+            if self._sealed is None:
+                self._sealed = bytearray(FRAME_SIZE + TAG_BYTES)
+            sealed = memoryview(self._sealed)
+            self._cipher.encrypt_into(nonce, data, aad, sealed)
+            self._out.write(sealed)  # written out before the next frame reuses the buffer
         self._index += 1
 
     def write(self, b: Any) -> int:
