@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_volumes import (
     CheckpointManager,
     ConfigurationError,
+    Encryption,
     VolumeDataset,
     VolumeEncryptionError,
     VolumeReader,
@@ -199,7 +200,7 @@ def test_radosgw_saves_loads_reshards_lists_verifies_collects_and_caches(
         assert head["ServerSideEncryption"] == "aws:kms" and head["SSEKMSKeyId"] == "testkey-1"
 
 
-def test_radosgw_refuses_an_sse_c_checkpoint_read_without_or_with_another_key(
+def test_radosgw_refuses_an_sse_c_read_without_its_key_and_carries_client_side_encryption(
         rgw_bucket: tuple[str, dict[str, Any]], caplog: pytest.LogCaptureFixture) -> None:
     bucket, plain = rgw_bucket
     url = f"{bucket}/ck"
@@ -215,3 +216,12 @@ def test_radosgw_refuses_an_sse_c_checkpoint_read_without_or_with_another_key(
         assert says in str(err) and "Fix:" in str(err)
         assert CUSTOMER_KEY_B64 not in text and other not in text
     assert TEST_KMS_KEYS  # the KMS keys radosgw was started with (SSE-KMS test above)
+    # Client-side encryption over the store's own: both layers on a real S3 server.
+    enc = Encryption(key=os.urandom(32), key_id="rgw")
+    sealed = f"{bucket}/sealed"
+    options = {**plain, **SSE_C}
+    dcp.save(_state(), storage_writer=VolumeWriter(sealed, storage_options=options,
+                                                   encryption=enc, compression="zstd"))
+    out = _blank()
+    dcp.load(out, storage_reader=VolumeReader(sealed, storage_options=options, encryption=enc))
+    assert torch.equal(out["w"], _state()["w"])
