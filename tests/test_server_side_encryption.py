@@ -225,3 +225,9 @@ def test_radosgw_refuses_an_sse_c_read_without_its_key_and_carries_client_side_e
     out = _blank()
     dcp.load(out, storage_reader=VolumeReader(sealed, storage_options=options, encryption=enc))
     assert torch.equal(out["w"], _state()["w"])
+
+
+def test_gcs_encryption_names_gcsfs_would_ignore_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match="gcsfs sends no customer-supplied") as info:
+        Volume("gs://bucket/run", storage_options={"token": "anon", "kms_key_name": "k"})
+    assert "encryption=Encryption" in str(info.value)
