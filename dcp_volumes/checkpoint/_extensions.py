@@ -8,6 +8,9 @@ descriptors up in an ``ExtensionRegistry`` to undo them. ``VolumeWriter`` and
 undoes them in the order torch's reader does, so the bytes and ``.metadata``
 are stock's, both ways. Torch (2.7+) marks the API experimental;
 on a torch without it, asking for an extension is refused with a message.
+``encryption=`` is one extension that compresses (if asked) and then
+encrypts (``_encryption_stream``): the one way to have both that stock
+readers undo in the right order.
 """
 
 from __future__ import annotations
