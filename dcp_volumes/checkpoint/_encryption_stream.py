@@ -248,8 +248,9 @@ class EncryptedStreams(StreamTransformExtension):
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
         """``input`` (one stored item) authenticated, decrypted (and decompressed) into memory."""
-        # An item already in memory is read in place.
-        data = input.getbuffer() if isinstance(input, io.BytesIO) else memoryview(input.read())
+        # An item already in memory (fetched bytes, a BytesIO) is read in place.
+        whole = getattr(input, "getbuffer", None)
+        data = memoryview(whole()) if callable(whole) else memoryview(input.read())
         plain = self._decrypt(data)
         if self._compression is not None:
             return self._compression.transform_from(plain)
