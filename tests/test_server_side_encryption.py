@@ -231,3 +231,13 @@ def test_gcs_encryption_names_gcsfs_would_ignore_are_refused() -> None:
     with pytest.raises(ConfigurationError, match="gcsfs sends no customer-supplied") as info:
         Volume("gs://bucket/run", storage_options={"token": "anon", "kms_key_name": "k"})
     assert "encryption=Encryption" in str(info.value)
+
+
+def test_obstore_takes_the_aws_tools_encryption_variable(
+        recorded: tuple[str, dict[str, Any], LatencyProxy],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket, plain, proxy = recorded
+    monkeypatch.setenv("AWS_SERVER_SIDE_ENCRYPTION", "AES256")
+    Volume(f"{bucket}/env", storage_options=plain).publish("a", b"x")
+    puts = [names for method, _, names in proxy.headers if method == "PUT"]
+    assert puts and all("x-amz-server-side-encryption" in names for names in puts)
