@@ -314,16 +314,21 @@ def test_manager_local_tier_and_peer_replica_hold_ciphertext_and_restore(
     assert by_dir["node-b"]["peer"] > 0
 
 
+@pytest.mark.parametrize(
+    ("trials", "seed"),
+    [pytest.param(8, 44, id="quick"), pytest.param(100, 45, marks=pytest.mark.soak, id="many")],
+)
 def test_kill_trials_with_encryption_on(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                        monkeypatch: pytest.MonkeyPatch, trials: int,
+                                        seed: int) -> None:
     from tests.test_crash_injection import _report, run_trials
 
     # The parent's checks read with the environment's key (a reader given none falls back to it).
     monkeypatch.setenv("DCP_VOLUMES_ENCRYPTION_KEY", base64.b64encode(KEY).decode())
     monkeypatch.setenv("DCP_VOLUMES_ENCRYPTION_KEY_ID", "crash")
-    tally = run_trials(str(tmp_path / "run"), {}, {}, trials=8, keep_last=2, max_delay_s=0.5,
-                       seed=44, encryption_key=KEY)
-    _report(tally, "local, encrypted, 8 trials", capsys)
+    tally = run_trials(str(tmp_path / "run"), {}, {}, trials=trials, keep_last=2,
+                       max_delay_s=0.5, seed=seed, encryption_key=KEY)
+    _report(tally, f"local, encrypted, {trials} trials", capsys)
 
 
 def test_cli_inspect_and_verify_say_encrypted_and_authenticate_given_the_key(
