@@ -93,6 +93,8 @@ SAVE_METHODS = (
     "vw_sync_fresh",
     "vw_async_fresh",
     "vw_async_f32",
+    "vw_sync_enc",
+    "vw_async_enc",
 )
 LOAD_METHODS = (
     "raw_get",
@@ -102,13 +104,20 @@ LOAD_METHODS = (
     "s3tc_reader",
     "vw_reader",
     "vw_reader_f32",
+    "vw_reader_enc",
 )
 # Methods of s3torchconnector, which speaks S3 only.
 S3_ONLY = frozenset({"s3tc", "s3tc_reader"})
 RAW_SAVES = ("raw_put", "raw_multipart")
 RAW_LOADS = ("raw_get", "raw_ranged")
-ASYNC_METHODS = frozenset({"fsspec_async", "vw_async", "vw_async_fresh", "vw_async_f32"})
-VW_METHODS = ("vw_sync", "vw_async", "vw_sync_fresh", "vw_async_fresh", "vw_async_f32")
+ASYNC_METHODS = frozenset({"fsspec_async", "vw_async", "vw_async_fresh", "vw_async_f32",
+                           "vw_async_enc"})
+VW_METHODS = ("vw_sync", "vw_async", "vw_sync_fresh", "vw_async_fresh", "vw_async_f32",
+              "vw_sync_enc", "vw_async_enc")
+# Client-side encryption (``Encryption``) beside the same writer unencrypted: a fixed
+# benchmark key (nothing here is secret).
+ENCRYPTED = ("vw_sync_enc", "vw_async_enc")
+BENCH_KEY = bytes(range(32))
 FRESH_WRITER = frozenset({"vw_sync_fresh", "vw_async_fresh"})
 # A non-default VolumeWriter setting shown beside the defaults: files of 32 MiB
 # (default 256 MiB) go up as single PUTs and read back as whole-object GETs.
@@ -172,6 +181,8 @@ class Job:
             skip.add("raw_get")
         if "vw_async_f32" not in self.methods:
             skip.add("vw_reader_f32")
+        if not set(ENCRYPTED) & set(self.methods):
+            skip.add("vw_reader_enc")
         return tuple(m for m in LOAD_METHODS if m not in skip)
 
     def raw(self, pool: int, *, direct: bool = False) -> RawStore:
@@ -466,6 +477,8 @@ class Saver:
 
         m = self.method
         options = {**self.job.vw_options, **(SMALL_FILES if m == "vw_async_f32" else {})}
+        if m in ENCRYPTED:
+            options["encryption"] = bench_encryption()
         return VolumeWriter(
             url(self.job, m),
             storage_options=self.job.our_storage_options,
@@ -547,10 +560,10 @@ class Saver:
             _dcp_sync(self.state, w)
         elif m == "torch_save":
             self.torch_save_upload(i)
-        elif m in ("vw_sync", "vw_sync_fresh"):
+        elif m in ("vw_sync", "vw_sync_fresh", "vw_sync_enc"):
             writer = self.volume_writer() if m in FRESH_WRITER else self.writer
             _dcp_sync(self.state, writer, save_url(job, m, i))
-        elif m in ("vw_async", "vw_async_f32", "vw_async_fresh"):
+        elif m in ("vw_async", "vw_async_f32", "vw_async_fresh", "vw_async_enc"):
             writer = self.volume_writer() if m in FRESH_WRITER else self.writer
             blocking, fut = _dcp_async(self.state, writer, save_url(job, m, i))
             fut.result()
@@ -686,6 +699,13 @@ def _make_reader(job: Job, name: str) -> Any:
         return S3StorageReader(
             region="us-east-1", path=job.load_source, s3client_config=s3tc_config()
         )
+    if name == "vw_reader_enc":
+        from dcp_volumes import VolumeReader
+
+        method = encrypted_source(job)
+        return VolumeReader(save_url(job, method, job.repeats - 1),
+                            storage_options=job.our_storage_options,
+                            encryption=bench_encryption())
     if name in ("vw_reader", "vw_reader_f32"):
         from dcp_volumes import VolumeReader
 
@@ -694,6 +714,17 @@ def _make_reader(job: Job, name: str) -> Any:
             source = save_url(job, "vw_async_f32", job.repeats - 1)
         return VolumeReader(source, storage_options=job.our_storage_options)
     raise ValueError(f"unknown reader {name!r}")
+
+
+def bench_encryption() -> Any:
+    from dcp_volumes import Encryption
+
+    return Encryption(key=BENCH_KEY, key_id="bench")
+
+
+def encrypted_source(job: Job) -> str:
+    """The encrypted method whose last save ``vw_reader_enc`` loads."""
+    return "vw_sync_enc" if "vw_sync_enc" in job.methods else "vw_async_enc"
 
 
 def _raw_loads(

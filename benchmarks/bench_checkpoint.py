@@ -41,6 +41,7 @@ from typing import Any
 
 from benchmarks._ckpt_ranks import (
     ASYNC_METHODS,
+    ENCRYPTED,
     LOAD_METHODS,
     RAW_LOADS,
     RAW_SAVES,
@@ -80,6 +81,8 @@ LABELS = {
     "vw_sync_fresh": "dcp.save VolumeWriter (fresh per save)",
     "vw_async_fresh": "dcp.async_save VolumeWriter (fresh per save)",
     "vw_async_f32": "dcp.async_save VolumeWriter file_size=32MiB (not default)",
+    "vw_sync_enc": "dcp.save VolumeWriter, encryption= (reused)",
+    "vw_async_enc": "dcp.async_save VolumeWriter, encryption= (reused)",
     "raw_get": "raw parallel GETs of the chunks",
     "raw_ranged": "raw parallel ranged GETs",
     "local_reader": "dcp.load FileSystemReader <- local disk (no network: DCP's own cost)",
@@ -87,6 +90,7 @@ LABELS = {
     "s3tc_reader": "dcp.load s3torchconnector",
     "vw_reader": "dcp.load VolumeReader",
     "vw_reader_f32": "dcp.load VolumeReader, 32 MiB files (not default)",
+    "vw_reader_enc": "dcp.load VolumeReader, encryption=",
     "vw_reader_reshard": "dcp.load VolumeReader, another world size",
 }
 AZURE_LABELS = {
@@ -97,7 +101,8 @@ AZURE_LABELS = {
 # Stock ways of saving to the store, against which "best peer" is taken.
 PEERS = ("fsspec_t1", "fsspec_t8", "fsspec_async", "s3tc", "torch_save")
 # Every method of the default matrix (fsspec_t1 and the 32 MiB files on request).
-DEFAULT_METHODS = tuple(m for m in SAVE_METHODS if m not in ("fsspec_t1", "vw_async_f32"))
+DEFAULT_METHODS = tuple(m for m in SAVE_METHODS
+                        if m not in ("fsspec_t1", "vw_async_f32", *ENCRYPTED))
 
 # The targets of issue 16, in one place.
 BLOCKING_VS_MEMCPY = 2.0
@@ -179,7 +184,8 @@ def make_job(
         isolated=False,
         vw_options=dict(cfg.vw_options),
         load_repeats=cfg.load_repeats,
-        keep=(*RAW_SAVES, "torch_save", "vw_async_f32", source) if "load" in methods else (),
+        keep=(*RAW_SAVES, "torch_save", "vw_async_f32", *ENCRYPTED, source)
+        if "load" in methods else (),
         shape=cfg.shape,
         multipart=cfg.target.multipart,
         server_pids=tuple(server_pids(server)),
@@ -333,6 +339,10 @@ def run(
                 )
                 res["target"] = check_local_tier(res)
                 report["local_tier"][link] = res
+    if set(ENCRYPTED) & set(cfg.methods):
+        report["encryption"] = encryption_report(report["cells"], cfg.quick)
+        for line in encryption_lines(report["encryption"]):
+            say(line)
     report["goodput"] = goodput_report(report["cells"], cfg.goodput)
     report["wall_s"] = time.perf_counter() - t_start
     report["machine"]["load_average_end"] = load_average()
@@ -562,6 +572,80 @@ def goodput_report(cells: list[dict[str, Any]], model: GoodputModel) -> dict[str
             }
         )
     return out
+
+
+def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str) -> float:
+    if not (a and b and not a.get("error") and not b.get("error")):
+        return math.nan
+    return float(a[key]) / float(b[key]) if b[key] else math.nan
+
+
+def encryption_report(cells: list[dict[str, Any]], quick: bool) -> dict[str, Any]:
+    """Encrypted / unencrypted per cell (the same writer, reused), and the cipher's own
+    throughput on one core (``Encryption``'s frames, no store, no DCP)."""
+    rows = []
+    for cell in cells:
+        saves, loads = cell["saves"], cell["loads"]
+        rows.append({
+            "link": cell["link"], "world_size": cell["world_size"],
+            "size_mib": cell["size_mib"],
+            "sync_e2e_ratio": _ratio(saves.get("vw_sync_enc"), saves.get("vw_sync"),
+                                     "steady_e2e_s"),
+            "async_e2e_ratio": _ratio(saves.get("vw_async_enc"), saves.get("vw_async"),
+                                      "steady_e2e_s"),
+            "async_blocking_ratio": _ratio(saves.get("vw_async_enc"), saves.get("vw_async"),
+                                           "steady_blocking_s"),
+            "load_ratio": _ratio(loads.get("vw_reader_enc"), loads.get("vw_reader"), "steady_s"),
+            "load_verified": bool(loads.get("vw_reader_enc", {}).get("verified")),
+        })
+    return {"cells": rows, "cipher_one_core": cipher_throughput(64 if quick else 256)}
+
+
+def cipher_throughput(mib: int) -> dict[str, float]:
+    """MiB/s (CPU time) of encrypting ``mib`` MiB through the extension, one thread, and of
+    decrypting them into a new buffer in memory (as a load does)."""
+    import io
+
+    from benchmarks._ckpt_ranks import bench_encryption
+    from dcp_volumes.checkpoint._encryption_stream import EncryptedStreams, registry_for
+
+    class Sink(io.RawIOBase):  # takes the ciphertext and keeps none of it
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: Any) -> int:
+            return len(memoryview(b))
+
+    data = bytes(mib * MiB)
+    ext = EncryptedStreams(bench_encryption())
+    t0 = time.process_time()
+    with ext.transform_to(Sink()) as w:  # type: ignore[arg-type]
+        w.write(data)
+    enc_s = time.process_time() - t0
+    out = io.BytesIO()
+    with ext.transform_to(out) as w:
+        w.write(data)
+    descriptor = ext.get_descriptor()
+    reader = registry_for(bench_encryption()).from_descriptor_list([descriptor])[0]
+    t0 = time.process_time()
+    reader.transform_from(io.BytesIO(out.getvalue()))  # decrypted into a new buffer
+    dec_s = time.process_time() - t0
+    return {"mib": mib, "encrypt_mib_s": mib / enc_s, "decrypt_mib_s": mib / dec_s}
+
+
+def encryption_lines(rep: dict[str, Any]) -> list[str]:
+    """The encrypted / unencrypted ratios, one line per cell, and the cipher's speed."""
+    lines = []
+    for r in rep["cells"]:
+        lines.append(
+            f"encrypted/plain {r['link']:>8} {r['world_size']} x {r['size_mib']:>4} MiB: "
+            f"save e2e sync {r['sync_e2e_ratio']:.2f}x, async {r['async_e2e_ratio']:.2f}x; "
+            f"blocking {r['async_blocking_ratio']:.2f}x; load {r['load_ratio']:.2f}x"
+            f"{'' if r['load_verified'] else ' (load NOT verified)'}")
+    c = rep["cipher_one_core"]
+    lines.append(f"AES-256-GCM frames, one core (CPU time): encrypt {c['encrypt_mib_s']:.0f} "
+                 f"MiB/s, decrypt {c['decrypt_mib_s']:.0f} MiB/s ({c['mib']} MiB)")
+    return lines
 
 
 def cell_line(cell: dict[str, Any]) -> str:

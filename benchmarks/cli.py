@@ -94,6 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-reshard", action="store_true",
                    help="skip the load on another world size")
     g.add_argument("--no-local-tier", action="store_true", help="skip the local-tier restore")
+    g.add_argument("--encrypt", action="store_true",
+                   help="add VolumeWriter/VolumeReader with encryption= beside the same "
+                        "unencrypted (vw_sync, vw_async, their loads) and print the ratios "
+                        "and the cipher's one-core throughput")
     g.add_argument("--files-per-rank", type=int, default=8,
                    help="scale: files (tensors) of each simulated rank (default 8)")
     g.add_argument("--parallel", type=int, default=16,
@@ -183,6 +187,13 @@ def checkpoint_config(args: argparse.Namespace, command: str) -> Any:
         if args.methods
         else (*DEFAULT_METHODS, "load")
     )
+    if getattr(args, "encrypt", False):
+        from benchmarks._ckpt_ranks import ENCRYPTED
+
+        extra = [m for m in ("vw_sync", "vw_async", *ENCRYPTED) if m not in methods]
+        # Before "load": the loads read the last saves of the methods before them.
+        saves = tuple(m for m in methods if m != "load")
+        methods = (*saves, *extra, *(("load",) if "load" in methods else ()))
     return CheckpointConfig(
         target=resolve(args.target, endpoint=args.endpoint, options=args.storage_option),
         links=_links(args),

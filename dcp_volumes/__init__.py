@@ -11,13 +11,17 @@ from dcp_volumes._exceptions import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    CheckpointTamperedError,
     CheckpointVersionError,
     ConfigurationError,
     DatasetChangedError,
     DcpVolumesError,
     DiskFullError,
+    EncryptionError,
+    EncryptionKeyError,
     StagingError,
     VolumeAccessError,
+    VolumeEncryptionError,
     VolumeError,
     VolumeExistsError,
     VolumeNotFoundError,
@@ -28,6 +32,7 @@ from dcp_volumes._volume._retry import RetryPolicy
 if _typing.TYPE_CHECKING:
     from dcp_volumes.checkpoint._compression import ZstdCompression
     from dcp_volumes.checkpoint._discovery import CheckpointInfo
+    from dcp_volumes.checkpoint._encryption import Encryption
     from dcp_volumes.checkpoint._manager import CheckpointManager
     from dcp_volumes.checkpoint._reader import VolumeReader
     from dcp_volumes.checkpoint._routing import Route, Routing, active_routes, route, unroute
@@ -44,6 +49,7 @@ if _typing.TYPE_CHECKING:
 _LAZY = {
     "CheckpointInfo": "dcp_volumes.checkpoint._discovery",
     "CheckpointManager": "dcp_volumes.checkpoint._manager",
+    "Encryption": "dcp_volumes.checkpoint._encryption",
     "VolumeReader": "dcp_volumes.checkpoint._reader",
     "VolumeWriter": "dcp_volumes.checkpoint._writer",
     "Route": "dcp_volumes.checkpoint._routing",
@@ -85,12 +91,16 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointTamperedError",
     "CheckpointVersionError",
     "ConfigurationError",
     "DataLoader",
     "DatasetChangedError",
     "DcpVolumesError",
     "DiskFullError",
+    "Encryption",
+    "EncryptionError",
+    "EncryptionKeyError",
     "FileCache",
     "RetryPolicy",
     "Route",
@@ -100,6 +110,7 @@ __all__ = [
     "StagingError",
     "VolumeAccessError",
     "VolumeDataset",
+    "VolumeEncryptionError",
     "VolumeError",
     "VolumeExistsError",
     "VolumeNotFoundError",

@@ -11,6 +11,8 @@
 | ``DCP_VOLUMES_BACKEND``     | ``fsspec``: S3/Azure through s3fs/adlfs, not obstore |
 | ``DCP_VOLUMES_CLIENT_START_TIMEOUT`` | seconds until a client creation is stuck (0: never) |
 | ``DCP_VOLUMES_EXIT_TIMEOUT`` | seconds a save in flight may take once the interpreter exits |
+| ``DCP_VOLUMES_ENCRYPTION_KEY`` | base64 of the 32-byte key of ``Encryption.from_env()`` |
+| ``DCP_VOLUMES_ENCRYPTION_KEY_ID`` | the id recorded with that key (default ``default``) |
 | ``AWS_ENDPOINT_URL[_S3]`` (the SDKs') | the S3 endpoint; its scheme decides plain http |
 | ``AWS_EC2_METADATA_DISABLED`` (botocore's) | ``true``: no credentials from instance metadata |
 | ``AWS_UNSIGNED_PAYLOAD`` (obstore's) | set: it decides payload signing (else unsigned over TLS) |
@@ -31,6 +33,8 @@ CLIENT_START_TIMEOUT = "DCP_VOLUMES_CLIENT_START_TIMEOUT"
 EXIT_TIMEOUT = "DCP_VOLUMES_EXIT_TIMEOUT"
 ROUTE = "DCP_VOLUMES_ROUTE"
 ROUTE_CONFIG = "DCP_VOLUMES_ROUTE_CONFIG"
+ENCRYPTION_KEY = "DCP_VOLUMES_ENCRYPTION_KEY"
+ENCRYPTION_KEY_ID = "DCP_VOLUMES_ENCRYPTION_KEY_ID"
 
 
 def staging_dir() -> str | None:
@@ -187,3 +191,12 @@ def aws_endpoint_source() -> tuple[str, str]:
 def aws_unsigned_payload_set() -> bool:
     """Whether ``AWS_UNSIGNED_PAYLOAD`` (obstore reads it) chooses payload signing itself."""
     return bool(os.environ.get("AWS_UNSIGNED_PAYLOAD", "").strip())
+
+
+def encryption_key() -> tuple[str, str] | None:
+    """(the base64 key text, its key id or ``""``) from ``DCP_VOLUMES_ENCRYPTION_KEY[_ID]``,
+    or ``None`` when no key is set."""
+    raw = os.environ.get(ENCRYPTION_KEY, "").strip()
+    if not raw:
+        return None
+    return raw, os.environ.get(ENCRYPTION_KEY_ID, "").strip()

@@ -84,6 +84,25 @@ class CheckpointVersionError(CheckpointError):
     """A checkpoint was written in a newer format than this version of dcp_volumes reads."""
 
 
+class EncryptionError(CheckpointError):
+    """A checkpoint's client-side encryption (``Encryption``) refused to read or write it."""
+
+
+class EncryptionKeyError(EncryptionError, PermissionError):
+    """The key an encrypted checkpoint needs is missing, or the key given is not its key."""
+
+
+class CheckpointTamperedError(EncryptionError, CheckpointCorruptError):
+    """An encrypted checkpoint file failed authentication: its bytes were altered,
+    truncated, reordered or taken from another file."""
+
+
+class VolumeEncryptionError(VolumeAccessError):
+    """The store refused a request for its own (server-side) encryption: the bucket
+    requires encryption headers that were not sent, or an SSE-C object was read
+    without its customer key or with the wrong one."""
+
+
 class CacheError(DcpVolumesError, OSError):
     """The local file cache cannot hold or serve a file."""
 

@@ -60,6 +60,11 @@ class MemoryReader(RangeReader):
         out[:] = self._view[pos : pos + len(out)]
         return len(out)
 
+    def getbuffer(self) -> memoryview:
+        """All its bytes, without a copy (as ``io.BytesIO.getbuffer``): for a decoder
+        that reads an item whole (decryption)."""
+        return self._view
+
 
 class FileSlice(RangeReader):
     """``[offset, offset + length)`` of a file, by positioned reads into the caller's buffer.

@@ -320,6 +320,36 @@ def _configure_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-empty", action="store_true",
                    help="exit 0 when there is no complete checkpoint to verify (default: exit 1, "
                         "so that a wrong path fails a CI job)")
+    _add_encryption_key(p)
+
+
+def _add_encryption_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--encryption-key-file", metavar="FILE", default=None,
+                   help="the key of a checkpoint saved with encryption= (32 bytes, or their "
+                        "base64); default: DCP_VOLUMES_ENCRYPTION_KEY, if set")
+
+
+def _encryption_lines(args: argparse.Namespace, cvol: Volume, metadata: Any | None,
+                      *, check: bool, progress: Callable[[int], Any] | None = None
+                      ) -> tuple[list[str], str, list[str]]:
+    """For an encrypted checkpoint: (its key ids, a line saying so, the problems found by
+    authenticating every item when a key was given and ``check``); nothing otherwise."""
+    if metadata is None:
+        return [], "", []
+    from dcp_volumes.checkpoint._encryption_check import authenticate, encryption_for, key_ids
+
+    ids = key_ids(metadata)
+    if not ids:
+        return [], "", []
+    enc = encryption_for(args.encryption_key_file, ids)
+    named = f"encrypted, key id {', '.join(ids)}"
+    if enc is None:
+        return ids, (f"{named} (no key given: pass --encryption-key-file or set "
+                     f"{_env.ENCRYPTION_KEY} to read or authenticate it)"), []
+    if not check:
+        return ids, f"{named} (key given)", []
+    problems = authenticate(cvol, metadata, enc, progress)
+    return ids, f"{named}: {'every item authenticated' if not problems else 'FAILED'}", problems
 
 
 @command("verify", "download a checkpoint and check every file's checksum", _configure_verify)
@@ -349,13 +379,21 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
                     pass  # verify_checkpoint reports the unreadable manifest
         with out.bar(total=hashed, desc=cvol.display_url.rsplit("/", 1)[-1]) as bar:
             problems = verify_checkpoint(cvol, concurrency=args.concurrency, progress=bar.update)
+        encrypted: list[str] = []
+        sealed_note = ""
+        if not problems and cvol.exists(METADATA_NAME):
+            encrypted, sealed_note, sealed = _encryption_lines(
+                args, cvol, read_metadata(cvol, METADATA_NAME), check=True)
+            problems = problems + sealed
         status = "failed" if problems else "ok"
         failed += bool(problems)
         results.append({"url": cvol.display_url, "step": _step(info),
                         "status": status, "checksums": checksummed, "bytes": total,
-                        "problems": problems})
+                        "problems": problems, "encryption_key_ids": encrypted})
         note = "" if checksummed else "  (no manifest: structure checked, no checksums)"
         out.line(f"{status.upper():8} {cvol.display_url}  {format_size(total)}{note}")
+        if sealed_note:
+            out.line(f"    {sealed_note}")
         for problem in problems:
             out.line(f"    {problem}")
     verified = sum(r["status"] != "skipped" for r in results)
@@ -436,6 +474,7 @@ def _configure_inspect(p: argparse.ArgumentParser) -> None:
                    help="for a rank-local checkpoint (use_collectives=False): the rank whose "
                         "__<rank>.metadata to show (default 0)")
     _add_local_dir(p)
+    _add_encryption_key(p)
 
 
 def _entries(metadata: Any) -> list[dict[str, Any]]:
@@ -484,9 +523,13 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
     # (e.g. stream.zstd/1 for compression) they were written with.
     stored = list((getattr(metadata, "storage_data", None) or {}).values())
     stored_bytes = sum(int(getattr(i, "length", 0) or 0) for i in stored)
+    from dcp_volumes.checkpoint._encryption_check import transform_name
+
     transforms = sorted(
-        {"+".join(getattr(i, "transform_descriptors", None) or ()) for i in stored} - {""}
+        {"+".join(map(transform_name, getattr(i, "transform_descriptors", None) or ()))
+         for i in stored} - {""}
     )
+    key_ids, sealed_note, _ = _encryption_lines(args, cvol, metadata, check=False)
     tier = _local_tier(args)
     name = cvol.url.rstrip("/").rsplit("/", 1)[-1]
     held = _held_doc(tier, name) if tier is not None else None
@@ -494,7 +537,7 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
               "complete": info.complete if info else None,
               "rank_local": rank_local, "rank": rank, "ranks": info.ranks if info else None,
               "tensor_bytes": tensor_bytes, "stored_bytes": stored_bytes,
-              "transforms": transforms, "entries": entries,
+              "transforms": transforms, "encryption_key_ids": key_ids, "entries": entries,
               **({"local_dir": tier.directory, "held": held} if tier is not None else {})})
     how = f" ({', '.join(transforms)})" if transforms else ""
     scope = f"  rank {rank} of {info.ranks} (rank-local)" if rank is not None and info else ""
@@ -502,6 +545,8 @@ def _inspect(args: argparse.Namespace, out: Output) -> int:
              f"{'complete' if info is None or info.complete else 'PARTIAL'}{scope}  "
              f"{len(entries)} entries, {format_size(tensor_bytes)} of tensors, "
              f"{format_size(stored_bytes)} stored{how}")
+    if sealed_note:
+        out.line(sealed_note)
     if tier is not None and held is not None:
         local, replicas = _held_text(held)
         out.line(f"local tier {tier.directory}: own copy {local}; replicas kept: {replicas}")

@@ -188,6 +188,7 @@ class LatencyProxy:
         self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
         self.dropped: collections.Counter[tuple[str, str]] = collections.Counter()
         self.log: list[tuple[str, str]] = []
+        self.headers: list[tuple[str, str, frozenset[str]]] = []
         self.connections = 0
         self._seq = 0
         # (response bytes before the reset, method, request bytes before the reset)
@@ -339,6 +340,7 @@ class LatencyProxy:
     def reset_counts(self) -> None:
         with self._lock:
             self.requests.clear()
+            self.headers.clear()
             self.dropped.clear()
             self.log.clear()
             self._seq = 0
@@ -494,6 +496,13 @@ class LatencyProxy:
                         m = _REQUEST_LINE.match(data)
                         if m:
                             expect_request = False
+                            head = data.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]
+                            names = frozenset(
+                                h.split(b":", 1)[0].strip().lower().decode("latin-1")
+                                for h in head if b":" in h)
+                            with self._lock:
+                                self.headers.append(
+                                    (m.group(1).decode(), m.group(2).decode(), names))
                             drop, hold, cut_request = self._on_request(
                                 m.group(1).decode(), m.group(2).decode()
                             )

@@ -53,6 +53,12 @@ __all__ = ["INSTALL_COMMAND", "RadosGW"]
 
 INSTALL_COMMAND = "sudo bash testkit/install_radosgw.sh"
 
+# The testing KMS backend's keys (id -> base64 of 32 bytes): fixed fakes, for SSE-KMS tests.
+TEST_KMS_KEYS = {
+    "testkey-1": "YmNkZWZnaGlqa2xtbm9wcXJzdHV2d3h5ejAxMjM0NTY=",
+    "testkey-2": "MDEyMzQ1Njc4OWFiY2RlZmdoaWprbG1ub3BxcnN0dXY=",
+}
+
 # Fixed fake credentials of the rgw user; they grant access to this private server only.
 _RGW_KEY = "dcpvtest"
 _RGW_SECRET = "dcpvtestsecret"
@@ -297,6 +303,12 @@ class RadosGW(S3Api, Emulator):
             # Free deleted objects' data in seconds, not hours: it sits in RAM.
             "rgw gc obj min wait": "30",
             "rgw gc processor period": "30",
+            # Server-side encryption for tests (Ceph's vstart.sh does the same for its
+            # s3-tests): SSE-C and SSE-KMS over plain http, KMS keys from this config.
+            "rgw crypt require ssl": "false",
+            "rgw crypt s3 kms backend": "testing",
+            "rgw crypt s3 kms encryption keys": " ".join(
+                f"{kid}={key}" for kid, key in TEST_KMS_KEYS.items()),
             **self._lib_dirs(self._bin_dir),
         }
         lines = ["[global]"] + [f"{k} = {v}" for k, v in settings.items()]

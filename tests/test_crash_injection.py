@@ -173,6 +173,7 @@ def run_trials(
     keep_last: int,
     max_delay_s: float,
     seed: int,
+    encryption_key: bytes | None = None,
 ) -> Tally:
     ctx = _context()
     rng = random.Random(seed)
@@ -183,7 +184,8 @@ def run_trials(
         recv, send = ctx.Pipe(duplex=False)
         child = ctx.Process(
             target=crash_child.run,
-            args=(root, child_options, keep_last, seed * 1000 + trial, send, _SIZE),
+            args=(root, child_options, keep_last, seed * 1000 + trial, send, _SIZE,
+                  encryption_key),
             daemon=True,
         )
         child.start()

@@ -18,6 +18,8 @@ EXPECTED = {
     "SafetensorsReader",
     "SafetensorsWriter",
     "export_safetensors",
+    # client-side checkpoint encryption (VolumeWriter/VolumeReader/CheckpointManager(encryption=))
+    "Encryption",
     # the retry/timeout policy the classes above take as retry=
     "RetryPolicy",
     # errors users catch
@@ -38,6 +40,11 @@ EXPECTED = {
     "VolumeExistsError",
     "VolumeNotFoundError",
     "BackendNotInstalledError",
+    # encryption: client-side keys and tampering, and the store's own (SSE) refusals
+    "EncryptionError",
+    "EncryptionKeyError",
+    "CheckpointTamperedError",
+    "VolumeEncryptionError",
     # the typed error behind DCP's CheckpointException (a BaseException)
     "storage_error",
     # routing dcp.save/async_save/load to the classes above for chosen URL prefixes

@@ -221,6 +221,8 @@ _SAMPLES: dict[str, Any] = {
     "endpoint_url": "http://127.0.0.1:9",
     "account_host": "acct.blob.core.windows.net",
     "profile": None,  # s3fs would look the profile up in ~/.aws when it connects
+    "server_side_encryption": "AES256",
+    "sse_customer_key_base64": "MDEyMzQ1Njc4OWFiY2RlZmdoaWprbG1ub3BxcnN0dXY=",
 }
 
 
@@ -298,8 +300,8 @@ def test_a_name_the_serving_client_cannot_honour_is_refused_when_the_volume_is_b
 ) -> None:
     base = {"key": "k", "secret": SECRET}
     # obstore serves: an s3fs option it has no setting for.
-    with pytest.raises(ConfigurationError, match=r"'s3_additional_kwargs'.*obstore") as err:
-        Volume("s3://bucket/run", storage_options={**base, "s3_additional_kwargs": {}})
+    with pytest.raises(ConfigurationError, match=r"s3_additional_kwargs\['ACL'\].*obstore") as err:
+        Volume("s3://bucket/run", storage_options={**base, "s3_additional_kwargs": {"ACL": "x"}})
     assert "DCP_VOLUMES_BACKEND=fsspec" in str(err.value)
     # s3fs serves: obstore's credential-chain settings, which botocore reads elsewhere.
     monkeypatch.setenv("DCP_VOLUMES_BACKEND", "fsspec")

@@ -40,8 +40,8 @@ pytestmark = pytest.mark.emulator
 
 
 def _agents(root: str, out: Path, mode: str, dirs: list[Path], options: dict[str, Any],
-            *, saved_world: int = 2, reader_options: dict[str, Any] | None = None
-            ) -> list[subprocess.Popen[bytes]]:
+            *, saved_world: int = 2, reader_options: dict[str, Any] | None = None,
+            encryption_key: bytes | None = None) -> list[subprocess.Popen[bytes]]:
     """One torchrun agent ("node") per directory, one rank each."""
     out.mkdir(parents=True, exist_ok=True)
     port, run_id = free_port(), uuid.uuid4().hex[:8]
@@ -50,7 +50,9 @@ def _agents(root: str, out: Path, mode: str, dirs: list[Path], options: dict[str
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
                "PEER_LOCAL_DIR": str(local),
                "PEER_TEST": json.dumps({"storage_options": options, "saved_world": saved_world,
-                                        "reader_options": reader_options})}
+                                        "reader_options": reader_options,
+                                        "encryption_key": encryption_key.hex()
+                                        if encryption_key else None})}
         conf = f"is_host={'true' if i == 0 else 'false'},join_timeout=60"
         log = open(out / f"agent-{i}.log", "wb")  # noqa: SIM115 - the child holds it
         procs.append(subprocess.Popen(

@@ -43,6 +43,7 @@ _BUCKET = re.compile(r"s3://([a-z0-9][a-z0-9.-]+)/")
 # The blocks the tests below run; a block added to DOCS needs a test here.
 TESTED = {"quickstart", "dcp_s3", "route_s3", "compression", "lifecycle", "data_s3",
           "file_cache_s3", "memory_store"}
+TESTED |= {"encryption", "sse_s3"}  # docs/checkpoints.md, docs/volumes.md
 
 
 def _blocks() -> Iterator[tuple[str, Block]]:
@@ -192,3 +193,18 @@ def test_file_cache_block_downloads_the_file(tmp_path: Path, s3: Any) -> None:
     path = Path(out.strip().splitlines()[-1])
     assert path.read_bytes() == b"sample"
     assert path.is_relative_to(tmp_path / "cache")
+
+
+def test_encryption_block_round_trips_rotates_and_leaves_no_plaintext(tmp_path: Path) -> None:
+    _run_block(_script("encryption", tmp_path), tmp_path)  # its asserts are the check
+    ckpt = tmp_path / "runs" / "secret" / "step-1"
+    assert b"dcp_volumes.aes256gcm/1;key=2026-11" in (ckpt / METADATA_NAME).read_bytes()
+    plain = torch.arange(1000.0).numpy().tobytes()[400:464]
+    for path in (tmp_path / "runs").rglob("*.distcp"):
+        assert plain not in path.read_bytes(), path
+
+
+def test_sse_block_saves_and_loads_with_both_spellings(tmp_path: Path, s3: Any) -> None:
+    _run_block(_script("sse_s3", tmp_path, s3), tmp_path, s3)
+    assert METADATA_NAME.lstrip("/") in {k.rsplit("/", 1)[-1]
+                                         for k in _keys(s3, "sse-bucket", "run/step-1/")}

@@ -304,8 +304,8 @@ def test_bad_storage_options_json_never_echoes_it(tmp_path: Path) -> None:
 
 # Every public type that holds storage options (or a URL that may carry a secret), as a
 # user builds it: a guard below makes a new public type join this list.
-HOLDERS = {"CheckpointInfo", "CheckpointManager", "DataLoader", "FileCache", "Route",
-           "Routing", "VolumeDataset", "VolumeReader", "VolumeWriter",
+HOLDERS = {"CheckpointInfo", "CheckpointManager", "DataLoader", "Encryption", "FileCache",
+           "Route", "Routing", "VolumeDataset", "VolumeReader", "VolumeWriter",
            "SafetensorsReader", "SafetensorsWriter"}
 # Public types that hold neither.
 NO_OPTIONS = {"RetryPolicy", "ZstdCompression"}
@@ -357,6 +357,9 @@ def test_no_public_object_shows_the_secret(
             objects["Route"] += [*routing.routes, dcp_volumes.active_routes()]
         objects["RetryPolicy"].append(FAST)
         objects["ZstdCompression"].append(ZstdCompression())
+        # A key made of the secret's text: its repr must not show it (tests/test_encryption).
+        key = SECRET.encode()[:32].ljust(32, b"k")
+        objects["Encryption"].append(dcp_volumes.Encryption(key=key, key_id="k"))
     for name, found in objects.items():
         assert found, f"no {name} was built"
         for obj in found:

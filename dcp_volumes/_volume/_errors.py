@@ -25,6 +25,7 @@ from dcp_volumes._exceptions import (
     ConfigurationError,
     DcpVolumesError,
     VolumeAccessError,
+    VolumeEncryptionError,
     VolumeError,
     VolumeExistsError,
     VolumeNotFoundError,
@@ -225,6 +226,7 @@ def translate_error(
     scrub: Callable[[str], str],
     *,
     create_only: bool = False,
+    encryption: str | None = None,
 ) -> DcpVolumesError:
     """The ``dcp_volumes`` exception for a backend error on ``where``, by its neutral kind;
     ``exc`` and what it chains lose their secrets (``scrub``) in place, as ours chains it.
@@ -233,6 +235,9 @@ def translate_error(
     the only kind for which a refused precondition (412, or obstore's reading of
     any 409) means the object is there; a plain write that gets one met another
     conflict (e.g. Azure's 409 for a full in-memory store or a leased blob).
+
+    ``encryption``: the server-side encryption the volume asks for
+    (``_options.server_side_encryption``), which tells a refused key apart.
     """
     scrub_chain(exc, scrub)
     if isinstance(exc, DcpVolumesError):
@@ -279,13 +284,62 @@ def translate_error(
         return VolumeNotFoundError(f"{where} is a directory/prefix, not a file.")
     if isinstance(kind, NotFound):
         return VolumeNotFoundError(f"Cannot {op} {where}: not found ({detail}).")
+    refused = encryption_refusal(kind, op, where, detail, encryption)
+    if refused is not None:
+        return refused
     if isinstance(kind, AccessDenied):
+        hint = (
+            " If the bucket's policy requires server-side encryption, writes without its "
+            "headers are refused this way: pass server_side_encryption='aws:kms' (and "
+            "sse_kms_key_id=...) or 'AES256' in storage_options."
+            if op in _WRITES and encryption is None else ""
+        )
         return VolumeAccessError(
             f"Cannot {op} {where}: access denied or credentials missing/invalid ({detail}). "
             "Fix: check the credentials in storage_options or the environment and that "
-            "they grant this operation."
+            f"they grant this operation.{hint}"
         )
     return VolumeError(f"Cannot {op} {where}: {_sentence(detail)}")
+
+
+_READS = ("read", "stat")
+_WRITES = ("upload", "publish", "copy")
+# The S3 error codes of a request refused for its encryption headers (a HEAD has no body:
+# no code at all).
+_SSE_CODES = (None, "InvalidArgument", "InvalidRequest")
+
+
+def encryption_refusal(
+    kind: BackendError | None, op: str, where: str, detail: str, encryption: str | None
+) -> VolumeEncryptionError | None:
+    """The error for a request the store refused for its server-side encryption (which
+    one, and the fix), or ``None`` for a refusal of another kind."""
+    if kind is None or kind.status not in (400, 403):
+        return None
+    status = kind.status
+    if encryption in ("sse-c", "customer-key") and op in _READS + _WRITES:
+        return VolumeEncryptionError(
+            f"Cannot {op} {where}: the store refused the customer-provided encryption key "
+            f"given for it ({detail}): the object was written with another key, or without "
+            "one. Fix: pass the key it was written with (S3: sse_customer_key_base64, or "
+            "s3fs's s3_additional_kwargs={'SSECustomerKey': ...}; Azure: encryption_key); "
+            "read objects written without a customer key through a volume without one."
+        )
+    if encryption is None and op in _READS and status == 400 and kind.code in _SSE_CODES:
+        return VolumeEncryptionError(
+            f"Cannot {op} {where}: the store refused to read it ({detail}), as S3 answers "
+            "for an object encrypted with a customer-provided key (SSE-C) that is read "
+            "without it. Fix: pass server_side_encryption='sse-c' and "
+            "sse_customer_key_base64=<the key, base64> in storage_options."
+        )
+    if encryption in ("aws:kms", "aws:kms:dsse") and op in _WRITES:
+        return VolumeEncryptionError(
+            f"Cannot {op} {where}: the store refused the write with server-side encryption "
+            f"{encryption!r} ({detail}). Fix: check that sse_kms_key_id names a KMS key "
+            "that exists and that these credentials may use, or drop it to use the "
+            "bucket's default key."
+        )
+    return None
 
 
 def scrub_chain(exc: BaseException, scrub: Callable[[str], str]) -> None:

@@ -40,6 +40,7 @@ from dcp_volumes._volume._errors import (
     NotAFile,
     NotFound,
     PreconditionFailed,
+    RequestFailed,
     ServerError,
     Throttled,
     Timeout,
@@ -385,10 +386,16 @@ def _neutral(exc: Exception) -> BackendError | None:
         return PreconditionFailed(detail)
     if isinstance(exc, FileNotFoundError) or NotFound in kinds:
         return NotFound(detail)
+    # The status and the service's code, for the errors that are told apart by them
+    # (a refused server-side encryption key: _errors.encryption_refusal).
+    status = next((int(c) for c in codes if c.isdigit()), None)
+    code = next((c for c in sorted(codes) if not c.isdigit()), None)
     if (
         isinstance(exc, PermissionError)
         or AccessDenied in kinds
         or isinstance(exc, _credential_errors())
     ):
-        return AccessDenied(detail)
+        return AccessDenied(detail, status=status, code=code)
+    if status == 400:
+        return RequestFailed(detail, status=status, code=code)
     return from_builtin(exc)

@@ -188,7 +188,8 @@ class ObstoreBackend:
         if isinstance(exc, (FileNotFoundError, errors.NotFoundError)):
             return NotFound(detail)
         if isinstance(exc, (errors.PermissionDeniedError, errors.UnauthenticatedError)):
-            return AccessDenied(detail)
+            failure = read_failure(exc)
+            return AccessDenied(detail, status=failure.status, code=failure.code)
         if isinstance(exc, (errors.AlreadyExistsError, errors.PreconditionError)):
             # obstore reads every 409 as "already exists": the server's words say which.
             return PreconditionFailed(detail, server_said=read_failure(exc).server_said)
@@ -268,7 +269,8 @@ class ObstoreBackend:
             )
         detail = describe(exc)
         if failure.status is not None and 400 <= failure.status < 500:
-            return RequestFailed(detail, status=failure.status, server_said=failure.server_said)
+            return RequestFailed(detail, status=failure.status, code=failure.code,
+                                 server_said=failure.server_said)
         if failure.status is not None and failure.status >= 500:
             return ServerError(detail, status=failure.status, server_said=failure.server_said)
         return ConnectionFailed(detail)

@@ -35,6 +35,8 @@ client.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import difflib
 import logging
 import re
@@ -206,9 +208,25 @@ _S3_TO_S3FS: dict[str, tuple[tuple[str, ...], Any]] = {
     "server_side_encryption": (("s3_additional_kwargs", "ServerSideEncryption"), str),
     "sse_kms_key_id": (("s3_additional_kwargs", "SSEKMSKeyId"), str),
     "sse_bucket_key_enabled": (("s3_additional_kwargs", "BucketKeyEnabled"), _true),
+    # SSE-C's key: obstore takes it base64, botocore (under s3fs) the key's bytes.
+    "sse_customer_key_base64": (("s3_additional_kwargs", "SSECustomerKey"),
+                                lambda v: base64.b64decode(v)),
     "request_payer": (("requester_pays",), lambda v: _true(v) or str(v).lower() == "requester"),
     "skip_signature": (("anon",), _true),
     "default_region": (("client_kwargs", "region_name"), str),
+}
+# The server-side encryption settings (read by ``_Reader.s3_sse``), and their
+# algorithms: S3's names, and obstore's for SSE-C (s3fs: SSECustomerAlgorithm="AES256").
+_S3_SSE = frozenset({"server_side_encryption", "sse_kms_key_id", "sse_bucket_key_enabled",
+                     "sse_customer_key_base64"})
+SSE_ALGORITHMS = ("AES256", "aws:kms", "aws:kms:dsse", "sse-c")
+# s3fs's request arguments (``s3_additional_kwargs``) for them, as obstore's names.
+_S3FS_SSE_ARGUMENTS = {
+    "ServerSideEncryption": "server_side_encryption",
+    "SSEKMSKeyId": "sse_kms_key_id",
+    "BucketKeyEnabled": "sse_bucket_key_enabled",
+    "SSECustomerKey": "sse_customer_key_base64",
+    "SSECustomerAlgorithm": "server_side_encryption",
 }
 # How obstore makes a put create-only, or tags objects: s3fs does neither its way.
 _S3_OBSTORE_MECHANICS = frozenset({"conditional_put", "copy_if_not_exists", "disable_tagging"})
@@ -546,6 +564,100 @@ class _Reader:
             if not self.s3_name(name, value, name):
                 unknown.append(name)
         self.unknown("storage_options", unknown, S3_NAMES, S3FS)
+        self.s3_check_sse()
+
+    def s3_sse(self, name: str, value: Any, source: str) -> None:
+        """One server-side encryption setting, in obstore's and s3fs's spelling; every
+        request of both clients then carries its headers (SSE-C's key on reads too)."""
+        sse = ("s3_additional_kwargs",)
+        if name == "server_side_encryption":
+            algorithm = str(value)
+            known = {a.lower(): a for a in SSE_ALGORITHMS}
+            if algorithm.lower() not in known:
+                raise ConfigurationError(
+                    f"storage_options {_quoted(source)}={algorithm!r} is no server-side "
+                    f"encryption: use one of {list(SSE_ALGORITHMS)} (SSE-S3, SSE-KMS, "
+                    "DSSE-KMS, SSE-C with a customer key)."
+                )
+            algorithm = known[algorithm.lower()]
+            self.config.set((name,), algorithm, source)
+            if algorithm == "sse-c":
+                self.fs.set((*sse, "SSECustomerAlgorithm"), "AES256", source)
+            else:
+                self.fs.set((*sse, "ServerSideEncryption"), algorithm, source)
+        elif name == "sse_customer_key_base64":
+            key = _customer_key(value, source)
+            self.config.set((name,), base64.b64encode(key).decode(), source)
+            self.fs.set((*sse, "SSECustomerKey"), key, source)
+            # The key alone means SSE-C (obstore wants it said; botocore its algorithm).
+            self.config.set(("server_side_encryption",), "sse-c", source, weak=True)
+            self.fs.set((*sse, "SSECustomerAlgorithm"), "AES256", source, weak=True)
+        elif name == "sse_kms_key_id":
+            self.config.set((name,), str(value), source)
+            self.fs.set((*sse, "SSEKMSKeyId"), str(value), source)
+            # A KMS key alone means SSE-KMS, as the AWS CLI reads it.
+            self.config.set(("server_side_encryption",), "aws:kms", source, weak=True)
+            self.fs.set((*sse, "ServerSideEncryption"), "aws:kms", source, weak=True)
+        else:  # sse_bucket_key_enabled
+            self.config.set((name,), _true(value), source)
+            self.fs.set((*sse, "BucketKeyEnabled"), _true(value), source)
+
+    def s3_additional_kwargs(self, extra: Mapping[str, Any]) -> None:
+        """s3fs's request arguments: the encryption ones are read as obstore's settings;
+        the rest are s3fs's alone."""
+        for name, value in extra.items():
+            source = f"s3_additional_kwargs[{name!r}]"
+            if value is None:
+                continue
+            if name == "SSECustomerAlgorithm":
+                if str(value).upper() != "AES256":
+                    raise ConfigurationError(
+                        f"storage_options {_quoted(source)}={value!r}: S3's customer-provided "
+                        "keys (SSE-C) use 'AES256', the only algorithm S3 offers for them."
+                    )
+                self.s3_sse("server_side_encryption", "sse-c", source)
+            elif name == "SSECustomerKey":
+                # botocore takes the key's bytes (text is encoded as UTF-8), and sends it
+                # base64 with its MD5, as obstore does with its base64 setting.
+                raw = value.encode() if isinstance(value, str) else value
+                if not isinstance(raw, (bytes, bytearray, memoryview)):
+                    raise ConfigurationError(
+                        f"storage_options {_quoted(source)} must be the 32-byte key (bytes), "
+                        f"not {type(value).__name__}."
+                    )
+                self.s3_sse("sse_customer_key_base64", base64.b64encode(bytes(raw)).decode(),
+                            source)
+            elif name in _S3FS_SSE_ARGUMENTS:
+                self.s3_sse(_S3FS_SSE_ARGUMENTS[name], value, source)
+            elif name == "SSECustomerKeyMD5":
+                self.fs.set(("s3_additional_kwargs", name), value, source)
+                self.not_for(OBSTORE, source, "obstore sends the customer key's MD5 itself")
+            else:
+                self.fs.set(("s3_additional_kwargs", name), value, source)
+                self.beyond(OBSTORE, source, "an s3fs request argument with no obstore "
+                            "setting", "remove it")
+
+    def s3_check_sse(self) -> None:
+        """Refuse server-side encryption settings that contradict each other."""
+        config = {path[0]: v for path, v in self.config.values.items()}
+        algorithm = config.get("server_side_encryption")
+        if algorithm == "sse-c" and "sse_customer_key_base64" not in config:
+            raise ConfigurationError(
+                "storage_options ask for SSE-C (server_side_encryption='sse-c' or "
+                "SSECustomerAlgorithm) without the customer key. Fix: pass "
+                "sse_customer_key_base64=<the 32-byte key, base64> (s3fs: "
+                "s3_additional_kwargs={'SSECustomerKey': key_bytes})."
+            )
+        if "sse_customer_key_base64" in config and algorithm != "sse-c":
+            raise ConfigurationError(
+                f"storage_options give an SSE-C customer key and server_side_encryption="
+                f"{algorithm!r}: an object is encrypted one way. Fix: drop one of them."
+            )
+        if "sse_kms_key_id" in config and algorithm not in ("aws:kms", "aws:kms:dsse"):
+            raise ConfigurationError(
+                f"storage_options give sse_kms_key_id with server_side_encryption="
+                f"{algorithm!r}: a KMS key goes with 'aws:kms' or 'aws:kms:dsse'."
+            )
 
     def s3_name(self, name: str, value: Any, source: str) -> bool:
         """Read one top-level S3 option; False for a name no client takes."""
@@ -559,6 +671,10 @@ class _Reader:
             target, path = _S3_SAME[name]
             self.config.set((target,), value, source)
             self.fs.set(path, value, source)
+        elif name in _S3_SSE:
+            self.s3_sse(name, value, source)
+        elif name == "s3_additional_kwargs":
+            self.s3_additional_kwargs(_mapping(value, name))
         elif name in ("requester_pays", "anon"):
             if _true(value):
                 target = S3FS_RENAMES[name]
@@ -780,6 +896,36 @@ class _Reader:
             "connection string, which needs account_name and account_key or sas_token",
             "give account_name with account_key or sas_token, or a connection_string",
         )
+
+
+def _customer_key(value: Any, source: str) -> bytes:
+    """The 32-byte SSE-C key given base64 in ``value`` (the message never shows it)."""
+    try:
+        key = base64.b64decode(str(value), validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigurationError(
+            f"storage_options {_quoted(source)} is not base64 text: give the 32-byte "
+            "customer key base64-encoded."
+        ) from None
+    if len(key) != 32:
+        raise ConfigurationError(
+            f"storage_options {_quoted(source)} holds {len(key)} bytes; an SSE-C customer "
+            "key is 32 bytes (AES-256)."
+        )
+    return key
+
+
+def server_side_encryption(kind: str, options: Mapping[str, Any]) -> str | None:
+    """How a volume with these (valid) options asks the store to encrypt: an S3
+    algorithm (``"sse-c"``, ``"aws:kms"``...), ``"customer-key"`` for Azure's, or None."""
+    try:
+        spelling = spell(kind, split_ours(options)[1])
+    except ConfigurationError:
+        return None
+    if kind == "azure":
+        return "customer-key" if spelling.obstore.config.get("encryption_key") else None
+    algorithm = spelling.obstore.config.get("server_side_encryption")
+    return str(algorithm) if algorithm else None
 
 
 def parse_connection_string(text: str) -> dict[str, Any]:

@@ -94,9 +94,10 @@ def call_with_retries(
     where: Callable[[], str],
     scrub: Callable[[str], str],
     create_only: bool = False,
+    encryption: str | None = None,
 ) -> T:
     """Run ``fn``; retry transient errors per ``policy``; translate the final failure
-    (``create_only``: see ``translate_error``)."""
+    (``create_only``, ``encryption``: see ``translate_error``)."""
     for attempt in range(1, policy.attempts + 1):
         try:
             return fn()
@@ -114,5 +115,6 @@ def call_with_retries(
                 )
                 time.sleep(delay)
                 continue
-            raise translate_error(exc, op, where(), scrub, create_only=create_only) from exc
+            raise translate_error(exc, op, where(), scrub, create_only=create_only,
+                                  encryption=encryption) from exc
     raise AssertionError("unreachable")  # pragma: no cover

@@ -9,6 +9,7 @@ settings it was given.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, quote, urlsplit
@@ -32,6 +33,11 @@ SECRET_KEYS = (
     "session_token",
     "sas_key",
     "bearer_token",
+    # server-side encryption keys: S3's SSE-C (obstore's and botocore's names), Azure's
+    # customer-provided key
+    "sse_customer_key_base64",
+    "ssecustomerkey",
+    "encryption_key",
 )
 
 
@@ -43,6 +49,11 @@ def secret_values(options: Mapping[str, Any]) -> list[str]:
             found.extend(secret_values(value))
         elif isinstance(value, str) and len(value) >= 4 and key.lower() in SECRET_KEYS:
             found.append(value)
+        elif isinstance(value, (bytes, bytearray)) and len(value) >= 4 and (
+                key.lower() in SECRET_KEYS):
+            # A key given as bytes (botocore's SSECustomerKey) as messages could show it.
+            raw = bytes(value)
+            found += [repr(raw)[2:-1], raw.hex(), base64.b64encode(raw).decode()]
     return found
 
 

@@ -135,12 +135,34 @@ def check_options(protocol: str, options: Mapping[str, Any]) -> None:
     _, options = split_ours(options)  # checks ours too
     kind = OBSTORE_PROTOCOLS.get(protocol)
     if kind is None:
+        refuse_gcs_encryption(protocol, options)
         return  # fsspec alone serves it, with its own names
     spelling = spell(kind, options)
     if _env.backend() == "fsspec":
         refuse(spelling.beyond_fsspec, _CHOSEN)
     elif importlib.util.find_spec("obstore") is not None:  # else "not installed" at first use
         refuse(spelling.beyond_obstore, "which serves this volume")
+
+
+# Encryption names GCS users bring, which gcsfs would take silently and never send:
+# it has no customer-supplied keys, and a KMS key name only per file it opens itself.
+_GCS_ENCRYPTION_NAMES = ("kms_key_name", "encryption_key", "customer_encryption_key",
+                         "customer_supplied_key", "encryption_key_sha256")
+
+
+def refuse_gcs_encryption(protocol: str, options: Mapping[str, Any]) -> None:
+    """Refuse GCS encryption options that gcsfs would accept and never honour."""
+    if protocol not in ("gs", "gcs"):
+        return
+    named = [n for n in _GCS_ENCRYPTION_NAMES if n in options]
+    if named:
+        raise ConfigurationError(
+            f"storage_options {named} cannot be honoured on GCS: gcsfs sends no "
+            "customer-supplied encryption keys, and takes a KMS key name only for a file "
+            "it opens itself, not for the uploads a volume makes. Fix: give the bucket a "
+            "default KMS key (objects written there are encrypted with it), or encrypt "
+            "checkpoints client-side with encryption=Encryption(...)."
+        )
 
 
 def fallback_usable(protocol: str, options: Mapping[str, Any]) -> bool:

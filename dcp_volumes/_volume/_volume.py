@@ -43,7 +43,7 @@ from dcp_volumes._volume._local import LocalBackend, download_atomically, fill_i
 from dcp_volumes._volume._memory import MEMORY_PROTOCOL
 from dcp_volumes._volume._obstore import used_here as obstore_used_here
 from dcp_volumes._volume._obstore_options import azure_account_from_url
-from dcp_volumes._volume._options import endpoint_of
+from dcp_volumes._volume._options import endpoint_of, server_side_encryption
 from dcp_volumes._volume._retry import RetryPolicy, call_with_retries
 from dcp_volumes._volume._secrets import secret_values, url_secrets
 from dcp_volumes._volume._select import (
@@ -117,6 +117,11 @@ class Volume:
             check_options(self.protocol, self.storage_options)
         self._backend: Backend | None = None
         self._backend_pid = -1
+        # The store's own encryption asked for (names only): it tells a refused key apart.
+        kind = OBSTORE_PROTOCOLS.get(self.protocol)
+        self._server_side_encryption = (
+            server_side_encryption(kind, self.storage_options) if kind else None
+        )
         # Values of a signed URL's query (``?sig=``) and its ``user:password@`` are secrets too.
         self._secrets = secret_values(self.storage_options) + url_secrets(url)
 
@@ -265,7 +270,7 @@ class Volume:
     def _translate(self, exc: BaseException, op: str, relpath: str) -> DcpVolumesError:
         scrub = self._scrubber(relpath)
         where = self.display_url if not relpath else redact_url(self.url_of(relpath))
-        return translate_error(exc, op, where, scrub)
+        return translate_error(exc, op, where, scrub, encryption=self._server_side_encryption)
 
     def _call(
         self, op: str, relpath: str, fn: Callable[[Backend], T], *, create_only: bool = False
@@ -279,6 +284,7 @@ class Volume:
             where=lambda: redact_url(self.url_of(relpath)),
             scrub=self._scrubber(relpath),
             create_only=create_only,
+            encryption=self._server_side_encryption,
         )
 
     # -- queries --------------------------------------------------------------------------

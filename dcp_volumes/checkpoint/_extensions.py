@@ -8,6 +8,9 @@ descriptors up in an ``ExtensionRegistry`` to undo them. ``VolumeWriter`` and
 undoes them in the order torch's reader does, so the bytes and ``.metadata``
 are stock's, both ways. Torch (2.7+) marks the API experimental;
 on a torch without it, asking for an extension is refused with a message.
+``encryption=`` is one extension that compresses (if asked) and then
+encrypts (``_encryption_stream``): the one way to have both that stock
+readers undo in the right order.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import IO, Any
 
 from torch.distributed.checkpoint.planner import ReadItem
 
-from dcp_volumes._exceptions import CheckpointCorruptError, ConfigurationError
+from dcp_volumes._exceptions import CheckpointCorruptError, ConfigurationError, EncryptionError
 from dcp_volumes._torch.checkpoint import (
     ExtensionRegistry,
     SerializationFormat,
@@ -29,11 +32,16 @@ from dcp_volumes.checkpoint._compression import ZstdCompression, resolve
 
 
 def writer_transforms(
-    extensions: Sequence[Any] | None, compression: str | ZstdCompression | None
+    extensions: Sequence[Any] | None,
+    compression: str | ZstdCompression | None,
+    encryption: Any | None = None,
 ) -> Any | None:
-    """Torch's writer-side transforms for ``_extensions`` plus ``compression`` (None: none)."""
+    """Torch's writer-side transforms for ``_extensions`` plus ``compression`` and
+    ``encryption`` (None: none)."""
     chosen = list(extensions or ())
     zstd = resolve(compression)
+    if encryption is not None:
+        return _encrypting(chosen, zstd, encryption)
     if zstd is not None:
         chosen.append(zstd)
     if not chosen:
@@ -62,13 +70,37 @@ def writer_transforms(
     return StreamTransforms(chosen)
 
 
-def default_registry() -> Any | None:
-    """Torch's default registry with our zstd decoder (it also reads ``compression.zstd``)."""
+def _encrypting(chosen: list[Any], zstd: ZstdCompression | None, encryption: Any) -> Any:
+    """One extension that compresses (if asked) and then encrypts each item."""
+    from dcp_volumes.checkpoint._encryption import Encryption
+    from dcp_volumes.checkpoint._encryption_stream import EncryptedStreams
+
+    if not isinstance(encryption, Encryption):
+        raise ConfigurationError(
+            f"encryption={encryption!r} is not an Encryption: pass "
+            "Encryption(key=<32 bytes>, key_id=...) or Encryption.from_env()."
+        )
+    if chosen:
+        raise ConfigurationError(
+            "encryption= cannot be combined with _extensions= (stock DCP readers undo a "
+            "chain of stream transforms in the wrong order). encryption= compresses too: "
+            "pass compression='zstd' beside it."
+        )
+    if StreamTransforms is None:  # pragma: no cover - torch < 2.7
+        raise ConfigurationError(
+            "encryption= needs torch >= 2.7, whose DCP has stream extensions. Upgrade torch."
+        )
+    return StreamTransforms([EncryptedStreams(encryption, zstd)])
+
+
+def default_registry(encryption: Any | None = None) -> Any | None:
+    """Torch's default registry with our zstd decoder (it also reads ``compression.zstd``)
+    and our decrypter (keys: ``encryption``, else the environment's)."""
     if ExtensionRegistry is None:  # pragma: no cover - torch < 2.7
         return None
-    registry = ExtensionRegistry()
-    registry.register(ZstdCompression)
-    return registry
+    from dcp_volumes.checkpoint._encryption_stream import registry_for
+
+    return registry_for(encryption)
 
 
 class ReaderTransforms:
@@ -79,7 +111,7 @@ class ReaderTransforms:
             ``None``: torch's defaults plus ``ZstdCompression``.
     """
 
-    def __init__(self, registry: Any | None = None) -> None:
+    def __init__(self, registry: Any | None = None, encryption: Any | None = None) -> None:
         if registry is not None and ExtensionRegistry is not None and not isinstance(
             registry, ExtensionRegistry
         ):
@@ -87,7 +119,25 @@ class ReaderTransforms:
                 f"_extension_registry={registry!r} is not a torch ExtensionRegistry; build one "
                 "with ExtensionRegistry() and register(YourExtension)."
             )
+        if encryption is not None:
+            from dcp_volumes.checkpoint._encryption import Encryption
+
+            if not isinstance(encryption, Encryption):
+                raise ConfigurationError(
+                    f"encryption={encryption!r} is not an Encryption: pass "
+                    "Encryption(key=<32 bytes>, key_id=...) or Encryption.from_env()."
+                )
+            if registry is not None:
+                from dcp_volumes.checkpoint._encryption_stream import bound_class
+
+                # The caller's registry stays as it is: ours is a copy with the decrypter.
+                mine = ExtensionRegistry()
+                for cls in registry.extensions.values():
+                    mine.register(cls)
+                mine.register(bound_class(encryption))
+                registry = mine
         self.registry = registry
+        self.encryption = encryption
 
     def untransform(
         self, req: ReadItem, descriptors: Sequence[str], stream: IO[bytes], where: str
@@ -103,9 +153,13 @@ class ReaderTransforms:
                 f"{req.storage_index.fqn} in {where} was saved with stream transforms "
                 f"{list(descriptors)} that this torch cannot undo; load with torch >= 2.7."
             )
-        registry: Any = self.registry if self.registry is not None else default_registry()
+        registry: Any = (
+            self.registry if self.registry is not None else default_registry(self.encryption)
+        )
         try:
             extensions = registry.from_descriptor_list(descriptors)
+        except EncryptionError as exc:
+            raise type(exc)(f"{req.storage_index.fqn} in {where}: {exc}") from exc
         except ValueError as exc:  # torch's registry: an unknown or unusable extension
             raise ConfigurationError(
                 f"{req.storage_index.fqn} in {where} was saved with stream transforms "
@@ -118,7 +172,11 @@ class ReaderTransforms:
             for ext in extensions:
                 if isinstance(ext, StreamTransformExtension):
                     stream = ext.transform_from(stream)
+            if isinstance(stream, io.BytesIO) and stream.tell() == 0:
+                return stream  # already in memory (our decoders' result): no copy
             return io.BytesIO(stream.read())
+        except EncryptionError as exc:
+            raise type(exc)(f"{req.storage_index.fqn} in {where}: {exc}") from exc
         except Exception as exc:  # what a decoder raises on bad input is its own type
             raise CheckpointCorruptError(
                 f"{req.storage_index.fqn} in {where} cannot be decoded by its stream "

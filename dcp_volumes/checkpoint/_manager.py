@@ -71,6 +71,7 @@ from dcp_volumes.checkpoint._discovery import (
     scan,
     step_dir,
 )
+from dcp_volumes.checkpoint._encryption import Encryption
 from dcp_volumes.checkpoint._layout import METADATA_NAME, is_commit_marker
 from dcp_volumes.checkpoint._local_tier import LocalCopies, LocalTier
 from dcp_volumes.checkpoint._manager_options import ManagerOptions
@@ -151,6 +152,9 @@ class CheckpointManager:
         writer_options: extra ``VolumeWriter`` arguments (``part_size``, ...).
         reader_options: extra ``VolumeReader`` arguments (``read_concurrency``, ...).
         retry: retry policy for volume calls.
+        encryption: ``Encryption(...)``: every save is encrypted with its current
+            key and ``restore`` reads with its keys (see ``VolumeWriter``);
+            the local tier and peer replicas hold the same ciphertext.
         save_interval_steps: ``should_save(step)`` is true every that many steps
             (``None``: only when a preemption is noticed).
         preemption_signals: signals that announce a preemption (``SIGTERM`` from
@@ -199,6 +203,7 @@ class CheckpointManager:
         save_interval_steps: int | None = None,
         preemption_signals: Sequence[int | signal.Signals] | None = None,
         preemption_grace_s: float = 25.0,
+        encryption: Encryption | None = None,
     ) -> None:
         signals = signals_of(preemption_signals)
         self.options = ManagerOptions(
@@ -212,6 +217,7 @@ class CheckpointManager:
             partial_grace_s=partial_grace,
             writer_options=dict(writer_options or {}),
             reader_options=dict(reader_options or {}),
+            encryption=encryption,
             save_interval_steps=save_interval_steps,
             preemption_grace_s=preemption_grace_s,
         )
@@ -438,6 +444,7 @@ class CheckpointManager:
                 storage_options=self.storage_options,
                 local_copy_dir=self.local_dir,
                 retry=self._retry,
+                encryption=self.options.encryption,
                 **self.options.writer_options,
             )
         return self._writer
@@ -583,6 +590,7 @@ class CheckpointManager:
             local_copy_dir=local,
             retry=self._retry,
             _sources=sources,
+            encryption=self.options.encryption,
             **self.options.reader_options,
         )
         logger.info("restoring step %d from %s%s", chosen_step, url,

@@ -27,6 +27,7 @@ class ManagerOptions:
     preemption_grace_s: float = 25.0
     writer_options: Mapping[str, Any] = field(default_factory=dict)
     reader_options: Mapping[str, Any] = field(default_factory=dict)
+    encryption: Any = None  # an Encryption: the writer's and the reader's keys
 
     def __post_init__(self) -> None:
         _count_or_none("keep_last", self.keep_last, "(the newest complete checkpoint is "

@@ -50,6 +50,7 @@ from dcp_volumes.checkpoint._discovery import (
     newest_complete,
     scan,
 )
+from dcp_volumes.checkpoint._encryption import Encryption
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._file_reads import Decoders, FileRead
 from dcp_volumes.checkpoint._layout import (
@@ -127,6 +128,9 @@ class VolumeReader(AtLocation, StorageReader):
             fetched and undone whole; the rest keep ranged, in-place reads.
         _sources: the manager's list of sources of copies, asked in this order
             before the volume (default: the local copy in ``local_copy_dir``).
+        encryption: the keys of a checkpoint written with ``VolumeWriter(
+            encryption=...)`` (the current and previous ones); ``None``: the key
+            in ``DCP_VOLUMES_ENCRYPTION_KEY``, if an item needs one.
     """
 
     options: ReaderOptions
@@ -145,10 +149,11 @@ class VolumeReader(AtLocation, StorageReader):
         prefetch_bytes: int | str = "1GiB",
         _extension_registry: Any | None = None,
         _sources: Sequence[FileSource] | None = None,
+        encryption: Encryption | None = None,
     ) -> None:
         super().__init__()
         self._bytes_from = dict.fromkeys(SOURCE_NAMES, 0)
-        self._transforms = ReaderTransforms(_extension_registry)
+        self._transforms = ReaderTransforms(_extension_registry, encryption)
         self.options = ReaderOptions(
             verify=verify,
             local_copy_dir=os.fspath(local_copy_dir) if local_copy_dir is not None else None,

@@ -53,6 +53,7 @@ from dcp_volumes.checkpoint._byte_format import estimate_bytes
 from dcp_volumes.checkpoint._collector_hold import HoldDuringTransfer, ends_hold_on_error
 from dcp_volumes.checkpoint._commit import Commit
 from dcp_volumes.checkpoint._compression import ZstdCompression
+from dcp_volumes.checkpoint._encryption import Encryption
 from dcp_volumes.checkpoint._extensions import check_serialization_format, writer_transforms
 from dcp_volumes.checkpoint._manifest import FileRecord
 from dcp_volumes.checkpoint._rank_save import RankSave, WrittenItem
@@ -168,6 +169,10 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
             copied call's saves serial.
         per_thread_copy_ahead: stock's keyword for its GPU copy-ahead,
             accepted likewise without effect (``stage`` makes the host copy).
+        encryption: ``Encryption(key=..., key_id=...)``: every item is encrypted
+            (AES-256-GCM in frames, after compression if ``compression`` is
+            given) before it reaches the staging disk; ``.metadata`` records
+            the key id. Readers need the key (``VolumeReader(encryption=...)``).
 
     Unlike stock writers, ``overwrite`` defaults to ``False`` (stock announces
     the same change): a committed checkpoint is never replaced by accident.
@@ -202,6 +207,7 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
         sync_files: bool = True,
         thread_count: int | None = None,
         per_thread_copy_ahead: int | None = None,
+        encryption: Encryption | None = None,
     ) -> None:
         super().__init__()
         check_serialization_format(serialization_format)
@@ -211,7 +217,7 @@ class VolumeWriter(AtLocation, StorageWriter, AsyncStager):
                 "future and returns AsyncSaveResponse. Upgrade torch, or drop async_staging "
                 "(staging then blocks for the host copy only)."
             )
-        self._transforms = writer_transforms(_extensions, compression)
+        self._transforms = writer_transforms(_extensions, compression, encryption)
         self.options = WriterOptions(
             staging_dir=os.fspath(staging_dir) if staging_dir is not None else None,
             overwrite=overwrite,

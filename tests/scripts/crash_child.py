@@ -21,6 +21,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dcp_volumes.checkpoint._encryption import Encryption
 from dcp_volumes.checkpoint._manager import CheckpointManager
 from testkit.states import differences, empty_state, state_for
 
@@ -53,13 +54,15 @@ class _Reporter(logging.Handler):
 
 
 def run(root: str, options: dict[str, Any], keep_last: int, seed: int, conn: Connection,
-        size: int) -> None:
-    """Resume from the newest complete checkpoint, then save every step until killed."""
+        size: int, key: bytes | None = None) -> None:
+    """Resume from the newest complete checkpoint, then save every step until killed
+    (``key``: encrypted with it, key id ``crash``)."""
     reporter = _Reporter(conn)
     log = logging.getLogger("dcp_volumes")
     log.setLevel(logging.DEBUG)
     log.addHandler(reporter)
-    mgr = CheckpointManager(root, keep_last=keep_last, storage_options=options)
+    mgr = CheckpointManager(root, keep_last=keep_last, storage_options=options,
+                            encryption=Encryption(key=key, key_id="crash") if key else None)
     state = empty_state(size=size)
     step = mgr.restore(state)
     diff = differences(state, state_for(step, size=size)) if step is not None else []

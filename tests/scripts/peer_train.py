@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dcp_volumes import CheckpointManager
+from dcp_volumes import CheckpointManager, Encryption
 from dcp_volumes.checkpoint import _peers
 
 _N = 96 * 1024  # floats per rank entry: 384 KiB, several files with file_size below
@@ -49,10 +49,13 @@ def main() -> None:
     _peers._CHUNK = 200_000  # several chunks a file: the chunking is exercised
     report: dict[str, Any] = {"node": int(os.environ["GROUP_RANK"]), "rank": rank,
                               "pid": os.getpid(), "local_dir": os.environ["PEER_LOCAL_DIR"]}
+    key = opts.get("encryption_key")  # hex: the job encrypts its checkpoints (test_encryption)
     mgr = CheckpointManager(root, storage_options=opts["storage_options"], keep_local=True,
                             local_dir=os.environ["PEER_LOCAL_DIR"], local_replicas=1,
                             writer_options={"file_size": "128KiB"},
-                            reader_options=opts.get("reader_options"))
+                            reader_options=opts.get("reader_options"),
+                            encryption=Encryption(key=bytes.fromhex(key), key_id="peer")
+                            if key else None)
     if mode in ("save", "hold"):
         mgr.save(1, state(1, [rank]))
         if mode == "hold":

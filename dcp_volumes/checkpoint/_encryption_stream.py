@@ -1,0 +1,340 @@
+"""The encrypted item format, as a DCP ``StreamTransformExtension`` stock readers can use.
+
+Each stored item (what DCP's stream transforms see: one tensor's or one
+blob's bytes) becomes::
+
+    header | frame 0 | frame 1 | ... | frame n-1 (final)
+    header = MAGIC, flags (bit 0: zstd inside), frame size, key check,
+             stream id (16 random bytes), key id
+    frame  = nonce (12 random bytes) | AES-256-GCM(plaintext frame) | tag (16)
+
+Every frame's associated data is the whole header plus the frame's index and
+a final-frame flag: a frame moved to another index, dropped, repeated, taken
+from another item or file (another stream id), or a stream cut at a frame
+boundary (its last frame then lacks the final flag) fails authentication.
+The item's descriptor in ``.metadata``
+(``dcp_volumes.aes256gcm/1;key=ID;stream=HEX[;zstd]``) repeats the key id and
+stream id, so swapping two whole items' bytes is refused too. The key check
+(an HMAC of a constant) tells "wrong key" from "altered bytes".
+
+Compression composes inside one extension (compress, then encrypt): torch's
+readers undo a chain of extensions in the wrong order, so a chain could not be
+read back by them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import threading
+from typing import IO, Any, ClassVar, cast
+
+from dcp_volumes._exceptions import CheckpointTamperedError, EncryptionKeyError
+from dcp_volumes._torch.checkpoint import ExtensionRegistry, StreamTransformExtension
+from dcp_volumes.checkpoint._compression import ZstdCompression
+from dcp_volumes.checkpoint._encryption import Encryption, key_check, require_cipher
+
+__all__ = ["REGISTRY_NAME", "EncryptedStreams", "describe", "registry_for"]
+
+REGISTRY_NAME = "dcp_volumes.aes256gcm"
+FORMAT_VERSION = "1"
+MAGIC = b"DCPVENC1"
+FRAME_SIZE = 1 << 20
+NONCE_BYTES = 12
+TAG_BYTES = 16
+_FRAME_OVERHEAD = NONCE_BYTES + TAG_BYTES
+_ZSTD_FLAG = 0x01
+_FIXED = struct.Struct(">8sBI8s16sB")  # magic, flags, frame size, key check, stream id, id len
+_FRAME_AAD = struct.Struct(">QB")  # frame index, final flag
+# A header naming a larger frame is damage, not a format (and would ask for its memory).
+_MAX_FRAME_SIZE = 64 << 20
+
+# The descriptor of the item this thread is writing: torch asks for descriptors right
+# after transform_to, in the same thread, and the writer's threads share one extension.
+_WRITING = threading.local()
+
+
+def _descriptor(key_id: str, stream_id: bytes | None, zstd: bool) -> str:
+    parts = [f"{REGISTRY_NAME}/{FORMAT_VERSION}", f"key={key_id}"]
+    if stream_id is not None:
+        parts.append(f"stream={stream_id.hex()}")
+    if zstd:
+        parts.append("zstd")
+    return ";".join(parts)
+
+
+def describe(descriptors: Any) -> str | None:
+    """The key id an item's transform descriptors name, if it is encrypted by us."""
+    for desc in descriptors or ():
+        if isinstance(desc, str) and desc.startswith(REGISTRY_NAME + "/"):
+            return _parse_version(desc.partition("/")[2]).get("key")
+    return None
+
+
+def _parse_version(version: str) -> dict[str, str]:
+    head, *rest = version.split(";")
+    fields = {"version": head}
+    for part in rest:
+        name, _, value = part.partition("=")
+        fields[name] = value or "1"
+    return fields
+
+
+class _FrameWriter(io.RawIOBase):
+    """Encrypts what is written to it into ``output``, frame by frame; ``close`` writes the
+    final frame (possibly empty) and leaves ``output`` open."""
+
+    def __init__(self, cipher: Any, header: bytes, output: IO[bytes]) -> None:
+        super().__init__()
+        self._cipher = cipher
+        self._header = header
+        self._out = output
+        self._buf = bytearray()
+        self._index = 0
+        self._sealed: bytearray | None = None  # reused for whole frames' ciphertext
+        output.write(header)
+
+    def writable(self) -> bool:
+        return True
+
+    def _emit(self, data: Any, final: bool) -> None:
+        nonce = os.urandom(NONCE_BYTES)
+        aad = self._header + _FRAME_AAD.pack(self._index, final)
+        self._out.write(nonce)
+        if len(data) < FRAME_SIZE:  # a small item's only frame: no buffer to keep
+            self._out.write(self._cipher.encrypt(nonce, data, aad))
+        else:
+            if self._sealed is None:
+                self._sealed = bytearray(FRAME_SIZE + TAG_BYTES)
+            sealed = memoryview(self._sealed)
+            self._cipher.encrypt_into(nonce, data, aad, sealed)
+            self._out.write(sealed)  # written out before the next frame reuses the buffer
+        self._index += 1
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = len(view)
+        if self._buf:
+            take = min(FRAME_SIZE - len(self._buf), len(view))
+            self._buf += view[:take]
+            view = view[take:]
+            if not view:  # a full buffer may still be the final frame: hold it
+                return n
+            self._emit(self._buf, final=False)
+            self._buf = bytearray()
+        # More than a frame left: its whole frames go out without a copy.
+        while len(view) > FRAME_SIZE:
+            self._emit(view[:FRAME_SIZE], final=False)
+            view = view[FRAME_SIZE:]
+        self._buf += view
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._emit(bytes(self._buf), final=True)
+                self._buf = bytearray()
+                self._out.flush()
+            finally:
+                super().close()
+
+
+class _Compressed(io.RawIOBase):
+    """Writes go through the compressor into the frames; ``close`` ends both, in order
+    (the compressor leaves what it writes into open)."""
+
+    def __init__(self, compressor: IO[bytes], frames: _FrameWriter) -> None:
+        super().__init__()
+        self._compressor = compressor
+        self._frames = frames
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self._compressor.write(b)
+        return len(memoryview(b))
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._compressor.close()
+                self._frames.close()
+            finally:
+                super().close()
+
+
+class EncryptedStreams(StreamTransformExtension):
+    """AES-256-GCM (after optional zstd) of every checkpoint item, as a DCP extension.
+
+    Writers take an instance (``VolumeWriter(encryption=...)`` builds it);
+    readers find the class in an ``ExtensionRegistry`` by its registry name.
+    ``registry_for(enc)`` registers a subclass bound to ``enc``'s keys; the
+    class itself, unbound, takes the key from ``Encryption.from_env()``.
+    """
+
+    encryption: ClassVar[Encryption | None] = None  # the keys of a bound subclass
+
+    def __init__(
+        self,
+        encryption: Encryption,
+        compression: ZstdCompression | None = None,
+        *,
+        expected: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self._encryption = encryption
+        self._compression = compression
+        self._expected = expected or {}  # a reader's: what the item's descriptor says
+
+    def __repr__(self) -> str:
+        return f"EncryptedStreams({self._encryption!r}, compression={self._compression!r})"
+
+    @staticmethod
+    def registry_name() -> str:
+        return REGISTRY_NAME
+
+    @classmethod
+    def from_descriptor(cls, version: str) -> EncryptedStreams:
+        """The decrypter for one item's descriptor (its key id, stream id, compression)."""
+        fields = _parse_version(version)
+        if fields["version"].partition(".")[0] != FORMAT_VERSION:
+            raise ValueError(
+                f"Unknown {REGISTRY_NAME} version {fields['version']!r}: this checkpoint was "
+                "written by a newer dcp_volumes; upgrade it to read the checkpoint."
+            )
+        key_id = fields.get("key", "")
+        encryption = cls.encryption
+        if encryption is None:
+            try:
+                encryption = Encryption.from_env()
+            except Exception:
+                raise EncryptionKeyError(
+                    f"this item is encrypted (key id {key_id!r}) and no key was given. Fix: "
+                    "pass encryption=Encryption(key=..., key_id=...) to VolumeReader or "
+                    "CheckpointManager, register enc.extension_registry() with a stock "
+                    "reader, or set DCP_VOLUMES_ENCRYPTION_KEY."
+                ) from None
+        if encryption.key_for(key_id) is None:
+            raise EncryptionKeyError(
+                f"this item is encrypted with key id {key_id!r}, and the key given holds "
+                f"only {encryption.key_ids}. Fix: add that key, e.g. "
+                f"Encryption(key=..., key_id=..., previous={{{key_id!r}: old_key}})."
+            )
+        compression = ZstdCompression.from_descriptor("1") if "zstd" in fields else None
+        return cls(encryption, compression, expected=fields)
+
+    def get_descriptor(self) -> str:
+        writing = getattr(_WRITING, "descriptor", None)
+        if writing is not None:
+            return cast(str, writing)
+        return _descriptor(self._encryption.key_id, None, self._compression is not None)
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        """A stream that (compresses and) encrypts what is written to it into ``output``."""
+        enc = self._encryption
+        stream_id = os.urandom(16)
+        zstd = self._compression is not None
+        key_id = enc.key_id.encode()
+        header = _FIXED.pack(MAGIC, _ZSTD_FLAG if zstd else 0, FRAME_SIZE, key_check(enc.key),
+                             stream_id, len(key_id)) + key_id
+        frames = _FrameWriter(require_cipher()(enc.key), header, output)
+        _WRITING.descriptor = _descriptor(enc.key_id, stream_id, zstd)
+        if self._compression is None:
+            return cast(IO[bytes], frames)
+        compressor = self._compression.transform_to(cast(IO[bytes], frames))
+        return cast(IO[bytes], _Compressed(compressor, frames))
+
+    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        """``input`` (one stored item) authenticated, decrypted (and decompressed) into memory."""
+        # An item already in memory (fetched bytes, a BytesIO) is read in place.
+        whole = getattr(input, "getbuffer", None)
+        data = memoryview(whole()) if callable(whole) else memoryview(input.read())
+        plain = self._decrypt(data)
+        if self._compression is not None:
+            return self._compression.transform_from(plain)
+        return plain
+
+    def _decrypt(self, data: memoryview) -> io.BytesIO:
+        if len(data) < _FIXED.size or bytes(data[:8]) != MAGIC:
+            raise _tampered("its encryption header is missing or damaged")
+        _, flags, frame_size, check, stream_id, id_len = _FIXED.unpack_from(data)
+        header_end = _FIXED.size + id_len
+        key_id = bytes(data[_FIXED.size:header_end]).decode("ascii", "replace")
+        header = bytes(data[:header_end])
+        want = self._expected
+        if (
+            key_id != want.get("key", key_id)
+            or stream_id.hex() != want.get("stream", stream_id.hex())
+            or bool(flags & _ZSTD_FLAG) != ("zstd" in want if want else bool(flags & _ZSTD_FLAG))
+            or not 0 < frame_size <= _MAX_FRAME_SIZE
+        ):
+            raise _tampered("its encryption header does not match what .metadata records for it")
+        key = self._encryption.key_for(key_id)
+        if key is None:
+            raise EncryptionKeyError(
+                f"this item is encrypted with key id {key_id!r}, which the key given does "
+                f"not hold (it holds {self._encryption.key_ids})."
+            )
+        cipher = require_cipher()(key)
+        body = data[header_end:]
+        record = frame_size + _FRAME_OVERHEAD
+        count = max(1, -(-len(body) // record))
+        # The plaintext is decrypted straight into the stream handed on (no copy after).
+        total = max(0, len(body) - count * _FRAME_OVERHEAD)
+        plain = io.BytesIO()
+        if total:
+            plain.seek(total - 1)
+            plain.write(b"\0")
+            plain.seek(0)
+        out = plain.getbuffer()
+        wrong_check = check != key_check(key)
+        from cryptography.exceptions import InvalidTag
+
+        for i in range(count):
+            frame = body[i * record:(i + 1) * record]
+            final = i == count - 1
+            if len(frame) < _FRAME_OVERHEAD:
+                raise _tampered("it is truncated")
+            size = len(frame) - _FRAME_OVERHEAD
+            try:
+                cipher.decrypt_into(frame[:NONCE_BYTES], frame[NONCE_BYTES:],
+                                    header + _FRAME_AAD.pack(i, final),
+                                    out[i * frame_size:i * frame_size + size])
+            except InvalidTag:
+                if wrong_check:
+                    raise EncryptionKeyError(
+                        f"the key given for key id {key_id!r} is not the key this item was "
+                        "encrypted with. Fix: pass the key that wrote the checkpoint."
+                    ) from None
+                raise _tampered(f"authentication of frame {i} of {count} failed") from None
+            wrong_check = False  # a frame opened: the key is right, the header was altered
+        out.release()  # the stream may be read (and resized) again
+        if check != key_check(key):
+            raise _tampered("its key check was altered")
+        return plain
+
+
+def _tampered(why: str) -> CheckpointTamperedError:
+    return CheckpointTamperedError(
+        f"authentication failed: {why}. The stored bytes were altered, truncated, "
+        "reordered or copied from another file; load an older checkpoint (or re-upload "
+        "this one from an intact copy)."
+    )
+
+
+def registry_for(encryption: Encryption | None) -> Any:
+    """A torch ``ExtensionRegistry`` with zstd and our decrypter (bound to ``encryption``'s
+    keys; ``None``: the key from the environment)."""
+    registry = ExtensionRegistry()
+    registry.register(ZstdCompression)
+    registry.register(bound_class(encryption))
+    return registry
+
+
+def bound_class(encryption: Encryption | None) -> type[EncryptedStreams]:
+    """``EncryptedStreams`` reading with ``encryption``'s keys (``None``: the environment's)."""
+    if encryption is None:
+        return EncryptedStreams
+    return type("EncryptedStreams", (EncryptedStreams,), {"encryption": encryption})
