@@ -35,8 +35,8 @@ from dcp_volumes._volume import Volume
 from dcp_volumes.cli import main
 from dcp_volumes.safetensors._format import layout
 from dcp_volumes.safetensors._index import INDEX_NAME
-from testkit.ranks import run_ranks
 from testkit.models import TOKENS, tiny_llama, train_one_step_fsdp2
+from testkit.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 os.environ["HF_HUB_OFFLINE"] = "1"
