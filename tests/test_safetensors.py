@@ -33,6 +33,7 @@ from dcp_volumes import (
 )
 from dcp_volumes._volume import Volume
 from dcp_volumes.cli import main
+from dcp_volumes.safetensors import SafetensorsLoadPlanner
 from dcp_volumes.safetensors._format import layout
 from dcp_volumes.safetensors._index import INDEX_NAME
 from testkit.ranks import run_ranks
@@ -322,17 +323,26 @@ def _hostile(directory: Path, case: str) -> dict[str, torch.Tensor]:
     ("overlap", "overlap"), ("past the end", "truncated"), ("unknown dtype", "F17"),
     ("header length", "header length"), ("missing file", "b.safetensors is missing"),
     ("escaping index", "not a file name"), ("shape", "Size mismatch"),
+    ("shape+planner", "model.safetensors: tensor 'a' has shape [2, 2]"),
+    ("missing+planner", "in no file of"),
 ])
 def test_hostile_files_are_refused_naming_file_and_tensor(
         tmp_path: Path, case: str, says: str) -> None:
-    target = _hostile(tmp_path / "m", case)
+    case, planner = case.partition("+")[0], SafetensorsLoadPlanner() if "+" in case else None
+    target = _hostile(tmp_path / "m", case if case != "missing" else "shape")
+    if case == "missing":
+        target = {"a": torch.zeros(2, 2), "c": torch.zeros(1)}
     with pytest.raises(BaseException) as info:  # DCP wraps every rank's error
-        dcp.load(target, storage_reader=SafetensorsReader(str(tmp_path / "m")), no_dist=True)
+        dcp.load(target, storage_reader=SafetensorsReader(str(tmp_path / "m")), no_dist=True,
+                 planner=planner)
     text = str(info.value)
     assert says in text
     if case != "header length":
         assert "'a'" in text or "'b'" in text or "for a" in text
-    if case != "shape":  # (DCP's planner refuses the shape before the reader is asked)
+    if planner is not None:  # the file, both shapes (or the missing name), the fix
+        assert str(tmp_path / "m") in text and "Fix:" in text
+        assert ("the target's is [3, 2]" if case == "shape" else "['c']") in text
+    if case != "shape" or planner is not None:  # (DCP's planner refuses the shape itself)
         assert isinstance(storage_error(info.value), CheckpointCorruptError)
 
 
