@@ -384,3 +384,30 @@ def test_a_stock_dcp_checkpoint_exports_too(tmp_path: Path) -> None:
     got = _tensors(tmp_path / "hf")
     assert got.keys() == {"w", "b"}
     assert torch.equal(got["w"], model["w"]) and torch.equal(got["b"], model["b"].float())
+
+
+def test_tied_weights_export_as_save_pretrained_writes_them(tmp_path: Path) -> None:
+    """GPT-2 (tie_word_embeddings=True): lm_head.weight is written once, as its embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                        bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).eval()
+    state = model.state_dict()
+    assert "lm_head.weight" in state  # a DCP checkpoint holds the tied tensor twice
+    dcp.save({"model": state}, storage_writer=VolumeWriter(str(tmp_path / "ck")), no_dist=True)
+    model.save_pretrained(str(tmp_path / "ref"), max_shard_size=SHARD)
+    export_safetensors(str(tmp_path / "ck"), str(tmp_path / "hf"), dtype=None,
+                       max_shard_size=SHARD, extra_files={"config.json": config.to_json_string()})
+    ref = json.loads((tmp_path / "ref" / INDEX_NAME).read_text())
+    ours = json.loads((tmp_path / "hf" / INDEX_NAME).read_text())
+    assert "lm_head.weight" not in ours["weight_map"]
+    assert ours["weight_map"] == ref["weight_map"]
+    assert ours["metadata"]["total_size"] == ref["metadata"]["total_size"]
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, model(TOKENS).logits)
+    # Kept (drop_tied=False, the CLI's --keep-tied): both names written.
+    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "both"), "--keep-tied"]) == 0
+    assert "lm_head.weight" in _tensors(tmp_path / "both")

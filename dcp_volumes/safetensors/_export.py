@@ -46,6 +46,11 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 _WINDOW_BYTES = 256 * 2**20
 _METADATA = {"format": "pt"}
 
+#: The output head and the input embeddings it is tied to in transformers' models
+#: (``_tied_weights_keys`` under ``tie_word_embeddings=True``): Llama/Mistral/Qwen, GPT-2.
+TIED_HEAD = "lm_head.weight"
+TIED_EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight")
+
 _DTYPE_NAMES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -119,6 +124,26 @@ def _select(metadata: Metadata, prefix: str, cast: torch.dtype | None, where: st
     return chosen
 
 
+def _drop_tied(sources: list[_Source], loader: _Loader) -> list[_Source]:
+    """``sources`` without the tied head, as ``save_pretrained`` writes a tied model:
+    ``lm_head.weight`` is dropped when an input embedding of ``TIED_EMBEDDINGS`` is
+    exported too, with the same shape and dtype and bit-identical values."""
+    by_name = {s.name: s for s in sources}
+    head = by_name.get(TIED_HEAD)
+    if head is None:
+        return sources
+    for name in TIED_EMBEDDINGS:
+        emb = by_name.get(name)
+        if emb is None or (emb.shape, emb.saved) != (head.shape, head.saved):
+            continue
+        loaded = loader.load([head, emb])
+        if torch.equal(loaded[head.fqn], loaded[emb.fqn]):
+            logger.info("export: %s is tied to %s (identical): written once, as "
+                        "save_pretrained does", head.name, emb.name)
+            return [s for s in sources if s is not head]
+    return sources
+
+
 def _groups(tensors: Sequence[_Source], window: int) -> Iterator[list[_Source]]:
     group: list[_Source] = []
     size = 0
@@ -172,6 +197,7 @@ def export_safetensors(
     staging_dir: str | os.PathLike[str] | None = None,
     extra_files: Mapping[str, bytes | str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    drop_tied: bool = True,
 ) -> ExportResult:
     """Write a committed DCP checkpoint's tensors as Hugging Face safetensors files.
 
@@ -204,6 +230,16 @@ def export_safetensors(
             files): what ``from_pretrained`` needs besides the weights.
         progress: called as ``progress(bytes_just_written, total_bytes)`` after each
             group of tensors is in place (a progress bar's update).
+        drop_tied: write tied weights once, as ``save_pretrained`` does for a model
+            with ``tie_word_embeddings=True`` (GPT-2's default): ``lm_head.weight`` is
+            left out when the export also holds ``model.embed_tokens.weight`` or
+            ``transformer.wte.weight`` and the two are bit-identical in the
+            checkpoint (both read once more to compare). An export has no model
+            object to ask, and a DCP checkpoint holds a tied tensor under both names,
+            so the decision is made from the names transformers ties and the data.
+            Pass ``False`` for a model whose config says ``tie_word_embeddings=False``
+            but whose head happens to equal its embedding (``from_pretrained`` would
+            then initialise the missing head instead of loading it).
 
     Returns:
         ``ExportResult``: the files and their tensors, the total tensor bytes.
@@ -226,6 +262,9 @@ def export_safetensors(
     metadata = reader.read_metadata()
     sources = _select(metadata, prefix, cast, reader.volume.display_url)
     _claim(dest, overwrite)
+    loader = _Loader(reader, metadata)
+    if drop_tied:
+        sources = _drop_tied(sources, loader)
     by_name = {s.name: s for s in sources}
     plan = split_into_files(
         [Planned(s.name, _numel(s.shape) * s.dtype.itemsize, _numel(s.shape)) for s in sources],
@@ -233,7 +272,6 @@ def export_safetensors(
     )
     total = sum(m.nbytes for ms in plan for m in ms)
     report = (lambda n: progress(n, total)) if progress is not None else None
-    loader = _Loader(reader, metadata)
     staging = StagingArea(staging_dir)
     uploads = ThreadPoolExecutor(1, thread_name_prefix="dcpv-export-upload")
     pending: Future[None] | None = None
