@@ -411,3 +411,31 @@ def test_tied_weights_export_as_save_pretrained_writes_them(tmp_path: Path) -> N
     # Kept (drop_tied=False, the CLI's --keep-tied): both names written.
     assert main(["export", str(tmp_path / "ck"), str(tmp_path / "both"), "--keep-tied"]) == 0
     assert "lm_head.weight" in _tensors(tmp_path / "both")
+
+
+def _rank_local_save(rank: int, world: int, ckpt: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)  # every rank the same full tensors; each saves its shards
+    state = {"w": distribute_tensor(torch.randn(7, 3), mesh, [Shard(0)]),
+             "v": distribute_tensor(torch.randn(4, 5), mesh, [Shard(1)]), "b": torch.arange(3)}
+    dcp.save({"model": state}, storage_writer=VolumeWriter(ckpt), use_collectives=False)
+
+
+def test_a_rank_local_checkpoint_exports_whole_tensors(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ck")
+    run_ranks(_rank_local_save, 2, ckpt, timeout=120)
+    assert not (tmp_path / "ck" / ".metadata").exists()
+    torch.manual_seed(0)
+    expected = {"w": torch.randn(7, 3), "v": torch.randn(4, 5), "b": torch.arange(3)}
+    export_safetensors(ckpt, str(tmp_path / "hf"), dtype=None)
+    got = _tensors(tmp_path / "hf")
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    # A rank's marker gone: refused, naming the rank, never a tensor with holes.
+    (tmp_path / "ck" / "__1.metadata").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"ranks \[1\] committed no"):
+        export_safetensors(ckpt, str(tmp_path / "hf2"), dtype=None)
