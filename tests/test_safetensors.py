@@ -25,6 +25,7 @@ from dcp_volumes import (
     CheckpointCorruptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ConfigurationError,
     SafetensorsReader,
     SafetensorsWriter,
     VolumeWriter,
@@ -439,3 +440,15 @@ def test_a_rank_local_checkpoint_exports_whole_tensors(tmp_path: Path) -> None:
     (tmp_path / "ck" / "__1.metadata").unlink()
     with pytest.raises(CheckpointNotFoundError, match=r"ranks \[1\] committed no"):
         export_safetensors(ckpt, str(tmp_path / "hf2"), dtype=None)
+
+
+def test_reader_part_size_and_concurrency_bound_its_gets(tmp_path: Path) -> None:
+    tensors = _plain_model(tmp_path / "m")
+    target = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    reader = SafetensorsReader(str(tmp_path / "m"), read_concurrency=1, part_size=64)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(target[k], v) for k, v in tensors.items())
+    spans = [v.numel() * v.element_size() for v in tensors.values()]  # 240, 120, 80 bytes
+    assert reader.stats.data_requests == sum(-(-n // 64) for n in spans) == 4 + 2 + 2
+    with pytest.raises(ConfigurationError, match="part_size"):
+        SafetensorsReader(str(tmp_path / "m"), part_size=0)

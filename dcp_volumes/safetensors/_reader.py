@@ -31,7 +31,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from dcp_volumes._exceptions import CheckpointNotFoundError, VolumeNotFoundError
+from dcp_volumes._exceptions import (
+    CheckpointNotFoundError,
+    ConfigurationError,
+    VolumeNotFoundError,
+)
+from dcp_volumes._sizes import parse_size
 from dcp_volumes._volume import RetryPolicy, Volume, redact_url
 from dcp_volumes.safetensors._format import (
     FIRST_READ_BYTES,
@@ -286,8 +291,12 @@ class SafetensorsReader(StorageReader):
     Args:
         path: the model's directory (URL or local path/mount).
         storage_options: client options (``None``: ``DCP_VOLUMES_STORAGE_OPTIONS``).
-        read_concurrency: ranged reads in flight.
-        retry: retry policy for transient volume errors.
+        read_concurrency: ranged reads in flight (lower it for a server that times
+            out under many concurrent GETs; a timeout is retried as transient).
+        retry: retry policy for transient volume errors (timeouts, throttling, 5xx).
+        part_size: largest single ranged read (bytes or e.g. ``"16MiB"``), as
+            ``VolumeReader``'s; ``None``: 16 MiB, or one GET per span where the
+            server reads the whole object for every range.
     """
 
     def __init__(
@@ -297,12 +306,15 @@ class SafetensorsReader(StorageReader):
         storage_options: Mapping[str, Any] | None = None,
         read_concurrency: int = 16,
         retry: RetryPolicy | None = None,
+        part_size: int | str | None = None,
     ) -> None:
         super().__init__()
         if read_concurrency < 1:
-            from dcp_volumes._exceptions import ConfigurationError
-
             raise ConfigurationError(f"read_concurrency={read_concurrency} must be >= 1.")
+        part = parse_size(part_size, what="part_size") if part_size is not None else None
+        if part is not None and part < 1:
+            raise ConfigurationError(f"part_size={part_size!r} must be a positive size.")
+        self.part_size: int | None = int(part) if part is not None else None
         self.volume = Volume(path, storage_options=storage_options, retry=retry)
         self.read_concurrency = read_concurrency
         self.stats = ReadStats()
@@ -351,8 +363,9 @@ class SafetensorsReader(StorageReader):
             held = 0
             # Where the server reads the whole object for each range, a span is one GET.
             whole = self.volume.capabilities.ranged_reads_cost_whole_object
-            part = max(1, max((s.end - s.start for s in self._spans.values()), default=1)
-                       if whole else _PART_BYTES)
+            part = self.part_size or max(
+                1, max((s.end - s.start for s in self._spans.values()), default=1)
+                if whole else _PART_BYTES)
             for item in items:
                 span = self._spans[item.storage_index]
                 start, end, _ = _row_span(span, item)
