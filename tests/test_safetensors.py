@@ -452,3 +452,23 @@ def test_reader_part_size_and_concurrency_bound_its_gets(tmp_path: Path) -> None
     assert reader.stats.data_requests == sum(-(-n // 64) for n in spans) == 4 + 2 + 2
     with pytest.raises(ConfigurationError, match="part_size"):
         SafetensorsReader(str(tmp_path / "m"), part_size=0)
+
+
+def test_rank_local_chunks_that_leave_a_hole_are_refused() -> None:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from dcp_volumes.safetensors._export import _merged
+
+    def rank(offset: int) -> Metadata:
+        chunk = ChunkStorageMetadata(torch.Size([offset, 0]), torch.Size([2, 3]))
+        return Metadata({"w": TensorStorageMetadata(TensorProperties(torch.float32),
+                                                    torch.Size([6, 3]), [chunk])})
+
+    assert len(_merged([rank(0), rank(2), rank(4)], "ck").state_dict_metadata["w"].chunks) == 3
+    with pytest.raises(CheckpointCorruptError, match="'w' hold 12 of its 18 elements"):
+        _merged([rank(0), rank(4)], "ck")
