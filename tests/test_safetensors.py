@@ -25,6 +25,7 @@ from dcp_volumes import (
     CheckpointCorruptError,
     CheckpointExistsError,
     CheckpointNotFoundError,
+    ConfigurationError,
     SafetensorsReader,
     SafetensorsWriter,
     VolumeWriter,
@@ -33,6 +34,7 @@ from dcp_volumes import (
 )
 from dcp_volumes._volume import Volume
 from dcp_volumes.cli import main
+from dcp_volumes.safetensors import SafetensorsLoadPlanner
 from dcp_volumes.safetensors._format import layout
 from dcp_volumes.safetensors._index import INDEX_NAME
 from testkit.models import TOKENS, tiny_llama, train_one_step_fsdp2
@@ -322,17 +324,26 @@ def _hostile(directory: Path, case: str) -> dict[str, torch.Tensor]:
     ("overlap", "overlap"), ("past the end", "truncated"), ("unknown dtype", "F17"),
     ("header length", "header length"), ("missing file", "b.safetensors is missing"),
     ("escaping index", "not a file name"), ("shape", "Size mismatch"),
+    ("shape+planner", "model.safetensors: tensor 'a' has shape [2, 2]"),
+    ("missing+planner", "in no file of"),
 ])
 def test_hostile_files_are_refused_naming_file_and_tensor(
         tmp_path: Path, case: str, says: str) -> None:
-    target = _hostile(tmp_path / "m", case)
+    case, planner = case.partition("+")[0], SafetensorsLoadPlanner() if "+" in case else None
+    target = _hostile(tmp_path / "m", case if case != "missing" else "shape")
+    if case == "missing":
+        target = {"a": torch.zeros(2, 2), "c": torch.zeros(1)}
     with pytest.raises(BaseException) as info:  # DCP wraps every rank's error
-        dcp.load(target, storage_reader=SafetensorsReader(str(tmp_path / "m")), no_dist=True)
+        dcp.load(target, storage_reader=SafetensorsReader(str(tmp_path / "m")), no_dist=True,
+                 planner=planner)
     text = str(info.value)
     assert says in text
     if case != "header length":
         assert "'a'" in text or "'b'" in text or "for a" in text
-    if case != "shape":  # (DCP's planner refuses the shape before the reader is asked)
+    if planner is not None:  # the file, both shapes (or the missing name), the fix
+        assert str(tmp_path / "m") in text and "Fix:" in text
+        assert ("the target's is [3, 2]" if case == "shape" else "['c']") in text
+    if case != "shape" or planner is not None:  # (DCP's planner refuses the shape itself)
         assert isinstance(storage_error(info.value), CheckpointCorruptError)
 
 
@@ -374,3 +385,90 @@ def test_a_stock_dcp_checkpoint_exports_too(tmp_path: Path) -> None:
     got = _tensors(tmp_path / "hf")
     assert got.keys() == {"w", "b"}
     assert torch.equal(got["w"], model["w"]) and torch.equal(got["b"], model["b"].float())
+
+
+def test_tied_weights_export_as_save_pretrained_writes_them(tmp_path: Path) -> None:
+    """GPT-2 (tie_word_embeddings=True): lm_head.weight is written once, as its embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                        bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).eval()
+    state = model.state_dict()
+    assert "lm_head.weight" in state  # a DCP checkpoint holds the tied tensor twice
+    dcp.save({"model": state}, storage_writer=VolumeWriter(str(tmp_path / "ck")), no_dist=True)
+    model.save_pretrained(str(tmp_path / "ref"), max_shard_size=SHARD)
+    export_safetensors(str(tmp_path / "ck"), str(tmp_path / "hf"), dtype=None,
+                       max_shard_size=SHARD, extra_files={"config.json": config.to_json_string()})
+    ref = json.loads((tmp_path / "ref" / INDEX_NAME).read_text())
+    ours = json.loads((tmp_path / "hf" / INDEX_NAME).read_text())
+    assert "lm_head.weight" not in ours["weight_map"]
+    assert ours["weight_map"] == ref["weight_map"]
+    assert ours["metadata"]["total_size"] == ref["metadata"]["total_size"]
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, model(TOKENS).logits)
+    # Kept (drop_tied=False, the CLI's --keep-tied): both names written.
+    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "both"), "--keep-tied"]) == 0
+    assert "lm_head.weight" in _tensors(tmp_path / "both")
+
+
+def _rank_local_save(rank: int, world: int, ckpt: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)  # every rank the same full tensors; each saves its shards
+    state = {"w": distribute_tensor(torch.randn(7, 3), mesh, [Shard(0)]),
+             "v": distribute_tensor(torch.randn(4, 5), mesh, [Shard(1)]), "b": torch.arange(3)}
+    dcp.save({"model": state}, storage_writer=VolumeWriter(ckpt), use_collectives=False)
+
+
+def test_a_rank_local_checkpoint_exports_whole_tensors(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ck")
+    run_ranks(_rank_local_save, 2, ckpt, timeout=120)
+    assert not (tmp_path / "ck" / ".metadata").exists()
+    torch.manual_seed(0)
+    expected = {"w": torch.randn(7, 3), "v": torch.randn(4, 5), "b": torch.arange(3)}
+    export_safetensors(ckpt, str(tmp_path / "hf"), dtype=None)
+    got = _tensors(tmp_path / "hf")
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
+    # A rank's marker gone: refused, naming the rank, never a tensor with holes.
+    (tmp_path / "ck" / "__1.metadata").unlink()
+    with pytest.raises(CheckpointNotFoundError, match=r"ranks \[1\] committed no"):
+        export_safetensors(ckpt, str(tmp_path / "hf2"), dtype=None)
+
+
+def test_reader_part_size_and_concurrency_bound_its_gets(tmp_path: Path) -> None:
+    tensors = _plain_model(tmp_path / "m")
+    target = {k: torch.zeros_like(v) for k, v in tensors.items()}
+    reader = SafetensorsReader(str(tmp_path / "m"), read_concurrency=1, part_size=64)
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(target[k], v) for k, v in tensors.items())
+    spans = [v.numel() * v.element_size() for v in tensors.values()]  # 240, 120, 80 bytes
+    assert reader.stats.data_requests == sum(-(-n // 64) for n in spans) == 4 + 2 + 2
+    with pytest.raises(ConfigurationError, match="part_size"):
+        SafetensorsReader(str(tmp_path / "m"), part_size=0)
+
+
+def test_rank_local_chunks_that_leave_a_hole_are_refused() -> None:
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from dcp_volumes.safetensors._export import _merged
+
+    def rank(offset: int) -> Metadata:
+        chunk = ChunkStorageMetadata(torch.Size([offset, 0]), torch.Size([2, 3]))
+        return Metadata({"w": TensorStorageMetadata(TensorProperties(torch.float32),
+                                                    torch.Size([6, 3]), [chunk])})
+
+    assert len(_merged([rank(0), rank(2), rank(4)], "ck").state_dict_metadata["w"].chunks) == 3
+    with pytest.raises(CheckpointCorruptError, match="'w' hold 12 of its 18 elements"):
+        _merged([rank(0), rank(4)], "ck")

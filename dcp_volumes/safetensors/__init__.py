@@ -4,3 +4,7 @@
 ``_reader`` ``SafetensorsReader``, ``_writer`` ``SafetensorsWriter``,
 ``_export`` ``export_safetensors``.
 """
+
+from dcp_volumes.safetensors._reader import SafetensorsLoadPlanner
+
+__all__ = ["SafetensorsLoadPlanner"]

@@ -23,6 +23,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="largest output file (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a complete export at DEST (refused otherwise)")
+    p.add_argument("--keep-tied", action="store_true",
+                   help="write lm_head.weight even when it is identical to the input "
+                        "embedding (by default it is left out, as save_pretrained does "
+                        "for tie_word_embeddings=True)")
     p.add_argument("--staging-dir", default=None, metavar="DIR",
                    help="local directory for output files on their way out "
                         "(default: $DCP_VOLUMES_STAGING or a temp dir)")
@@ -44,6 +48,7 @@ def run(args: argparse.Namespace, storage_options: dict[str, Any],
             args.src, args.dest, prefix=args.prefix, dtype=args.dtype,
             max_shard_size=args.max_shard_size, storage_options=storage_options,
             overwrite=args.overwrite, staging_dir=args.staging_dir, progress=update,
+            drop_tied=not args.keep_tied,
         )
     return {
         "src": args.src, "dest": args.dest, "index": result.index_url,

@@ -24,7 +24,12 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from dcp_volumes._exceptions import CheckpointExistsError, ConfigurationError
+from dcp_volumes._exceptions import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigurationError,
+)
 from dcp_volumes._sizes import parse_size
 from dcp_volumes._staging_disk import StagingArea
 from dcp_volumes._volume import Volume, redact_url, write_all
@@ -45,6 +50,11 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 # than this is loaded alone): with one output file on disk, what the export holds.
 _WINDOW_BYTES = 256 * 2**20
 _METADATA = {"format": "pt"}
+
+#: The output head and the input embeddings it is tied to in transformers' models
+#: (``_tied_weights_keys`` under ``tie_word_embeddings=True``): Llama/Mistral/Qwen, GPT-2.
+TIED_HEAD = "lm_head.weight"
+TIED_EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight")
 
 _DTYPE_NAMES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -119,6 +129,26 @@ def _select(metadata: Metadata, prefix: str, cast: torch.dtype | None, where: st
     return chosen
 
 
+def _drop_tied(sources: list[_Source], loader: _Loader) -> list[_Source]:
+    """``sources`` without the tied head, as ``save_pretrained`` writes a tied model:
+    ``lm_head.weight`` is dropped when an input embedding of ``TIED_EMBEDDINGS`` is
+    exported too, with the same shape and dtype and bit-identical values."""
+    by_name = {s.name: s for s in sources}
+    head = by_name.get(TIED_HEAD)
+    if head is None:
+        return sources
+    for name in TIED_EMBEDDINGS:
+        emb = by_name.get(name)
+        if emb is None or (emb.shape, emb.saved) != (head.shape, head.saved):
+            continue
+        loaded = loader.load([head, emb])
+        if torch.equal(loaded[head.fqn], loaded[emb.fqn]):
+            logger.info("export: %s is tied to %s (identical): written once, as "
+                        "save_pretrained does", head.name, emb.name)
+            return [s for s in sources if s is not head]
+    return sources
+
+
 def _groups(tensors: Sequence[_Source], window: int) -> Iterator[list[_Source]]:
     group: list[_Source] = []
     size = 0
@@ -142,21 +172,93 @@ def _numel(shape: Sequence[int]) -> int:
 
 class _Loader:
     """Whole tensors from a checkpoint through ``VolumeReader`` and DCP's load planner,
-    one process, the reader set up once (no second read of ``.metadata``)."""
+    one process, each reader set up once (no second read of ``.metadata``).
 
-    def __init__(self, reader: Any, metadata: Metadata) -> None:
-        self._reader = reader
-        self._metadata = metadata
-        reader.set_up_storage_reader(metadata, True)
+    A checkpoint committed with ``.metadata`` has one reader; a rank-local one
+    (``use_collectives=False``) one per rank, each with that rank's
+    ``__<rank>.metadata`` and manifest: every load asks each of them for the
+    chunks its rank saved, into the same whole tensors."""
+
+    def __init__(self, parts: Sequence[tuple[Any, Metadata, int | None]]) -> None:
+        self._parts = parts
+        for reader, metadata, rank in parts:
+            if rank is None:
+                reader.set_up_storage_reader(metadata, True)
+            else:
+                reader.set_up_storage_reader(metadata, True, rank=rank, use_collectives=False)
 
     def load(self, tensors: Sequence[_Source]) -> dict[str, torch.Tensor]:
         state = {t.fqn: torch.empty(t.shape, dtype=t.saved) for t in tensors}
-        planner = DefaultLoadPlanner()
-        planner.set_up_planner(state, self._metadata, True)
-        plan = self._reader.prepare_local_plan(planner.create_local_plan())
-        plan = self._reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
-        self._reader.read_data(planner.finish_plan(plan), planner).wait()
+        partial = len(self._parts) > 1  # a rank's marker may lack a tensor others hold
+        for reader, metadata, _ in self._parts:
+            planner = DefaultLoadPlanner(allow_partial_load=partial)
+            planner.set_up_planner(state, metadata, True)
+            plan = reader.prepare_local_plan(planner.create_local_plan())
+            plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
+            reader.read_data(planner.finish_plan(plan), planner).wait()
         return state
+
+
+def _open(src: str | os.PathLike[str], storage_options: Mapping[str, Any] | None,
+          ) -> tuple[list[tuple[Any, Metadata, int | None]], Metadata, str]:
+    """The checkpoint's readers (one, or one per rank of a rank-local checkpoint), the
+    metadata of all its tensors, and its URL as messages show it."""
+    from dcp_volumes.checkpoint._discovery import expected_ranks, is_rank_local
+    from dcp_volumes.checkpoint._reader import VolumeReader
+
+    reader = VolumeReader(src, storage_options=storage_options)
+    where = reader.volume.display_url
+    try:
+        metadata = reader.read_metadata()
+    except CheckpointNotFoundError:
+        names = {f.path for f in reader.volume.list("", recursive=False)}
+        if not is_rank_local(names):
+            raise
+    else:
+        return [(reader, metadata, None)], metadata, where
+    count, missing = expected_ranks(names)
+    if missing:
+        raise CheckpointNotFoundError(
+            f"{where} is a rank-local checkpoint (saved with use_collectives=False) of "
+            f"{count} ranks, but ranks {missing} committed no __<rank>.metadata: their "
+            "shards are missing, so whole tensors cannot be assembled. Fix: export an older "
+            "checkpoint, or save again (with use_collectives=True, the default, one "
+            ".metadata commits every rank's shards)."
+        )
+    parts: list[tuple[Any, Metadata, int | None]] = []
+    for rank in range(count):
+        one = VolumeReader(src, storage_options=storage_options)
+        parts.append((one, one.read_metadata(rank=rank), rank))
+    return parts, _merged([md for _, md, _ in parts], where), where
+
+
+def _merged(metadatas: Sequence[Metadata], where: str) -> Metadata:
+    """One metadata of every rank's tensors (each with the chunks of all ranks), refused
+    where the chunks do not cover a tensor (assembling it would leave holes)."""
+    state: dict[str, Any] = {}
+    seen: dict[str, set[tuple[int, ...]]] = {}
+    for md in metadatas:
+        for fqn, item in md.state_dict_metadata.items():
+            if not isinstance(item, TensorStorageMetadata):
+                state.setdefault(fqn, item)
+                continue
+            mine = state.setdefault(fqn, TensorStorageMetadata(item.properties, item.size, []))
+            for chunk in item.chunks:
+                key = tuple(int(o) for o in chunk.offsets)
+                if key not in seen.setdefault(fqn, set()):
+                    seen[fqn].add(key)
+                    mine.chunks.append(chunk)
+    for fqn, item in state.items():
+        if isinstance(item, TensorStorageMetadata):
+            held = sum(_numel(c.sizes) for c in item.chunks)
+            if held != _numel(item.size):
+                raise CheckpointCorruptError(
+                    f"{where} is a rank-local checkpoint whose ranks' chunks of {fqn!r} hold "
+                    f"{held} of its {_numel(item.size)} elements: a rank's shards are missing "
+                    "or overlap, so it cannot be assembled whole. Fix: export a checkpoint "
+                    "saved with use_collectives=True (the default), or an older one."
+                )
+    return Metadata(state_dict_metadata=state)
 
 
 def export_safetensors(
@@ -172,6 +274,7 @@ def export_safetensors(
     staging_dir: str | os.PathLike[str] | None = None,
     extra_files: Mapping[str, bytes | str] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    drop_tied: bool = True,
 ) -> ExportResult:
     """Write a committed DCP checkpoint's tensors as Hugging Face safetensors files.
 
@@ -183,7 +286,9 @@ def export_safetensors(
     in the staging area.
 
     Args:
-        src_ckpt_url: a committed checkpoint (``VolumeWriter`` or stock DCP).
+        src_ckpt_url: a committed checkpoint (``VolumeWriter`` or stock DCP), or a
+            rank-local one (``use_collectives=False``: each rank's ``__<rank>.metadata``
+            read, refused with ``CheckpointNotFoundError`` if a rank's is missing).
         dest_url: the model's directory (any volume URL or path).
         prefix: only tensors whose names start with it are exported, without it
             (``"model."``: a state saved as ``{"model": model.state_dict(), ...}``
@@ -204,12 +309,20 @@ def export_safetensors(
             files): what ``from_pretrained`` needs besides the weights.
         progress: called as ``progress(bytes_just_written, total_bytes)`` after each
             group of tensors is in place (a progress bar's update).
+        drop_tied: write tied weights once, as ``save_pretrained`` does for a model
+            with ``tie_word_embeddings=True`` (GPT-2's default): ``lm_head.weight`` is
+            left out when the export also holds ``model.embed_tokens.weight`` or
+            ``transformer.wte.weight`` and the two are bit-identical in the
+            checkpoint (both read once more to compare). An export has no model
+            object to ask, and a DCP checkpoint holds a tied tensor under both names,
+            so the decision is made from the names transformers ties and the data.
+            Pass ``False`` for a model whose config says ``tie_word_embeddings=False``
+            but whose head happens to equal its embedding (``from_pretrained`` would
+            then initialise the missing head instead of loading it).
 
     Returns:
         ``ExportResult``: the files and their tensors, the total tensor bytes.
     """
-    from dcp_volumes.checkpoint._reader import VolumeReader
-
     cast = parse_dtype(dtype)
     for extra in extra_files or {}:
         if not extra or "/" in extra or extra in (".", "..", INDEX_NAME):
@@ -220,12 +333,14 @@ def export_safetensors(
     limit = parse_size(max_shard_size, what="max_shard_size")
     if not limit or limit <= 0:
         raise ConfigurationError(f"max_shard_size={max_shard_size!r} must be a positive size.")
-    reader = VolumeReader(src_ckpt_url, storage_options=storage_options)
+    parts, metadata, where = _open(src_ckpt_url, storage_options)
     dest = Volume(dest_url, storage_options=dest_storage_options
                   if dest_storage_options is not None else storage_options)
-    metadata = reader.read_metadata()
-    sources = _select(metadata, prefix, cast, reader.volume.display_url)
+    sources = _select(metadata, prefix, cast, where)
     _claim(dest, overwrite)
+    loader = _Loader(parts)
+    if drop_tied:
+        sources = _drop_tied(sources, loader)
     by_name = {s.name: s for s in sources}
     plan = split_into_files(
         [Planned(s.name, _numel(s.shape) * s.dtype.itemsize, _numel(s.shape)) for s in sources],
@@ -233,7 +348,6 @@ def export_safetensors(
     )
     total = sum(m.nbytes for ms in plan for m in ms)
     report = (lambda n: progress(n, total)) if progress is not None else None
-    loader = _Loader(reader, metadata)
     staging = StagingArea(staging_dir)
     uploads = ThreadPoolExecutor(1, thread_name_prefix="dcpv-export-upload")
     pending: Future[None] | None = None

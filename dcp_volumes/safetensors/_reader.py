@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -30,7 +31,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from dcp_volumes._exceptions import CheckpointNotFoundError, VolumeNotFoundError
+from dcp_volumes._exceptions import (
+    CheckpointNotFoundError,
+    ConfigurationError,
+    VolumeNotFoundError,
+)
+from dcp_volumes._sizes import parse_size
 from dcp_volumes._volume import RetryPolicy, Volume, redact_url
 from dcp_volumes.safetensors._format import (
     FIRST_READ_BYTES,
@@ -59,6 +65,7 @@ class TensorSpan:
     end: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    where: str = ""  # the file's URL as messages show it
 
 
 @dataclass
@@ -138,7 +145,7 @@ def _weight_map(volume: Volume, stats: ReadStats) -> dict[str, str]:
     )
 
 
-def to_metadata(headers: Mapping[str, Header]) -> Metadata:
+def to_metadata(headers: Mapping[str, Header], model_url: str = "") -> Metadata:
     """DCP metadata of these files: each tensor one whole chunk, located by a ``TensorSpan``."""
     state: dict[str, Any] = {}
     storage: dict[MetadataIndex, TensorSpan] = {}
@@ -158,8 +165,63 @@ def to_metadata(headers: Mapping[str, Header]) -> Metadata:
                 chunks=[ChunkStorageMetadata(offsets=zeros, sizes=size)],
             )
             storage[MetadataIndex(name, zeros)] = TensorSpan(
-                file, entry.start, entry.end, entry.dtype, entry.shape)
+                file, entry.start, entry.end, entry.dtype, entry.shape,
+                f"{model_url.rstrip('/')}/{file}" if model_url else file)
     return Metadata(state_dict_metadata=state, storage_data=storage)
+
+
+def check_targets(state_dict: Mapping[str, Any], metadata: Metadata,
+                  allow_partial_load: bool = False) -> None:
+    """Refuse a (flat) state dict that the safetensors files cannot fill: a tensor whose
+    shape differs from its file's (``SafetensorsError`` naming file, tensor, both shapes),
+    or, unless ``allow_partial_load``, tensors no file holds. A dtype that differs is fine:
+    the read casts."""
+    spans = {idx.fqn: span for idx, span in (metadata.storage_data or {}).items()
+             if isinstance(span, TensorSpan)}
+    missing = []
+    for fqn, target in state_dict.items():
+        md = metadata.state_dict_metadata.get(fqn)
+        if md is None:
+            missing.append(fqn)
+            continue
+        if not isinstance(target, torch.Tensor) or not isinstance(md, TensorStorageMetadata):
+            continue
+        if tuple(target.shape) != tuple(md.size):
+            span = spans.get(fqn)
+            raise SafetensorsError(
+                f"{span.where if span else 'the model'}: tensor {fqn!r} has shape "
+                f"{list(md.size)} ({md.properties.dtype}), the target's is {list(target.shape)}. "
+                "Fix: build the model from the config the files were saved with (config.json "
+                "beside them), or load into a tensor of the file's shape."
+            )
+    if missing and not allow_partial_load:
+        where = next(iter(spans.values())).where.rsplit("/", 1)[0] if spans else "the model"
+        raise SafetensorsError(
+            f"{len(missing)} tensor(s) of the state dict are in no file of {where}: "
+            f"{sorted(missing)[:5]} (its files hold e.g. "
+            f"{sorted(metadata.state_dict_metadata)[:3]}). Fix: give the state dict the "
+            "files' names (e.g. model.state_dict(), not a prefixed dict), or pass "
+            "SafetensorsLoadPlanner(allow_partial_load=True) to load only those present."
+        )
+
+
+class SafetensorsLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that first checks the targets against the safetensors
+    headers (``check_targets``): a shape that differs, or a tensor no file holds, gives a
+    ``SafetensorsError`` naming the file and the tensor.
+
+    DCP's planner plans before the storage reader sees the state dict, so the reader
+    alone cannot name the file; pass this planner for that
+    (``dcp.load(sd, storage_reader=SafetensorsReader(url), planner=SafetensorsLoadPlanner())``).
+    Without it, DCP's own planner refuses the same targets with a ``ValueError`` or
+    ``RuntimeError`` that names the tensor only.
+    """
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is not None:
+            check_targets(self.state_dict, metadata, self.allow_partial_load)
 
 
 def _row_span(span: TensorSpan, item: ReadItem) -> tuple[int, int, int]:
@@ -221,14 +283,20 @@ class SafetensorsReader(StorageReader):
     5. (all ranks) ``read_data(plan, planner)``: the spans of this rank's items,
        ranged reads in parallel, copied into the targets (casting the dtype).
 
-    A target whose shape differs from the file's is refused by DCP's planner
-    (its message names the tensor).
+    A target whose shape differs from the file's, or a tensor no file holds, is
+    refused by DCP's planner (its message names the tensor); with
+    ``planner=SafetensorsLoadPlanner()`` by a ``SafetensorsError`` naming the file,
+    the tensor, both shapes and the fix. A dtype that differs is cast.
 
     Args:
         path: the model's directory (URL or local path/mount).
         storage_options: client options (``None``: ``DCP_VOLUMES_STORAGE_OPTIONS``).
-        read_concurrency: ranged reads in flight.
-        retry: retry policy for transient volume errors.
+        read_concurrency: ranged reads in flight (lower it for a server that times
+            out under many concurrent GETs; a timeout is retried as transient).
+        retry: retry policy for transient volume errors (timeouts, throttling, 5xx).
+        part_size: largest single ranged read (bytes or e.g. ``"16MiB"``), as
+            ``VolumeReader``'s; ``None``: 16 MiB, or one GET per span where the
+            server reads the whole object for every range.
     """
 
     def __init__(
@@ -238,12 +306,15 @@ class SafetensorsReader(StorageReader):
         storage_options: Mapping[str, Any] | None = None,
         read_concurrency: int = 16,
         retry: RetryPolicy | None = None,
+        part_size: int | str | None = None,
     ) -> None:
         super().__init__()
         if read_concurrency < 1:
-            from dcp_volumes._exceptions import ConfigurationError
-
             raise ConfigurationError(f"read_concurrency={read_concurrency} must be >= 1.")
+        part = parse_size(part_size, what="part_size") if part_size is not None else None
+        if part is not None and part < 1:
+            raise ConfigurationError(f"part_size={part_size!r} must be a positive size.")
+        self.part_size: int | None = int(part) if part is not None else None
         self.volume = Volume(path, storage_options=storage_options, retry=retry)
         self.read_concurrency = read_concurrency
         self.stats = ReadStats()
@@ -263,7 +334,8 @@ class SafetensorsReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The index and every file's header, as DCP metadata (all ranks)."""
         self.stats = ReadStats()
-        return to_metadata(read_headers(self.volume, self.read_concurrency, self.stats))
+        return to_metadata(read_headers(self.volume, self.read_concurrency, self.stats),
+                           self.volume.display_url)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -291,8 +363,9 @@ class SafetensorsReader(StorageReader):
             held = 0
             # Where the server reads the whole object for each range, a span is one GET.
             whole = self.volume.capabilities.ranged_reads_cost_whole_object
-            part = max(1, max((s.end - s.start for s in self._spans.values()), default=1)
-                       if whole else _PART_BYTES)
+            part = self.part_size or max(
+                1, max((s.end - s.start for s in self._spans.values()), default=1)
+                if whole else _PART_BYTES)
             for item in items:
                 span = self._spans[item.storage_index]
                 start, end, _ = _row_span(span, item)
