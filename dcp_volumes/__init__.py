@@ -35,6 +35,7 @@ if _typing.TYPE_CHECKING:
     from dcp_volumes.data._cache import FileCache
     from dcp_volumes.data._dataset import VolumeDataset
     from dcp_volumes.data._loader import DataLoader
+    from dcp_volumes.goodput._report import GoodputReport, goodput_report
 
 # The classes import torch (seconds to start); load them on first use so that
 # `import dcp_volumes` and CLI commands that need no torch stay fast.
@@ -52,6 +53,8 @@ _LAZY = {
     "FileCache": "dcp_volumes.data._cache",
     "VolumeDataset": "dcp_volumes.data._dataset",
     "DataLoader": "dcp_volumes.data._loader",
+    "GoodputReport": "dcp_volumes.goodput._report",
+    "goodput_report": "dcp_volumes.goodput._report",
 }
 
 
@@ -86,6 +89,7 @@ __all__ = [
     "DcpVolumesError",
     "DiskFullError",
     "FileCache",
+    "GoodputReport",
     "RetryPolicy",
     "Route",
     "Routing",
@@ -100,6 +104,7 @@ __all__ = [
     "ZstdCompression",
     "__version__",
     "active_routes",
+    "goodput_report",
     "route",
     "storage_error",
     "unroute",
