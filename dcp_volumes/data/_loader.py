@@ -40,9 +40,9 @@ from dcp_volumes._world import World, available_cpus
 from dcp_volumes.data import _batch_sharing
 from dcp_volumes.data._dataset import VolumeDataset
 from dcp_volumes.data._metrics import LoaderMetrics, worker_stats
-from dcp_volumes.goodput._recorder import note_input_wait
 from dcp_volumes.data._order import ORDER_ALGORITHM, Plan
 from dcp_volumes.data._worker_exit import ExitWithTrainingProcess, starting_workers
+from dcp_volumes.goodput._recorder import note_input_wait
 
 logger = logging.getLogger(__name__)
 

@@ -106,7 +106,7 @@ class Recorder:
         self._last_step: int | None = None
         self._trained = False  # a step or a save: only then is a record worth a put
         self.preempted = False  # the preemption is recorded (and put) once
-        self._header = {"attempt": attempt, "rank": rank, "world": world,
+        self._header: dict[str, Any] = {"attempt": attempt, "rank": rank, "world": world,
                         "host": socket.gethostname(), "pid": os.getpid(),
                         "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
                         "restart_count": _int_or_none(

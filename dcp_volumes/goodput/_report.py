@@ -25,6 +25,7 @@ says so (``estimated``).
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -36,8 +37,8 @@ from dcp_volumes._volume import Volume
 from dcp_volumes.goodput._model import DEFAULT_FAILURES_PER_DAY, DEFAULT_RESTART_S, GoodputModel
 from dcp_volumes.goodput._records import GOODPUT_DIR, RankRecord, RecordError
 
-__all__ = ["AttemptReport", "Breakdown", "GoodputReport", "SaveInterval", "analyse",
-           "goodput_report", "load_records"]
+__all__ = ["AttemptReport", "Breakdown", "GoodputReport", "RecordSpans", "SaveInterval",
+           "analyse", "goodput_report", "load_records", "reduce_record"]
 
 CATEGORIES = ("compute", "checkpoint_blocking", "input_wait", "restore", "startup",
               "restart_gap", "lost_work", "other")
@@ -62,7 +63,7 @@ class Breakdown:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, k) for k in CATEGORIES)
+        return float(sum(getattr(self, k) for k in CATEGORIES))
 
     def to_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in CATEGORIES}
@@ -80,7 +81,9 @@ class AttemptReport:
         ended: ``exit`` (closed cleanly), ``failed`` (closed by an exception),
             ``preempted``, ``killed`` (no end recorded: SIGKILL, a lost node) or
             ``running`` (the attempt asking, in ``CheckpointManager.goodput()``).
-        restored_step: the step it resumed from (``None``: started fresh or unknown).
+        restored_step: the step its restore loaded (``None``: none loaded, or no restore).
+        resumed_from: the step it went on from (0: from scratch; ``None``: unknown, no
+            restore and no step); a step after it in an earlier attempt was lost.
         steps: step boundaries it recorded; ``lost_steps`` of them were lost.
         estimated: the spans of it that are estimated, in words (empty: all measured).
     """
@@ -93,6 +96,7 @@ class AttemptReport:
     end: float
     ended: str
     restored_step: int | None
+    resumed_from: int | None
     first_step: int | None
     last_step: int | None
     steps: int
@@ -115,7 +119,8 @@ class AttemptReport:
         return {"attempt": self.attempt, "index": self.index, "ranks": list(self.ranks),
                 "world": self.world, "start": self.start, "end": self.end,
                 "wall_s": self.wall_s, "ended": self.ended, "goodput": self.goodput,
-                "restored_step": self.restored_step, "first_step": self.first_step,
+                "restored_step": self.restored_step, "resumed_from": self.resumed_from,
+                "first_step": self.first_step,
                 "last_step": self.last_step, "steps": self.steps,
                 "lost_steps": self.lost_steps, "saves": self.saves, "commits": self.commits,
                 "restore_bytes": dict(self.restore_bytes),
@@ -264,8 +269,9 @@ def goodput_report(
 
 
 @dataclass
-class _Attempt:
-    """One attempt's reference record, reduced to spans."""
+class RecordSpans:
+    """One rank's record of one attempt, reduced to spans (an attempt's reference rank's
+    for the accounting; every rank's for the timeline)."""
 
     attempt: str
     records: dict[int, RankRecord]
@@ -273,7 +279,7 @@ class _Attempt:
     end: float = 0.0
     begin: float = 0.0
     ended: str = "killed"
-    restore_s: float = 0.0
+    restore_spans: list[tuple[float, float]] = field(default_factory=list)
     restored: int | None = None
     has_restore: bool = False
     restore_bytes: dict[str, int] = field(default_factory=dict)
@@ -287,15 +293,19 @@ class _Attempt:
         return self.records[min(self.records)]
 
     @property
+    def restore_s(self) -> float:
+        return sum(t1 - t0 for t0, t1 in self.restore_spans)
+
+    @property
     def resumed_from(self) -> int | None:
         if self.has_restore:
             return self.restored or 0
         return self.boundaries[0][0] - 1 if self.boundaries else None
 
 
-def _reduce(attempt: str, records: dict[int, RankRecord]) -> _Attempt:
-    a = _Attempt(attempt, records)
-    ref = a.ref
+def reduce_record(ref: RankRecord, records: dict[int, RankRecord] | None = None) -> RecordSpans:
+    """The spans of ``ref`` (``records``: every rank's record of its attempt)."""
+    a = RecordSpans(ref.attempt, records or {ref.rank: ref})
     events = sorted(ref.events, key=lambda e: e["t"])
     a.start = next((e["t"] for e in events if e["k"] == "start"), events[0]["t"])
     a.end = max(e["t"] for e in events)
@@ -308,7 +318,7 @@ def _reduce(attempt: str, records: dict[int, RankRecord]) -> _Attempt:
             opened = t
         elif k == "restore1":
             if opened is not None:
-                a.restore_s += t - opened
+                a.restore_spans.append((opened, t))
                 opened = None
             a.begin = max(a.begin, t)
             a.has_restore = True
@@ -349,15 +359,16 @@ def analyse(
         held = by_attempt.setdefault(r.attempt, {})
         if r.rank not in held or len(r.events) > len(held[r.rank].events):
             held[r.rank] = r
-    attempts = sorted((_reduce(k, v) for k, v in by_attempt.items()), key=lambda a: a.start)
+    attempts = sorted((reduce_record(v[min(v)], v) for v in by_attempt.values()),
+                      key=lambda a: a.start)
     notes: list[str] = []
     # A killed attempt whose tail is not in its record: the kill came some time before the
     # next start; the gap is taken as long as the gaps measured elsewhere (0 if none).
-    known_gaps = [nxt.start - a.end for a, nxt in zip(attempts, attempts[1:], strict=False)
+    known_gaps = [nxt.start - a.end for a, nxt in itertools.pairwise(attempts)
                   if a.journal_tail]
     typical_gap = statistics.median(known_gaps) if known_gaps else 0.0
     estimated_end: dict[int, float] = {}
-    for i, (a, nxt) in enumerate(zip(attempts, attempts[1:], strict=False)):
+    for i, (a, nxt) in enumerate(itertools.pairwise(attempts)):
         if not a.journal_tail and nxt.start - typical_gap > a.end:
             estimated_end[i] = nxt.start - typical_gap
     step_times = [b[1] - p[1] for a in attempts
@@ -413,15 +424,16 @@ def analyse(
         reports.append(AttemptReport(
             attempt=a.attempt, index=i, ranks=tuple(sorted(a.records)), world=a.ref.world,
             start=a.start, end=end, ended=a.ended,
-            restored_step=a.restored if a.has_restore else None, first_step=first,
+            restored_step=a.restored if a.has_restore else None,
+            resumed_from=a.resumed_from, first_step=first,
             last_step=last, steps=len(a.boundaries), lost_steps=lost, saves=len(a.saves),
             commits=len(a.commits), restore_bytes=dict(a.restore_bytes),
             seconds=Breakdown(**s), estimated=tuple(estimated)))
 
     total = Breakdown()
-    for r in reports:
-        total = total + r.seconds
-    gaps = [max(0.0, nxt.start - r.end) for r, nxt in zip(reports, reports[1:], strict=False)]
+    for done in reports:
+        total = total + done.seconds
+    gaps = [max(0.0, nxt.start - done.end) for done, nxt in itertools.pairwise(reports)]
     total = replace(total, restart_gap=sum(gaps))
     wall = (reports[-1].end - reports[0].start) if reports else 0.0
     total = replace(total, other=total.other + max(0.0, wall - total.total))
@@ -431,7 +443,7 @@ def analyse(
         estimated=tuple(notes), problems=tuple(problems), records=tuple(records))
 
 
-def _save_interval(attempts: Sequence[_Attempt], reports: Sequence[AttemptReport],
+def _save_interval(attempts: Sequence[RecordSpans], reports: Sequence[AttemptReport],
                    gaps: Sequence[float], failures_per_day: float) -> SaveInterval | None:
     """The measured interval and save costs, and the model's view of them."""
     intervals, step_intervals, blocking, lags = [], [], [], []
