@@ -86,7 +86,6 @@ from dcp_volumes.checkpoint._state_copy import free_pooled_buffers
 from dcp_volumes.checkpoint._tiers import SOURCE_NAMES, FileSource
 from dcp_volumes.checkpoint._writer import VolumeWriter
 from dcp_volumes.goodput import _recorder as goodput_recording
-from dcp_volumes.goodput._records import process_start_time
 from dcp_volumes.goodput._report import GoodputReport
 
 logger = logging.getLogger(__name__)
@@ -342,13 +341,12 @@ class CheckpointManager:
 
     def _start_recording(self) -> None:
         """Every rank: the attempt's id (the coordinator's), then this rank's recorder."""
-        attempt = self._coord.broadcast(
-            goodput_recording.new_attempt_id(process_start_time())
-            if self.is_coordinator else None)
+        attempt, started = self._coord.broadcast(
+            goodput_recording.new_attempt_id() if self.is_coordinator else None)
         self._recorder = goodput_recording.Recorder(
             self._volume, attempt=attempt, rank=self.rank, world=self.world_size,
             journal=goodput_recording.journal_dir(self.staging_dir, self._volume.url),
-            recover=self._coord.local_rank == 0)
+            recover=self._coord.local_rank == 0, started=started)
         self._live = goodput_recording.LiveView(self._recorder)
         goodput_recording.install(self._recorder)
 

@@ -77,10 +77,21 @@ def journal_dir(staging_dir: str | None, root_url: str) -> str:
     return os.path.join(os.path.abspath(base), "dcp_volumes-goodput", key)
 
 
-def new_attempt_id(started: float) -> str:
-    """A fresh id that sorts by start time (the coordinator's, broadcast to every rank)."""
+_managers_started = 0  # in this process: a second manager records a new attempt
+
+
+def new_attempt_id() -> tuple[str, float | None]:
+    """A fresh attempt id that sorts by start time (the coordinator's, broadcast), and when
+    the attempt started: ``None`` for the process's first manager (each rank's own process
+    start), now for a later one."""
+    global _managers_started
+    _managers_started += 1
+    first = _managers_started == 1
+    started = process_start_time() if first else time.time()
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(started))
-    return f"{stamp}.{int(started % 1 * 1000):03d}Z-{os.getpid()}"
+    suffix = "" if first else f".{_managers_started}"
+    return (f"{stamp}.{int(started % 1 * 1000):03d}Z-{os.getpid()}{suffix}",
+            None if first else started)
 
 
 class Recorder:
@@ -93,10 +104,11 @@ class Recorder:
         journal: the node's journal directory (``journal_dir``).
         recover: put and delete the journals that other attempts left here (one
             rank per node: local rank 0).
+        started: when the attempt started (default: this process's start).
     """
 
     def __init__(self, volume: Volume, *, attempt: str, rank: int, world: int,
-                 journal: str, recover: bool) -> None:
+                 journal: str, recover: bool, started: float | None = None) -> None:
         self.volume = volume
         self.attempt, self.rank, self.world = attempt, rank, world
         self.wait_s = 0.0  # input waits since the last step boundary (the training thread)
@@ -126,7 +138,7 @@ class Recorder:
             logger.warning("goodput: no node-local journal in %s (%s); a SIGKILLed attempt's "
                            "last steps will be estimated", journal, exc)
             self._journal = None
-        self.add("start", t=process_start_time())
+        self.add("start", t=started if started is not None else process_start_time())
         self.add("ready")
 
     # -- events ---------------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""Goodput of the user's own job: the report on records of known shape, the recorder's
+journal, the manager's recording on a local directory and on the in-memory store, the
+CLI, and what must never appear (a record with goodput=False, a credential, goodput/
+in a checkpoint listing). The real torchrun job is in tests/test_goodput_torchrun.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dcp_volumes import CheckpointManager, ConfigurationError, GoodputReport, goodput_report
+from dcp_volumes._volume import Volume
+from dcp_volumes.cli import main
+from dcp_volumes.goodput._recorder import Recorder, note_input_wait
+from dcp_volumes.goodput._records import GOODPUT_DIR, RankRecord, record_name
+from dcp_volumes.goodput._report import CATEGORIES, analyse
+
+
+def _record(attempt: str, events: list[tuple[Any, ...]], *, rank: int = 0,
+            source: str = "close") -> RankRecord:
+    """A record from ``(kind, t, fields)`` tuples."""
+    evs = tuple({"k": k, "t": t, **(extra[0] if extra else {})} for k, t, *extra in events)
+    return RankRecord(attempt=attempt, rank=rank, world=2, host="h", pid=1, source=source,
+                      events=evs)
+
+
+def _steps(first: int, last: int, t0: float, *, step_s: float = 1.0,
+           wait: float = 0.1) -> list[tuple[Any, ...]]:
+    return [("step", t0 + (n - first + 1) * step_s, {"step": n, "wait": wait})
+            for n in range(first, last + 1)]
+
+
+def _killed_then_finished(first_source: str) -> list[RankRecord]:
+    """Attempt a: start 0, up at 2, fresh restore 2-3, steps 1..8 (1 s each, 0.1 s input wait),
+    a save after step 4 blocking 0.2 s, committed at 8.0, killed after step 8 (t=11).
+    Attempt b: start 14, restore 15-16 of step 4, steps 5..10, exit at 22.5."""
+    a = [("start", 0.0), ("ready", 2.0), ("restore0", 2.0), ("restore1", 3.0, {"step": None}),
+         *_steps(1, 4, 3.0), ("save0", 7.0, {"step": 4}), ("save1", 7.2, {"step": 4}),
+         ("commit", 8.0, {"step": 4}), *_steps(5, 8, 7.0)]
+    if first_source == "commit":  # only the put made with the commit reached the store
+        a = [e for e in a if e[1] <= 8.0]
+    b = [("start", 14.0), ("ready", 15.0), ("restore0", 15.0),
+         ("restore1", 16.0, {"step": 4, "sources": {"volume": 100}}), *_steps(5, 10, 16.0),
+         ("exit", 22.5, {"clean": True})]
+    return [_record("a", a, source=first_source), _record("a", a, rank=1,
+                                                          source=first_source),
+            _record("b", b)]
+
+
+def test_a_killed_and_restarted_run_splits_its_wall_time_exactly() -> None:
+    report = analyse(_killed_then_finished("journal"), root="r")
+    assert [a.ended for a in report.attempts] == ["killed", "exit"]
+    assert [a.ranks for a in report.attempts] == [(0, 1), (0,)]
+    assert report.lost_steps == 4  # steps 5..8 of attempt a, computed again by b
+    s = report.seconds
+    assert report.wall_s == pytest.approx(22.5)
+    assert s.startup == pytest.approx(2.0 + 1.0)  # 0-2 and 14-15
+    assert s.restore == pytest.approx(1.0 + 1.0)
+    assert s.restart_gap == pytest.approx(3.0)  # 11 -> 14
+    assert s.lost_work == pytest.approx(4.0)
+    # kept steps: a's 1..4 and b's 5..10, 1 s each: 0.1 s input wait, and a's save
+    # of step 4 blocks inside step 5's span, which was lost; none in kept spans
+    assert s.input_wait == pytest.approx(1.0)
+    assert s.checkpoint_blocking == pytest.approx(0.0)
+    assert s.compute == pytest.approx(9.0)
+    assert s.other == pytest.approx(0.5)  # b's close after its last step
+    assert s.total == pytest.approx(report.wall_s)
+    assert report.goodput == pytest.approx(9.0 / 22.5)
+    assert report.estimated == ()
+    assert report.attempts[1].restore_bytes == {"volume": 100}
+    doc = json.loads(json.dumps(report.to_json()))
+    assert set(doc["seconds"]) == set(CATEGORIES)
+    assert doc["lost_steps"] == 4 and len(doc["attempts"]) == 2 and doc["restarts"] == 1
+    assert doc["goodput"] == pytest.approx(0.4)
+
+
+def test_a_tail_that_was_not_recovered_is_estimated_and_said_so() -> None:
+    report = analyse(_killed_then_finished("commit"), root="r")
+    first = report.attempts[0]
+    assert first.estimated and report.estimated == first.estimated
+    assert report.attempts[1].estimated == ()
+    # the record ends at the commit (t=8); with no measured gap, the kill is put at b's start
+    assert first.end == pytest.approx(14.0)
+    assert report.seconds.restart_gap == pytest.approx(0.0)
+    assert report.seconds.lost_work == pytest.approx(14.0 - 7.0)  # step 5 on, estimated
+    assert report.seconds.total == pytest.approx(report.wall_s)
+
+
+def test_save_interval_and_the_models_best() -> None:
+    events = [("start", 0.0), ("ready", 1.0)]
+    t = 1.0
+    for n in range(1, 41):
+        t += 1.0
+        events.append(("step", t, {"step": n, "wait": 0.0}))
+        if n % 10 == 0:
+            events += [("save0", t, {"step": n}), ("save1", t + 0.5, {"step": n}),
+                       ("commit", t + 3.0, {"step": n})]
+            t += 0.5
+    events.append(("exit", t + 1, {"clean": True}))
+    report = analyse([_record("a", events)], root="r")
+    si = report.save_interval
+    assert si is not None
+    assert si.interval_steps == 10 and si.interval_s == pytest.approx(10.5)
+    assert si.blocking_s == pytest.approx(0.5) and si.commit_lag_s == pytest.approx(2.5)
+    assert si.best_goodput >= si.model_goodput > 0
+    assert report.seconds.checkpoint_blocking == pytest.approx(2.0)
+    assert "save interval 10.5 s (10 steps)" in report.text()
+
+
+def test_corrupt_and_foreign_files_are_named_and_the_rest_is_reported(
+    memory_bucket: Any,
+) -> None:
+    url, _ = memory_bucket
+    vol = Volume(url)
+    for r in _killed_then_finished("journal"):
+        vol.publish(record_name(r.attempt, r.rank), r.to_json())
+    vol.publish(f"{GOODPUT_DIR}/cut-rank00000.json", b'{"format": "dcp_volu')
+    vol.publish(f"{GOODPUT_DIR}/other-tool.json", b'{"hello": 1}')
+    vol.publish(f"{GOODPUT_DIR}/notes.txt", b"hi")
+    report = goodput_report(url)
+    assert isinstance(report, GoodputReport)
+    assert len(report.attempts) == 2 and report.lost_steps == 4
+    problems = "\n".join(report.problems)
+    assert len(report.problems) == 3, problems
+    assert "cut-rank00000.json: not JSON" in problems
+    assert "other-tool.json: not a dcp_volumes goodput record" in problems
+    assert "notes.txt: not a goodput record" in problems
+
+
+def _train(root: str, *, steps: int = 6, **kw: Any) -> CheckpointManager:
+    state = {"w": torch.zeros(4)}
+    mgr = CheckpointManager(root, save_interval_steps=3, **kw)
+    step = mgr.restore(state) or 0
+    while step < steps:
+        time.sleep(0.02)
+        note_input_wait(0.01)  # what the loader reports per batch, inside the step
+        step += 1
+        state["w"] += 1
+        if mgr.should_save(step):
+            mgr.save(step, state)
+    return mgr
+
+
+def test_recording_on_a_local_directory_and_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    root = str(tmp_path / "run")
+    staging = str(tmp_path / "staging")
+    mgr = _train(root, staging_dir=staging)
+    live = mgr.goodput()
+    assert [a.ended for a in live.attempts] == ["running"] and live.attempts[0].steps == 6
+    mgr.close()
+    files = os.listdir(os.path.join(root, GOODPUT_DIR))
+    assert len(files) == 1 and files[0].endswith("-rank00000.json")
+    assert not os.listdir(os.path.join(staging, "dcp_volumes-goodput", os.listdir(
+        os.path.join(staging, "dcp_volumes-goodput"))[0]))  # the journal went at close
+    # a second attempt, resuming from step 6
+    _train(root, steps=9, staging_dir=staging).close()
+    report = goodput_report(root)
+    assert [a.ended for a in report.attempts] == ["exit", "exit"]
+    assert [a.resumed_from for a in report.attempts] == [0, 6]
+    assert report.lost_steps == 0 and report.seconds.input_wait == pytest.approx(0.09, abs=1e-6)
+    # the checkpoint side never sees goodput/: listing, ls, gc
+    assert [i.step for i in CheckpointManager(root, goodput=False).list()] == [3, 6, 9]
+    assert main(["ls", root, "--json"]) == 0
+    assert [c["step"] for c in json.loads(capsys.readouterr().out)["checkpoints"]] == [3, 6, 9]
+    assert main(["gc", root, "--keep-last", "1"]) == 0
+    capsys.readouterr()
+    assert len(os.listdir(os.path.join(root, GOODPUT_DIR))) == 2
+    plot = tmp_path / "timeline.png"
+    assert main(["goodput", root, "--json", "--plot", str(plot)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {"goodput", "wall_s", "attempts", "lost_steps", "seconds"} <= set(doc)
+    assert set(doc["seconds"]) == set(CATEGORIES) and len(doc["attempts"]) == 2
+    assert plot.read_bytes().startswith(b"\x89PNG")
+    assert main(["goodput", root]) == 0
+    assert "goodput of" in capsys.readouterr().out
+    assert main(["goodput", str(tmp_path / "nothing")]) == 1
+
+
+def test_goodput_false_writes_nothing(memory_bucket: Any, tmp_path: Path) -> None:
+    url, _ = memory_bucket
+    staging = str(tmp_path / "staging")
+    os.mkdir(staging)
+    with _train(url, goodput=False, staging_dir=staging) as mgr:
+        with pytest.raises(ConfigurationError, match="goodput=False"):
+            mgr.goodput()
+        mgr.step(7)
+    vol = Volume(url)
+    assert vol.list(GOODPUT_DIR) == []
+    assert not os.path.exists(os.path.join(staging, "dcp_volumes-goodput"))
+    with pytest.raises(ConfigurationError):
+        CheckpointManager(url, goodput="yes")  # type: ignore[arg-type]
+
+
+def test_a_killed_attempts_journal_is_recovered_by_the_next(
+    memory_bucket: Any, tmp_path: Path,
+) -> None:
+    url, _ = memory_bucket
+    vol = Volume(url)
+    journal = str(tmp_path / "journal")
+    killed = Recorder(vol, attempt="A", rank=0, world=1, journal=journal, recover=True)
+    for n in range(1, 6):
+        killed.step(n)
+    killed.save_started(3)
+    killed.put("commit")  # as with a commit; one more step, then the process dies: no close
+    killed.step(6)
+    assert len(RankRecord.from_bytes(vol.read_bytes(record_name("A", 0))).events) == 8
+    Recorder(vol, attempt="B", rank=0, world=1, journal=journal, recover=True)
+    recovered = RankRecord.from_bytes(vol.read_bytes(record_name("A", 0)))
+    assert recovered.source == "journal"
+    assert [e["step"] for e in recovered.events if e["k"] == "step"] == [1, 2, 3, 4, 5, 6]
+    assert os.listdir(journal) == ["B-rank00000.jsonl"]
