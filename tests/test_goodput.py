@@ -63,11 +63,12 @@ def test_a_killed_and_restarted_run_splits_its_wall_time_exactly() -> None:
     assert s.startup == pytest.approx(2.0 + 1.0)  # 0-2 and 14-15
     assert s.restore == pytest.approx(1.0 + 1.0)
     assert s.restart_gap == pytest.approx(3.0)  # 11 -> 14
-    assert s.lost_work == pytest.approx(4.0)
-    # kept steps: a's 1..4 and b's 5..10, 1 s each: 0.1 s input wait, and a's save
-    # of step 4 blocks inside step 5's span, which was lost; none in kept spans
+    # a's save of step 4 blocks inside step 5's span, which was lost: it made the
+    # checkpoint b resumed from, so it is checkpoint blocking, not lost work
+    assert s.lost_work == pytest.approx(4.0 - 0.2)
+    assert s.checkpoint_blocking == pytest.approx(0.2)
+    # kept steps: a's 1..4 and b's 5..10, 1 s each, 0.1 s of it input wait
     assert s.input_wait == pytest.approx(1.0)
-    assert s.checkpoint_blocking == pytest.approx(0.0)
     assert s.compute == pytest.approx(9.0)
     assert s.other == pytest.approx(0.5)  # b's close after its last step
     assert s.total == pytest.approx(report.wall_s)
@@ -88,7 +89,8 @@ def test_a_tail_that_was_not_recovered_is_estimated_and_said_so() -> None:
     # the record ends at the commit (t=8); with no measured gap, the kill is put at b's start
     assert first.end == pytest.approx(14.0)
     assert report.seconds.restart_gap == pytest.approx(0.0)
-    assert report.seconds.lost_work == pytest.approx(14.0 - 7.0)  # step 5 on, estimated
+    # step 5 on (but the save of step 4 in it), estimated from t=8
+    assert report.seconds.lost_work == pytest.approx(14.0 - 7.0 - 0.2)
     assert report.seconds.total == pytest.approx(report.wall_s)
 
 

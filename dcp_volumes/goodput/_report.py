@@ -8,9 +8,11 @@ all-reduce keeps ranks in lockstep; every rank's record is kept for the timeline
 * ``restore``: the restore's span;
 * each step, from the previous boundary (or the beginning) to its own, splits into
   ``input_wait`` (the loader's ``fetch_seconds``), ``checkpoint_blocking`` (save calls
-  inside the span) and ``compute`` (the rest) when the step is kept, and counts whole
-  as ``lost_work`` when a later attempt resumed from an earlier step (by the step
-  numbers: it was computed again, or thrown away);
+  inside the span) and ``compute`` (the rest) when the step is kept, and counts as
+  ``lost_work`` when a later attempt resumed from an earlier step (by the step
+  numbers: it was computed again, or thrown away), less the blocking of a save of a
+  kept step inside it (the save after the last kept step: its checkpoint is the one
+  the next attempt resumed from, or could have);
 * after the last boundary: the save calls there are ``checkpoint_blocking``, the rest
   ``other`` (the last commit waited on at close, a preemption's wait), or
   ``lost_work`` when the attempt was killed (the step in progress was lost);
@@ -381,6 +383,10 @@ def analyse(
         later = [n.resumed_from for n in attempts[i + 1:] if n.resumed_from is not None]
         cutoff = min(later) if later else None
         save_spans = [(t0, t1 if t1 is not None else a.end) for _, t0, t1 in a.saves]
+        # A save of a step that was kept made a checkpoint that was used (or could have
+        # been): its blocking is checkpoint blocking, also inside a step that was lost.
+        kept_saves = [(t0, t1 if t1 is not None else a.end) for n, t0, t1 in a.saves
+                      if cutoff is None or n <= cutoff]
         s = dict.fromkeys(CATEGORIES, 0.0)
         s["restore"] = a.restore_s
         s["startup"] = max(0.0, a.begin - a.start - a.restore_s)
@@ -388,7 +394,9 @@ def analyse(
         for step, t, wait in a.boundaries:
             span = max(0.0, t - prev)
             if cutoff is not None and step > cutoff:
-                s["lost_work"] += span
+                blocking = min(span, _overlap(kept_saves, prev, t))
+                s["checkpoint_blocking"] += blocking
+                s["lost_work"] += span - blocking
                 lost += 1
             else:
                 blocking = min(span, _overlap(save_spans, prev, t))
@@ -401,7 +409,10 @@ def analyse(
         estimated: list[str] = []
         end = a.end
         if a.ended == "killed":
-            s["lost_work"] += tail  # the step in progress when the process died
+            # The step in progress when the process died was lost, but for a save in it.
+            blocking = min(tail, _overlap(kept_saves, prev, a.end))
+            s["checkpoint_blocking"] += blocking
+            s["lost_work"] += tail - blocking
             if i in estimated_end:
                 extra = estimated_end[i] - a.end
                 s["lost_work"] += extra
