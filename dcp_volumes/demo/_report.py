@@ -53,6 +53,9 @@ from dcp_volumes.demo._config import Crash, DemoConfig
 from dcp_volumes.demo._events import read_events
 from dcp_volumes.demo._faults import kill_marker
 from dcp_volumes.demo._launcher import JobRecord
+from dcp_volumes.demo._library import Comparison, compare, demo_figures
+from dcp_volumes.demo._library import render as render_library
+from dcp_volumes.goodput._report import GoodputReport
 
 DAY_S = 86400.0
 
@@ -197,6 +200,11 @@ class RunStats:
     torn_restores: int = 0
     #: Whether any rank kept a complete replica of its peers' files (``local_replicas``).
     replicated: bool = False
+    #: For the comparison with the library's records (``_library.py``): the first batch
+    #: of each attempt (in ``restart``/``startup`` here), and the launcher's torchrun start
+    #: to the first rank process's start (in ``startup``).
+    first_batches: float = 0.0
+    before_first_process: float = 0.0
 
     @property
     def other(self) -> float:
@@ -257,6 +265,8 @@ def analyse(job: JobRecord) -> RunStats:
         keep_to = (nxt.restored or 0) if nxt is not None else math.inf
         kept = [e for e in steps if e["step"] <= keep_to]
         _count_kept(stats, kept, by_rank)
+        if kept:
+            stats.first_batches += kept[0]["fetch"]
         if nxt is None:
             _count_end(stats, att, launch)
             continue
@@ -264,6 +274,8 @@ def analyse(job: JobRecord) -> RunStats:
         stats.lost += outcome.lost_s
         stats.crashes.append(outcome)
         prev_end = t_stop
+    if trained:
+        stats.before_first_process = trained[0].start["t_proc"] - job.launches[trained[0].leg]
     stats.committed = len(committed)
     stats.torn_restores = sum(len(a.of("torn")) for a in attempts)
     stats.replicated = any(_replicas(a) for a in attempts)
@@ -681,6 +693,8 @@ class Report:
     json_path: str
     plot_path: str | None
     seconds: float
+    #: Per job: the library's goodput figures beside the demo's (``_library.py``).
+    library: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         runs = {}
@@ -692,7 +706,8 @@ class Report:
         return {"ok": self.ok, "checks": [asdict(c) for c in self.checks], "runs": runs,
                 "projections": self.projections, "table": self.table,
                 "command": self.command, "volume": self.volume, "workdir": self.workdir,
-                "json": self.json_path, "plot": self.plot_path, "seconds": self.seconds}
+                "json": self.json_path, "plot": self.plot_path, "seconds": self.seconds,
+                "library": self.library}
 
 
 def _seconds(x: float | None) -> str:
@@ -805,20 +820,50 @@ def command_line(cfg: DemoConfig, volume: str | None = None) -> str:
     return " ".join(parts)
 
 
+def compare_with_library(runs: Mapping[str, RunStats],
+                         library: Mapping[str, GoodputReport]) -> dict[str, Comparison]:
+    """The library's report of each job beside the demo's own figures (``_library.py``)."""
+    out = {}
+    for name, lib in library.items():
+        s = runs.get(name)
+        if s is None or not lib.attempts:
+            continue
+        out[name] = compare(name, lib, demo_figures(
+            wall=s.wall, compute=s.compute, stalled=s.stalled, blocking=s.blocking,
+            input_wait=s.input_wait, first_batches=s.first_batches, startup=s.startup,
+            restart=s.restart, before_first_process=s.before_first_process, lost=s.lost,
+            final_wait=s.final_wait, other=s.other))
+    return out
+
+
+def _library_check(comparisons: Mapping[str, Comparison]) -> Check:
+    bad = [f"{c.job}: {d}" for c in comparisons.values() for d in c.disagreements]
+    return Check("library", "the library's goodput records agree with the demo's own "
+                 "measurements (goodput within 1 point, each category within 10% or 0.5 s)",
+                 bool(comparisons) and not bad,
+                 "; ".join(bad) if bad else f"{len(comparisons)} job(s) agree"
+                 if comparisons else "no records of the library were found")
+
+
 def build_report(cfg: DemoConfig, jobs: Mapping[str, JobRecord], workdir: str, volume: str,
-                 *, started: float) -> Report:
+                 *, started: float, library: Mapping[str, GoodputReport] | None = None) -> Report:
     """Analyse every job, run the checks, write the JSON and the plot."""
     runs = {name: analyse(job) for name, job in jobs.items()}
     proj = {name: projection(s, cfg) for name, s in runs.items()}
     checks = run_checks(cfg, runs["dcp_volumes"], runs["reference"],
                         jobs["dcp_volumes"].crashes)
-    table = "\n".join([render_table(runs, proj, cfg), "", *restart_lines(runs)]).rstrip()
+    comparisons = compare_with_library(runs, library or {})
+    if library is not None:
+        checks.append(_library_check(comparisons))
+    table = "\n".join([render_table(runs, proj, cfg), "", *restart_lines(runs), "",
+                       render_library(comparisons)]).rstrip()
     plot_path = os.path.join(workdir, "timeline.png")
     from dcp_volumes.demo._plot import plot_timeline  # matplotlib: checked as the demo starts
 
     plot_timeline(jobs, runs, plot_path, title=command_line(cfg, volume))
     json_path = os.path.join(workdir, "report.json")
     report = Report(ok=all(c.ok for c in checks), checks=checks, runs=runs, projections=proj,
+                    library={n: c.to_json() for n, c in comparisons.items()},
                     table=table, command=command_line(cfg, volume), volume=volume,
                     workdir=workdir,
                     json_path=json_path, plot_path=plot_path, seconds=time.time() - started)
