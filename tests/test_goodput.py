@@ -6,6 +6,7 @@ in a checkpoint listing). The real torchrun job is in tests/test_goodput_torchru
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -150,11 +151,17 @@ def _train(root: str, *, steps: int = 6, **kw: Any) -> CheckpointManager:
 
 
 def test_recording_on_a_local_directory_and_the_cli(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
 ) -> None:
     root = str(tmp_path / "run")
     staging = str(tmp_path / "staging")
-    mgr = _train(root, staging_dir=staging)
+    with caplog.at_level(logging.INFO, logger="dcp_volumes.goodput"):
+        mgr = _train(root, staging_dir=staging)
+        mgr.wait()
+    # the live breakdown goes to logging (and MLflow) after each commit
+    assert [r.getMessage().split(":")[0] for r in caplog.records
+            if r.getMessage().startswith("goodput after")] == [
+        "goodput after step 3", "goodput after step 6"]
     live = mgr.goodput()
     assert [a.ended for a in live.attempts] == ["running"] and live.attempts[0].steps == 6
     mgr.close()
