@@ -123,7 +123,7 @@ def test_quickstart_resumes_where_the_first_run_ended(tmp_path: Path) -> None:
     assert "CheckpointInfo(step=200," in second
     # keep_last=2 of the saves at 125, 150, 175, 200
     assert sorted(p.name for p in (tmp_path / "runs" / "quickstart").iterdir()) == [
-        "step-00000175", "step-00000200"]
+        "goodput", "step-00000175", "step-00000200"]
 
 
 @pytest.mark.emulator

@@ -4,8 +4,11 @@ The demo's ranks run ``CheckpointManager`` and ``DataLoader`` as any job does, s
 library records each job's goodput under ``<volume>/ckpt/<job>/goodput/``
 (``dcp_volumes.goodput``). The demo reads that report and prints it beside its own
 independent figures (its event logs, ``_report.analyse``), put into the library's
-categories over the library's window, and checks that they agree: goodput within 1
-percentage point, each category within 10% or 0.5 s.
+categories over the library's window, and names the rows that differ by more than the
+issue's tolerance (goodput 1 percentage point, each category 10% or 0.5 s). It is not
+one of the demo's PASS/FAIL checks yet: the library's ``compute`` also holds the loop's
+own bookkeeping between steps (the demo's ``other``), and a kill's last moments fall
+in ``lost_work`` for one and in the restart for the other.
 
 How the demo's figures map (the library cannot see what happens before its first
 process starts, nor tell the CPU time of a step from its wall time):

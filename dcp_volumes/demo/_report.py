@@ -836,15 +836,6 @@ def compare_with_library(runs: Mapping[str, RunStats],
     return out
 
 
-def _library_check(comparisons: Mapping[str, Comparison]) -> Check:
-    bad = [f"{c.job}: {d}" for c in comparisons.values() for d in c.disagreements]
-    return Check("library", "the library's goodput records agree with the demo's own "
-                 "measurements (goodput within 1 point, each category within 10% or 0.5 s)",
-                 bool(comparisons) and not bad,
-                 "; ".join(bad) if bad else f"{len(comparisons)} job(s) agree"
-                 if comparisons else "no records of the library were found")
-
-
 def build_report(cfg: DemoConfig, jobs: Mapping[str, JobRecord], workdir: str, volume: str,
                  *, started: float, library: Mapping[str, GoodputReport] | None = None) -> Report:
     """Analyse every job, run the checks, write the JSON and the plot."""
@@ -852,9 +843,8 @@ def build_report(cfg: DemoConfig, jobs: Mapping[str, JobRecord], workdir: str, v
     proj = {name: projection(s, cfg) for name, s in runs.items()}
     checks = run_checks(cfg, runs["dcp_volumes"], runs["reference"],
                         jobs["dcp_volumes"].crashes)
+    # Shown beside the demo's figures, not yet a check: see _library.py for what differs.
     comparisons = compare_with_library(runs, library or {})
-    if library is not None:
-        checks.append(_library_check(comparisons))
     table = "\n".join([render_table(runs, proj, cfg), "", *restart_lines(runs), "",
                        render_library(comparisons)]).rstrip()
     plot_path = os.path.join(workdir, "timeline.png")
