@@ -15,13 +15,15 @@ process starts, nor tell the CPU time of a step from its wall time):
 
 * the window starts at the first rank process's start, not at the launcher's torchrun
   start: that difference leaves the demo's start-up;
-* ``compute`` = compute + stalled (a kept step's wall time, batch in hand -> optimizer
-  step done);
+* ``compute``: the kept steps from the demo's events, split the library's way: from one
+  step's end (or the restore's) to the next step's end, less its input wait and the
+  save before it (the demo's own table counts CPU time, and the loop's bookkeeping as
+  other);
 * ``input_wait`` = input wait + each attempt's first batch (which the demo counts in its
   restart or start-up);
-* ``startup + restore + restart_gap`` = start-up + restarts, less those two parts;
-* ``other`` = the last save's upload at the end + other; ``lost_work`` and
-  ``checkpoint_blocking`` as they are.
+* ``startup + restore + restart_gap`` = start-up + restarts, less those parts and each
+  restore's end -> the first ask for a batch;
+* ``lost_work`` and ``checkpoint_blocking`` as they are; ``other``: the rest.
 """
 
 from __future__ import annotations
@@ -99,20 +101,20 @@ def compare(name: str, lib: GoodputReport, demo: Mapping[str, float]) -> Compari
                       (lib.goodput, demo[ROWS[0][0]] / wall if wall > 0 else 0.0), rows)
 
 
-def demo_figures(*, wall: float, compute: float, stalled: float, blocking: float,
+def demo_figures(*, wall: float, loop_compute: float, pre_loop: float, blocking: float,
                  input_wait: float, first_batches: float, startup: float, restart: float,
-                 before_first_process: float, lost: float, final_wait: float,
-                 other: float) -> dict[str, float]:
-    """The demo's measurements in the library's rows, over the library's window."""
-    return {
-        "wall": wall - before_first_process,
-        ROWS[0][0]: compute + stalled,
+                 before_first_process: float, lost: float) -> dict[str, float]:
+    """The demo's measurements in the library's rows, over the library's window
+    (``other``: what the rows above leave of the wall)."""
+    rows = {
+        ROWS[0][0]: loop_compute,
         ROWS[1][0]: blocking,
         ROWS[2][0]: input_wait + first_batches,
-        ROWS[3][0]: startup + restart - before_first_process - first_batches,
+        ROWS[3][0]: startup + restart - before_first_process - first_batches - pre_loop,
         ROWS[4][0]: lost,
-        ROWS[5][0]: final_wait + other,
     }
+    window = wall - before_first_process
+    return {"wall": window, **rows, ROWS[5][0]: window - sum(rows.values())}
 
 
 def render(comparisons: Mapping[str, Comparison]) -> str:

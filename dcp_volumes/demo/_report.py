@@ -205,6 +205,11 @@ class RunStats:
     #: to the first rank process's start (in ``startup``).
     first_batches: float = 0.0
     before_first_process: float = 0.0
+    #: The kept steps as the library splits time, from this demo's own events (rank 0):
+    #: from one step's end (or the restore's) to the next, less its input wait and the
+    #: save before it; ``pre_loop``: each attempt's restore -> first ask for a batch.
+    loop_compute: float = 0.0
+    pre_loop: float = 0.0
 
     @property
     def other(self) -> float:
@@ -267,6 +272,7 @@ def analyse(job: JobRecord) -> RunStats:
         _count_kept(stats, kept, by_rank)
         if kept:
             stats.first_batches += kept[0]["fetch"]
+            _count_loop(stats, att, kept)
         if nxt is None:
             _count_end(stats, att, launch)
             continue
@@ -303,6 +309,18 @@ def _count_kept(stats: RunStats, kept: list[dict[str, Any]],
     for e in kept:
         stats.samples[e["step"]] = [x for r in by_rank.values()
                                     for x in r.get(e["step"], {}).get("samples", [])]
+
+
+def _count_loop(stats: RunStats, att: Attempt, kept: list[dict[str, Any]]) -> None:
+    """Add an attempt's kept steps, split the library's way, to ``stats`` (rank 0)."""
+    restored = att.of("restored")
+    prev = float(restored[0]["t1"]) if restored else float(kept[0]["t0"])
+    stats.pre_loop += kept[0]["t0"] - prev
+    saved = 0.0
+    for e in kept:
+        stats.loop_compute += e["tc"] - prev - e["fetch"] - saved
+        saved = e["save"][1] - e["save"][0] if e["save"] else 0.0
+        prev = e["tc"]
 
 
 def _count_end(stats: RunStats, att: Attempt, launch: float) -> None:
@@ -829,10 +847,10 @@ def compare_with_library(runs: Mapping[str, RunStats],
         if s is None or not lib.attempts:
             continue
         out[name] = compare(name, lib, demo_figures(
-            wall=s.wall, compute=s.compute, stalled=s.stalled, blocking=s.blocking,
-            input_wait=s.input_wait, first_batches=s.first_batches, startup=s.startup,
-            restart=s.restart, before_first_process=s.before_first_process, lost=s.lost,
-            final_wait=s.final_wait, other=s.other))
+            wall=s.wall, loop_compute=s.loop_compute, pre_loop=s.pre_loop,
+            blocking=s.blocking, input_wait=s.input_wait, first_batches=s.first_batches,
+            startup=s.startup, restart=s.restart,
+            before_first_process=s.before_first_process, lost=s.lost))
     return out
 
 

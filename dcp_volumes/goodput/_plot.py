@@ -69,8 +69,11 @@ def plot_timeline(report: GoodputReport, path: str) -> None:
     ranks = sorted(rows)
     t0 = report.attempts[0].start if report.attempts else 0.0
     fig, ax = plt.subplots(figsize=(14, 1.8 + 0.5 * max(1, len(ranks))))
+    # Lost work first: a save inside a lost step stays visible over it.
+    order = ["lost work", *(k for k in COLORS if k != "lost work")]
     for y, rank in enumerate(ranks):
-        for key, color in COLORS.items():
+        for key in order:
+            color = COLORS[key]
             spans = [(a - t0, max(b - a, 1e-3)) for a, b in rows[rank][key] if b >= a]
             if not spans:
                 continue
