@@ -334,6 +334,9 @@ def test_no_public_object_shows_the_secret(
             mgr.save(1, _state())
             objects["CheckpointManager"].append(mgr)
             objects["CheckpointInfo"] += mgr.list()
+            objects["GoodputReport"].append(mgr.goodput())
+        objects["GoodputReport"].append(
+            dcp_volumes.goodput_report(f"{bucket}/run", storage_options=opts))
         signed = f"{bucket}/run/step-00000001?X-Amz-Signature={SECRET}"
         objects["CheckpointInfo"].append(CheckpointInfo(step=1, url=signed, complete=True))
         objects["VolumeWriter"].append(VolumeWriter(f"{bucket}/w", storage_options=opts,
