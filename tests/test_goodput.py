@@ -82,6 +82,20 @@ def test_a_killed_and_restarted_run_splits_its_wall_time_exactly() -> None:
     assert doc["goodput"] == pytest.approx(0.4)
 
 
+def test_a_survivor_that_fails_after_its_peer_was_killed_ends_the_attempt_at_the_kill(
+) -> None:
+    """Rank 1 is SIGKILLed after step 8 (its journal ends there); rank 0, the reference,
+    waits on it, fails and exits at t=13: the attempt ends at the kill, and rank 0's
+    wait is part of the restart, as in the run where rank 0 died itself."""
+    base = _killed_then_finished("journal")
+    failed = RankRecord(**{**base[0].__dict__, "source": "close", "events": (
+        *base[0].events, {"k": "exit", "t": 13.0, "clean": False})})
+    report = analyse([failed, base[1], base[2]], root="r")
+    assert [a.ended for a in report.attempts] == ["killed", "exit"]
+    assert report.attempts[0].end == pytest.approx(11.0)
+    assert report.seconds == analyse(base, root="r").seconds
+
+
 def test_a_tail_that_was_not_recovered_is_estimated_and_said_so() -> None:
     report = analyse(_killed_then_finished("commit"), root="r")
     first = report.attempts[0]

@@ -342,7 +342,25 @@ def reduce_record(ref: RankRecord, records: dict[int, RankRecord] | None = None)
     if ref.source == "live" and a.ended == "killed":
         a.ended = "running"
     a.journal_tail = ref.source in ("journal", "live") or a.ended != "killed"
+    if records and a.ended in ("exit", "failed"):
+        _end_at_a_peers_death(a, ref, records)
     return a
+
+
+def _end_at_a_peers_death(a: RecordSpans, ref: RankRecord,
+                          records: dict[int, RankRecord]) -> None:
+    """Where another rank of the attempt died (no exit recorded), the attempt ended then:
+    what the reference rank did after (waiting on the dead peer, failing, exiting) is the
+    restart's, not the attempt's. The death is the dead rank's last journaled event, or,
+    without its journal, the reference rank's last step boundary."""
+    dead = [r for r in records.values() if r is not ref and r.events
+            and not any(e["k"] in ("exit", "preempted") for e in r.events)]
+    if not dead:
+        return
+    known = [max(e["t"] for e in r.events) for r in dead if r.source == "journal"]
+    last = a.boundaries[-1][1] if a.boundaries else a.begin
+    a.end = max(last, min([a.end, *known]) if known else last)
+    a.ended = "killed"
 
 
 def _overlap(spans: Iterable[tuple[float, float]], t0: float, t1: float) -> float:
