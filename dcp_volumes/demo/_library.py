@@ -6,9 +6,10 @@ library records each job's goodput under ``<volume>/ckpt/<job>/goodput/``
 independent figures (its event logs, ``_report.analyse``), put into the library's
 categories over the library's window, and names the rows that differ by more than the
 issue's tolerance (goodput 1 percentage point, each category 10% or 0.5 s). It is not
-one of the demo's PASS/FAIL checks yet: the library's ``compute`` also holds the loop's
-own bookkeeping between steps (the demo's ``other``), and a kill's last moments fall
-in ``lost_work`` for one and in the restart for the other.
+one of the demo's PASS/FAIL checks yet: goodput, compute, blocking and input wait agree,
+but around a kill the two split the time between ``lost_work``, the restart rows and
+``other`` differently (the demo from its launcher's kill time, the library from the
+records), so those rows can differ by a few seconds a run while their sum agrees.
 
 How the demo's figures map (the library cannot see what happens before its first
 process starts, nor tell the CPU time of a step from its wall time):
