@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,8 @@ from dcp_volumes import CheckpointManager, ConfigurationError, GoodputReport, go
 from dcp_volumes._volume import Volume
 from dcp_volumes.cli import main
 from dcp_volumes.goodput._recorder import Recorder, note_input_wait
-from dcp_volumes.goodput._records import GOODPUT_DIR, RankRecord, record_name
-from dcp_volumes.goodput._report import CATEGORIES, analyse
+from dcp_volumes.goodput._records import GOODPUT_DIR, RankRecord, segment_name
+from dcp_volumes.goodput._report import CATEGORIES, analyse, load_records
 
 
 def _record(attempt: str, events: list[tuple[Any, ...]], *, rank: int = 0,
@@ -136,17 +137,22 @@ def test_corrupt_and_foreign_files_are_named_and_the_rest_is_reported(
     url, _ = memory_bucket
     vol = Volume(url)
     for r in _killed_then_finished("journal"):
-        vol.publish(record_name(r.attempt, r.rank), r.to_json())
-    vol.publish(f"{GOODPUT_DIR}/cut-rank00000.json", b'{"format": "dcp_volu')
-    vol.publish(f"{GOODPUT_DIR}/other-tool.json", b'{"hello": 1}')
+        # each record in two segments, as two puts leave it
+        for first, end in ((0, 5), (5, len(r.events))):
+            segment = replace(r, events=r.events[first:end], first=first)
+            vol.publish(segment_name(r.attempt, r.rank, first, end), segment.to_json())
+    vol.publish(segment_name("cut", 0, 0, 3), b'{"format": "dcp_volu')
+    vol.publish(segment_name("other", 0, 0, 1), b'{"hello": 1}')
     vol.publish(f"{GOODPUT_DIR}/notes.txt", b"hi")
     report = goodput_report(url)
     assert isinstance(report, GoodputReport)
     assert len(report.attempts) == 2 and report.lost_steps == 4
+    assert report.seconds == analyse(_killed_then_finished("journal"), root="r").seconds
     problems = "\n".join(report.problems)
     assert len(report.problems) == 3, problems
-    assert "cut-rank00000.json: not JSON" in problems
-    assert "other-tool.json: not a dcp_volumes goodput record" in problems
+    assert "cut/rank00000-0000000000-0000000003.json: not JSON" in problems
+    assert "other/rank00000-0000000000-0000000001.json: not a dcp_volumes goodput record" in (
+        problems)
     assert "notes.txt: not a goodput record" in problems
 
 
@@ -179,8 +185,10 @@ def test_recording_on_a_local_directory_and_the_cli(
     live = mgr.goodput()
     assert [a.ended for a in live.attempts] == ["running"] and live.attempts[0].steps == 6
     mgr.close()
-    files = os.listdir(os.path.join(root, GOODPUT_DIR))
-    assert len(files) == 1 and files[0].endswith("-rank00000.json")
+    attempts = os.listdir(os.path.join(root, GOODPUT_DIR))
+    # one attempt: a segment with each commit (steps 3 and 6), one at close
+    assert len(attempts) == 1
+    assert len(os.listdir(os.path.join(root, GOODPUT_DIR, attempts[0]))) == 3
     assert not os.listdir(os.path.join(staging, "dcp_volumes-goodput", os.listdir(
         os.path.join(staging, "dcp_volumes-goodput"))[0]))  # the journal went at close
     # a second attempt, resuming from step 6
@@ -234,9 +242,44 @@ def test_a_killed_attempts_journal_is_recovered_by_the_next(
     killed.save_started(3)
     killed.put("commit")  # as with a commit; one more step, then the process dies: no close
     killed.step(6)
-    assert len(RankRecord.from_bytes(vol.read_bytes(record_name("A", 0))).events) == 8
+    assert [f.path for f in vol.list(GOODPUT_DIR)] == [segment_name("A", 0, 0, 8)]
     Recorder(vol, attempt="B", rank=0, world=1, journal=journal, recover=True)
-    recovered = RankRecord.from_bytes(vol.read_bytes(record_name("A", 0)))
-    assert recovered.source == "journal"
+    # the next attempt on the node puts the tail no segment held: step 6
+    assert [f.path for f in vol.list(GOODPUT_DIR)] == [segment_name("A", 0, 0, 8),
+                                                       segment_name("A", 0, 8, 9)]
+    (recovered,), problems = load_records(vol)
+    assert recovered.source == "journal" and problems == []
     assert [e["step"] for e in recovered.events if e["k"] == "step"] == [1, 2, 3, 4, 5, 6]
     assert os.listdir(journal) == ["B-rank00000.jsonl"]
+
+
+def test_a_put_holds_only_the_events_since_the_last(memory_bucket: Any, tmp_path: Path) -> None:
+    """10,000 steps with a save every 100: each put is one small new segment, as large at
+    the end of the run as at its start, and the report joins them into every step."""
+    url, _ = memory_bucket
+    vol = Volume(url)
+    rec = Recorder(vol, attempt="A", rank=0, world=1, journal=str(tmp_path / "j"),
+                   recover=False)
+    sizes: list[int] = []
+    for n in range(1, 10_001):
+        note_input_wait(0.0)  # no recorder installed: a no-op
+        rec.wait_s += 0.001
+        rec.step(n)
+        if n % 100 == 0:
+            rec.save_started(n)
+            rec.add("save1", step=n)
+            rec.add("commit", step=n)
+            before = {f.path for f in vol.list(GOODPUT_DIR)}
+            assert rec.put("commit")
+            (new,) = {f.path for f in vol.list(GOODPUT_DIR)} - before
+            sizes.append(len(vol.read_bytes(new)))
+    rec.close(clean=True)
+    assert len(sizes) == 100
+    assert max(sizes) < 12_000, max(sizes)  # ~100 step events and a header
+    assert max(sizes[-10:]) <= max(sizes[1:10]) * 1.05  # independent of the step count
+    (record,), problems = load_records(vol)
+    assert problems == [] and record.source == "close"
+    assert [e["step"] for e in record.events if e["k"] == "step"] == list(range(1, 10_001))
+    assert sum(e["wait"] for e in record.events if e["k"] == "step") == pytest.approx(10.0)
+    report = analyse([record])
+    assert report.attempts[0].steps == 10_000 and report.attempts[0].commits == 100

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from dcp_volumes import goodput_report
-from dcp_volumes.goodput._records import GOODPUT_DIR
+from dcp_volumes.goodput._records import GOODPUT_DIR, parse_segment_name
 from testkit.ports import free_port
 from tests.test_data_support import payload
 
@@ -106,7 +106,9 @@ def test_a_killed_preempted_and_requeued_jobs_goodput(
     # records hold no credential and no storage option
     bucket = root.removeprefix("s3://").rstrip("/")
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=GOODPUT_DIR)["Contents"]]
-    assert len(keys) == 6  # 3 attempts x 2 ranks
+    segments = {parse_segment_name(k) for k in keys}
+    assert None not in segments
+    assert len({(n.attempt, n.rank) for n in segments if n is not None}) == 6  # 3 x 2 ranks
     for key in keys:
         body = s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
         for secret in (moto_server.access_key, moto_server.secret_key, moto_server.endpoint):

@@ -166,8 +166,8 @@ class CheckpointManager:
         goodput: record where this rank's time goes (start-up, restore, steps, input
             waits, saves, commits, preemption, exit) for ``goodput()`` and
             ``dcp-volumes goodput ROOT``: in memory, in a journal in the staging dir, and
-            whole in ``<root>/goodput/`` with each save and at close (no request per
-            step). ``False``: nothing is recorded or written.
+            in ``<root>/goodput/``, the new events as one small object with each save and
+            at close (no request per step). ``False``: nothing is recorded or written.
 
     Preemption, Orbax's shape (``save_interval_steps=500,
     preemption_signals=(signal.SIGTERM,)``)::

@@ -1,12 +1,14 @@
-"""The per-process recorder: events in memory, a node-local journal, whole-object puts.
+"""The per-process recorder: events in memory, a node-local journal, segment puts.
 
 Cost per step: one ``time.time()``, one dict appended to a list and one line
 written to the journal (a local file, no fsync). Nothing goes to the store per
-step: the record is put whole (``ROOT/goodput/<attempt>-rank<r>.json``) with each
-save after its commit (the manager's background thread), at a preemption and
-at close. The journal holds the same events line by line, so that when an
-attempt is SIGKILLed, the next attempt on that node (its local rank 0) puts the
-whole record, tail included, and deletes the journal.
+step: with each save after its commit (the manager's background thread), at a
+preemption and at close, the events recorded since the previous put go to the
+store as one new segment (``ROOT/goodput/<attempt>/rank<r>-<first>-<end>.json``,
+whole-object and create-only), so a put stays as small as the span between two
+saves however long the run. The journal holds the same events line by line, so
+that when an attempt is SIGKILLed, the next attempt on that node (its local rank
+0) puts the journal's events that no segment holds, the tail, and deletes it.
 
 The manager installs its recorder process-wide (``install``) so that the loader,
 which never imports the checkpoint side, reports its input waits through
@@ -26,16 +28,21 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from dcp_volumes import _env
+from dcp_volumes._exceptions import VolumeExistsError
 from dcp_volumes._volume import Volume
 from dcp_volumes.goodput._records import (
+    GOODPUT_DIR,
     RankRecord,
     RecordError,
+    SegmentName,
     parse_journal,
+    parse_segment_name,
     process_start_time,
-    record_name,
+    segment_name,
 )
 from dcp_volumes.goodput._report import GoodputReport, analyse, load_records
 
@@ -113,6 +120,7 @@ class Recorder:
         self.attempt, self.rank, self.world = attempt, rank, world
         self.wait_s = 0.0  # input waits since the last step boundary (the training thread)
         self._events: list[dict[str, Any]] = []
+        self._stored = 0  # events [0, _stored) are in the store's segments
         self._lock = threading.Lock()
         self._put_lock = threading.Lock()
         self._last_step: int | None = None
@@ -175,18 +183,19 @@ class Recorder:
     # -- to the store -----------------------------------------------------------------------
 
     def put(self, source: str) -> bool:
-        """Put the whole record to ``ROOT/goodput/``; whether the store holds it now (never
-        raises: the job goes on)."""
+        """Put the events since the last put as a new segment under ``ROOT/goodput/``;
+        whether the store holds every event now (never raises: the job goes on)."""
         if not self._trained:
             return True  # a manager that only listed or restored leaves nothing behind
         with self._put_lock:
-            record = self.record(source)
-            try:
-                self.volume.publish(record_name(self.attempt, self.rank), record.to_json())
-            except Exception as exc:
-                logger.warning("goodput: could not write the record of rank %d to %s: %s",
-                               self.rank, self.volume.display_url, exc)
-                return False
+            with self._lock:
+                first, events = self._stored, tuple(self._events[self._stored:])
+            if not events:
+                return True
+            segment = RankRecord(source=source, events=events, first=first, **self._header)
+            if not _put_segment(self.volume, segment):
+                return False  # the next put carries these events too
+            self._stored = first + len(events)
         return True
 
     def close(self, *, clean: bool) -> None:
@@ -217,16 +226,45 @@ class Recorder:
                 continue
             if any(e["k"] in ("step", "save0") for e in record.events):
                 try:
-                    self.volume.publish(record_name(record.attempt, record.rank),
-                                        record.to_json())
+                    stored = _stored_events(self.volume, record.attempt, record.rank)
                 except Exception as exc:
-                    logger.warning("goodput: could not recover %s into %s: %s", path,
-                                   self.volume.display_url, exc)
+                    logger.warning("goodput: could not list %s for %s: %s",
+                                   self.volume.display_url, path, exc)
                     continue
-                logger.info("goodput: recovered the last events of attempt %s rank %d from "
-                            "this node's journal", record.attempt, record.rank)
+                # Only the tail no segment holds (an empty segment where none is left: it
+                # says that the record is whole); a journal shorter than the store's
+                # segments lost lines (a full disk) and tells nothing more.
+                if len(record.events) >= stored:
+                    tail = replace(record, events=record.events[stored:], first=stored)
+                    if not _put_segment(self.volume, tail):
+                        continue
+                    logger.info("goodput: recovered the last %d event(s) of attempt %s rank "
+                                "%d from this node's journal", len(tail.events),
+                                record.attempt, record.rank)
             with contextlib.suppress(OSError):
                 os.remove(path)
+
+
+def _put_segment(volume: Volume, segment: RankRecord) -> bool:
+    """One create-only put of ``segment``; whether the store holds it (never raises)."""
+    name = segment_name(segment.attempt, segment.rank, segment.first,
+                        segment.first + len(segment.events))
+    try:
+        volume.publish(name, segment.to_json(), exclusive=True)
+    except VolumeExistsError:
+        pass  # an earlier try reached the store: the same events
+    except Exception as exc:
+        logger.warning("goodput: could not write the record of rank %d to %s: %s",
+                       segment.rank, volume.display_url, exc)
+        return False
+    return True
+
+
+def _stored_events(volume: Volume, attempt: str, rank: int) -> int:
+    """How many of a record's events its segments in the store hold (from their names)."""
+    names = [parse_segment_name(f.path) for f in volume.list(f"{GOODPUT_DIR}/{attempt}")]
+    return max((n.end for n in names if isinstance(n, SegmentName) and n.rank == rank),
+               default=0)
 
 
 def _int_or_none(text: str | None) -> int | None:

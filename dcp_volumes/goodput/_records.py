@@ -4,6 +4,12 @@ An *attempt* is one start of the job's processes (torchrun starts a new one at
 each restart; a requeued job is a new one too). Each rank of an attempt keeps
 one record: a header (attempt id, rank, world, host, pid, torchrun's run id and
 restart count) and a list of events, each ``{"k": kind, "t": unix seconds, ...}``.
+
+In the store a record is a series of *segments*, each put once and never
+rewritten: ``goodput/<attempt>/rank<r>-<first>-<end>.json`` holds the header,
+``first`` and the events ``[first, end)`` of the record, the ones recorded since
+the previous put. A put's size is bounded by what happens between two saves,
+not by the length of the run; the reader joins the segments in order.
 Times are wall-clock so that the events of different processes, attempts and
 nodes line up on one axis.
 
@@ -31,8 +37,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = [
@@ -40,9 +47,12 @@ __all__ = [
     "GOODPUT_DIR",
     "RankRecord",
     "RecordError",
+    "SegmentName",
+    "join_segments",
     "parse_journal",
+    "parse_segment_name",
     "process_start_time",
-    "record_name",
+    "segment_name",
 ]
 
 #: The directory under a run root that holds the records (checkpoint discovery skips it).
@@ -58,9 +68,30 @@ class RecordError(ValueError):
     """A file under ``goodput/`` that is not a record of this format (said in the report)."""
 
 
-def record_name(attempt: str, rank: int) -> str:
-    """The record's path below the run root."""
-    return f"{GOODPUT_DIR}/{attempt}-rank{rank:05d}.json"
+_SEGMENT = re.compile(rf"{GOODPUT_DIR}/([^/]+)/rank(\d+)-(\d+)-(\d+)\.json")
+
+
+@dataclass(frozen=True)
+class SegmentName:
+    """What a segment's path says: whose events and which of them (``[first, end)``)."""
+
+    attempt: str
+    rank: int
+    first: int
+    end: int
+
+
+def segment_name(attempt: str, rank: int, first: int, end: int) -> str:
+    """The path below the run root of the segment holding events ``[first, end)``."""
+    return f"{GOODPUT_DIR}/{attempt}/rank{rank:05d}-{first:010d}-{end:010d}.json"
+
+
+def parse_segment_name(path: str) -> SegmentName | None:
+    """``path``'s segment (``None``: not a segment's name)."""
+    m = _SEGMENT.fullmatch(path)
+    if m is None or int(m[3]) > int(m[4]):
+        return None
+    return SegmentName(m[1], int(m[2]), int(m[3]), int(m[4]))
 
 
 @dataclass(frozen=True)
@@ -76,6 +107,7 @@ class RankRecord:
     events: tuple[dict[str, Any], ...]
     run_id: str | None = None
     restart_count: int | None = None
+    first: int = 0  # the index of ``events[0]`` in the whole record (a segment's)
 
     def header(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": VERSION, "attempt": self.attempt,
@@ -84,7 +116,7 @@ class RankRecord:
                 "source": self.source}
 
     def to_json(self) -> bytes:
-        return json.dumps({**self.header(), "events": list(self.events)},
+        return json.dumps({**self.header(), "first": self.first, "events": list(self.events)},
                           separators=(",", ":")).encode()
 
     @classmethod
@@ -103,10 +135,14 @@ class RankRecord:
                 raise TypeError("events is not a list")
             checked = tuple(_event(e) for e in raw)
             restarts = doc.get("restart_count")
+            first = int(doc.get("first", 0))
+            if first < 0:
+                raise ValueError(f"first {first} < 0")
             return cls(attempt=attempt, rank=rank, world=world, host=str(doc.get("host", "")),
                        pid=int(doc.get("pid", 0)), source=str(doc.get("source", "")),
                        events=checked, run_id=doc.get("run_id"),
-                       restart_count=None if restarts is None else int(restarts))
+                       restart_count=None if restarts is None else int(restarts),
+                       first=first)
         except (KeyError, TypeError, ValueError) as exc:
             raise RecordError(f"a malformed record: {exc}") from None
 
@@ -124,6 +160,28 @@ def _event(e: Any) -> dict[str, Any]:
             e.get("t"), (int, float)):
         raise ValueError(f"an event that is not one: {str(e)[:80]}")
     return e
+
+
+def join_segments(segments: list[RankRecord]) -> tuple[RankRecord, list[str]]:
+    """One rank's record of one attempt from its segments, and what is missing from it.
+
+    Segments are joined by their ``first``; where two overlap (a put that reached the
+    store although its writer saw it fail, then a wider one), the events are the same
+    and each is taken once. The header, ``source`` included, is the last segment's.
+    """
+    ordered = sorted(segments, key=lambda g: (g.first, g.first + len(g.events)))
+    events: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for g in ordered:
+        if g.first > len(events):
+            problems.append(f"{GOODPUT_DIR}/{g.attempt}/ rank {g.rank}: events "
+                            f"{len(events)}-{g.first} are missing (a segment was deleted); "
+                            "the report joins the rest")
+            events.extend(g.events)
+        else:
+            events.extend(g.events[len(events) - g.first:])
+    last = ordered[-1]
+    return replace(last, events=tuple(events), first=0), problems
 
 
 def parse_journal(text: str) -> RankRecord:

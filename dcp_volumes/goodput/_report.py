@@ -37,7 +37,14 @@ from typing import Any
 
 from dcp_volumes._volume import Volume
 from dcp_volumes.goodput._model import DEFAULT_FAILURES_PER_DAY, DEFAULT_RESTART_S, GoodputModel
-from dcp_volumes.goodput._records import GOODPUT_DIR, RankRecord, RecordError
+from dcp_volumes.goodput._records import (
+    GOODPUT_DIR,
+    RankRecord,
+    RecordError,
+    SegmentName,
+    join_segments,
+    parse_segment_name,
+)
 
 __all__ = ["AttemptReport", "Breakdown", "GoodputReport", "RecordSpans", "SaveInterval",
            "analyse", "goodput_report", "load_records", "reduce_record"]
@@ -79,7 +86,7 @@ class AttemptReport:
     """One attempt: one start of the job's processes.
 
     Attributes:
-        attempt: its id (the file names under ``goodput/`` start with it).
+        attempt: its id (its records are under ``goodput/<attempt>/``).
         ended: ``exit`` (closed cleanly), ``failed`` (closed by an exception),
             ``preempted``, ``killed`` (no end recorded: SIGKILL, a lost node) or
             ``running`` (the attempt asking, in ``CheckpointManager.goodput()``).
@@ -225,23 +232,39 @@ class GoodputReport:
 
 
 def load_records(volume: Volume) -> tuple[list[RankRecord], list[str]]:
-    """Every record under ``goodput/`` of the run root, and the files that are not one."""
+    """Every record under ``goodput/`` of the run root (each rank's of each attempt, its
+    segments joined), and the files that are not one."""
     files = volume.list(GOODPUT_DIR)
-    problems = [f"{f.path}: not a goodput record (a foreign file; expected "
-                f"{GOODPUT_DIR}/<attempt>-rank<r>.json)" for f in files
-                if not f.path.endswith(".json")]
-    wanted = [f.path for f in files if f.path.endswith(".json")]
+    named = [(f.path, parse_segment_name(f.path)) for f in files]
+    problems = [f"{path}: not a goodput record (a foreign file; expected "
+                f"{GOODPUT_DIR}/<attempt>/rank<r>-<first>-<end>.json)"
+                for path, name in named if name is None]
+    wanted = [(path, name) for path, name in named if name is not None]
 
-    def read(path: str) -> RankRecord | str:
+    def read(item: tuple[str, SegmentName]) -> RankRecord | str:
+        path, name = item
         try:
-            return RankRecord.from_bytes(volume.read_bytes(path))
+            segment = RankRecord.from_bytes(volume.read_bytes(path))
         except RecordError as exc:
             return f"{path}: {exc}"
+        if ((segment.attempt, segment.rank, segment.first) != (name.attempt, name.rank,
+                                                              name.first)
+                or len(segment.events) != name.end - name.first):
+            return f"{path}: its content is not the segment its name says"
+        return segment
 
     with ThreadPoolExecutor(max_workers=max(1, min(_READ_CONCURRENCY, len(wanted)))) as pool:
         found = list(pool.map(read, wanted))
-    records = [r for r in found if isinstance(r, RankRecord)]
     problems += [r for r in found if isinstance(r, str)]
+    segments: dict[tuple[str, int], list[RankRecord]] = {}
+    for r in found:
+        if isinstance(r, RankRecord):
+            segments.setdefault((r.attempt, r.rank), []).append(r)
+    records = []
+    for key in sorted(segments):
+        record, missing = join_segments(segments[key])
+        records.append(record)
+        problems += missing
     return records, problems
 
 
