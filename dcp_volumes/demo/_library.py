@@ -4,12 +4,8 @@ The demo's ranks run ``CheckpointManager`` and ``DataLoader`` as any job does, s
 library records each job's goodput under ``<volume>/ckpt/<job>/goodput/``
 (``dcp_volumes.goodput``). The demo reads that report and prints it beside its own
 independent figures (its event logs, ``_report.analyse``), put into the library's
-categories over the library's window, and names the rows that differ by more than the
-issue's tolerance (goodput 1 percentage point, each category 10% or 0.5 s). It is not
-one of the demo's PASS/FAIL checks yet: goodput, compute, blocking and input wait agree,
-but around a kill the two split the time between ``lost_work``, the restart rows and
-``other`` differently (the demo from its launcher's kill time, the library from the
-records), so those rows can differ by a few seconds a run while their sum agrees.
+categories over the library's window; the ``library`` check passes when they agree
+within the issue's tolerance (goodput 1 percentage point, each category 10% or 0.5 s).
 
 How the demo's figures map (the library cannot see what happens before its first
 process starts, nor tell the CPU time of a step from its wall time):
@@ -22,9 +18,14 @@ process starts, nor tell the CPU time of a step from its wall time):
   other);
 * ``input_wait`` = input wait + each attempt's first batch (which the demo counts in its
   restart or start-up);
-* ``startup + restore + restart_gap`` = start-up + restarts, less those parts and each
-  restore's end -> the first ask for a batch;
-* ``lost_work`` and ``checkpoint_blocking`` as they are; ``other``: the rest.
+* ``startup + restore + restart_gap`` = start-up + restarts (which run to each
+  attempt's first batch in hand), less those first batches and each restore's end ->
+  that batch (less its fetch), which the library counts in the first step; less a
+  preempted attempt's last step -> its exit (the library's ``other``: the attempt
+  ends at its last record, where the restart gap begins);
+* ``lost_work`` = lost work, plus the restore's end -> first batch of an attempt whose
+  every step was lost (its first step, lost, holds it in the library);
+* ``checkpoint_blocking`` as it is; ``other``: the rest.
 """
 
 from __future__ import annotations
@@ -104,15 +105,17 @@ def compare(name: str, lib: GoodputReport, demo: Mapping[str, float]) -> Compari
 
 def demo_figures(*, wall: float, loop_compute: float, pre_loop: float, blocking: float,
                  input_wait: float, first_batches: float, startup: float, restart: float,
-                 before_first_process: float, lost: float) -> dict[str, float]:
+                 before_first_process: float, lost: float, lost_pre_loop: float = 0.0,
+                 preempt_tails: float = 0.0) -> dict[str, float]:
     """The demo's measurements in the library's rows, over the library's window
     (``other``: what the rows above leave of the wall)."""
     rows = {
         ROWS[0][0]: loop_compute,
         ROWS[1][0]: blocking,
         ROWS[2][0]: input_wait + first_batches,
-        ROWS[3][0]: startup + restart - before_first_process - first_batches - pre_loop,
-        ROWS[4][0]: lost,
+        ROWS[3][0]: (startup + restart - before_first_process - first_batches - pre_loop
+                     - lost_pre_loop - preempt_tails),
+        ROWS[4][0]: lost + lost_pre_loop,
     }
     window = wall - before_first_process
     return {"wall": window, **rows, ROWS[5][0]: window - sum(rows.values())}

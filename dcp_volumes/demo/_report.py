@@ -53,7 +53,13 @@ from dcp_volumes.demo._config import Crash, DemoConfig
 from dcp_volumes.demo._events import read_events
 from dcp_volumes.demo._faults import kill_marker
 from dcp_volumes.demo._launcher import JobRecord
-from dcp_volumes.demo._library import Comparison, compare, demo_figures
+from dcp_volumes.demo._library import (
+    CATEGORY_S,
+    CATEGORY_SHARE,
+    Comparison,
+    compare,
+    demo_figures,
+)
 from dcp_volumes.demo._library import render as render_library
 from dcp_volumes.goodput._report import GoodputReport
 
@@ -207,9 +213,17 @@ class RunStats:
     before_first_process: float = 0.0
     #: The kept steps as the library splits time, from this demo's own events (rank 0):
     #: from one step's end (or the restore's) to the next, less its input wait and the
-    #: save before it; ``pre_loop``: each attempt's restore -> first ask for a batch.
+    #: save before it; ``pre_loop``: each attempt's restore -> its first batch in hand,
+    #: less that batch's ``fetch`` (in ``startup``/``restart`` here, in the first kept
+    #: step there).
     loop_compute: float = 0.0
     pre_loop: float = 0.0
+    #: The same span of an attempt whose every step was lost (restore -> first batch,
+    #: in ``restart`` here): there it is part of a lost step, so lost work.
+    lost_pre_loop: float = 0.0
+    #: A preempted attempt's last step's end -> its exit (in ``restart`` here): there the
+    #: attempt's own end (its last record), before the restart gap.
+    preempt_tails: float = 0.0
 
     @property
     def other(self) -> float:
@@ -273,6 +287,10 @@ def analyse(job: JobRecord) -> RunStats:
         if kept:
             stats.first_batches += kept[0]["fetch"]
             _count_loop(stats, att, kept)
+        elif nxt is not None:
+            stats.lost_pre_loop += steps[0]["tf"] - _loop_start(att, steps)
+        if nxt is not None and att.preempted and att.of("exit"):
+            stats.preempt_tails += max(0.0, att.of("exit")[0]["t"] - steps[-1]["t1"])
         if nxt is None:
             _count_end(stats, att, launch)
             continue
@@ -313,14 +331,22 @@ def _count_kept(stats: RunStats, kept: list[dict[str, Any]],
 
 def _count_loop(stats: RunStats, att: Attempt, kept: list[dict[str, Any]]) -> None:
     """Add an attempt's kept steps, split the library's way, to ``stats`` (rank 0)."""
-    restored = att.of("restored")
-    prev = float(restored[0]["t1"]) if restored else float(kept[0]["t0"])
-    stats.pre_loop += kept[0]["t0"] - prev
+    prev = _loop_start(att, kept)
+    # The restart (or start-up) runs to the first batch in hand, ``tf``; its fetch is
+    # counted apart (``first_batches``).
+    stats.pre_loop += kept[0]["tf"] - kept[0]["fetch"] - prev
     saved = 0.0
     for e in kept:
         stats.loop_compute += e["tc"] - prev - e["fetch"] - saved
         saved = e["save"][1] - e["save"][0] if e["save"] else 0.0
         prev = e["tc"]
+
+
+def _loop_start(att: Attempt, steps: list[dict[str, Any]]) -> float:
+    """Where an attempt's training begins on rank 0: its restore's end (else its first
+    step's start)."""
+    restored = att.of("restored")
+    return float(restored[0]["t1"]) if restored else float(steps[0]["t0"])
 
 
 def _count_end(stats: RunStats, att: Attempt, launch: float) -> None:
@@ -850,8 +876,27 @@ def compare_with_library(runs: Mapping[str, RunStats],
             wall=s.wall, loop_compute=s.loop_compute, pre_loop=s.pre_loop,
             blocking=s.blocking, input_wait=s.input_wait, first_batches=s.first_batches,
             startup=s.startup, restart=s.restart,
-            before_first_process=s.before_first_process, lost=s.lost))
+            before_first_process=s.before_first_process, lost=s.lost,
+            lost_pre_loop=s.lost_pre_loop, preempt_tails=s.preempt_tails))
     return out
+
+
+def library_check(jobs: Mapping[str, JobRecord],
+                  comparisons: Mapping[str, Comparison]) -> Check:
+    """The library's goodput figures of each job that ran it agree with the demo's own
+    (goodput within 1 percentage point, each category within 10% or 0.5 s)."""
+    wanted = [name for name, job in jobs.items() if job.setup == "dcp_volumes"]
+    missing = [name for name in wanted if name not in comparisons]
+    bad = [f"{name}: {'; '.join(c.disagreements)}" for name, c in comparisons.items()
+           if c.disagreements]
+    bad += [f"{name}: no goodput records of the library" for name in missing]
+    agreed = ", ".join(f"{name} {c.goodput[0]:.1%} / {c.goodput[1]:.1%}"
+                       for name, c in comparisons.items())
+    detail = "; ".join(bad) if bad else (
+        f"goodput (library / demo) {agreed}; every category within "
+        f"{CATEGORY_SHARE:.0%} or {CATEGORY_S:g} s")
+    return Check("library", "the library's goodput report agrees with the demo's own figures",
+                 not bad, detail)
 
 
 def build_report(cfg: DemoConfig, jobs: Mapping[str, JobRecord], workdir: str, volume: str,
@@ -861,8 +906,8 @@ def build_report(cfg: DemoConfig, jobs: Mapping[str, JobRecord], workdir: str, v
     proj = {name: projection(s, cfg) for name, s in runs.items()}
     checks = run_checks(cfg, runs["dcp_volumes"], runs["reference"],
                         jobs["dcp_volumes"].crashes)
-    # Shown beside the demo's figures, not yet a check: see _library.py for what differs.
     comparisons = compare_with_library(runs, library or {})
+    checks.append(library_check(jobs, comparisons))
     table = "\n".join([render_table(runs, proj, cfg), "", *restart_lines(runs), "",
                        render_library(comparisons)]).rstrip()
     plot_path = os.path.join(workdir, "timeline.png")
@@ -871,7 +916,8 @@ def build_report(cfg: DemoConfig, jobs: Mapping[str, JobRecord], workdir: str, v
     plot_timeline(jobs, runs, plot_path, title=command_line(cfg, volume))
     json_path = os.path.join(workdir, "report.json")
     report = Report(ok=all(c.ok for c in checks), checks=checks, runs=runs, projections=proj,
-                    library={n: c.to_json() for n, c in comparisons.items()},
+                    library={n: {**c.to_json(), "report": (library or {})[n].to_json()}
+                             for n, c in comparisons.items()},
                     table=table, command=command_line(cfg, volume), volume=volume,
                     workdir=workdir,
                     json_path=json_path, plot_path=plot_path, seconds=time.time() - started)
