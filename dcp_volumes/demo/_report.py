@@ -61,9 +61,8 @@ from dcp_volumes.demo._library import (
     demo_figures,
 )
 from dcp_volumes.demo._library import render as render_library
+from dcp_volumes.goodput._model import GoodputModel
 from dcp_volumes.goodput._report import GoodputReport
-
-DAY_S = 86400.0
 
 
 @dataclass
@@ -492,24 +491,13 @@ def _restart_parts(att: Attempt, since: float, requeued: bool = False) -> dict[s
 
 def project(*, blocking: float, in_flight: float, restart: float, overhead: float,
             failures_per_day: float) -> tuple[float, float]:
-    """Goodput of a long run at the best checkpoint interval: ``(goodput, interval_s)``.
-
-    Per interval ``T`` (wall seconds of training between saves) a save blocks
-    ``blocking``; a failure (rate ``failures_per_day``) costs the restart plus
-    the work since the last *committed* checkpoint, ``T/2 + in_flight`` on
-    average (a failure while a save is in flight falls back one interval more).
-    ``overhead`` is the other time per unit of compute (input wait, bookkeeping)::
-
-        goodput(T) = (1 - rate * (restart + T/2 + in_flight)) / (1 + overhead + blocking/T)
-    """
-    rate = failures_per_day / DAY_S
-    best = (0.0, 0.0)
-    for i in range(0, 2001):
-        t = 10 ** (-1 + 6 * i / 2000)  # 0.1 s .. 1e5 s
-        g = (1 - rate * (restart + t / 2 + in_flight)) / (1 + overhead + blocking / t)
-        if g > best[0]:
-            best = (g, t)
-    return best
+    """Goodput of a long run at the best checkpoint interval: ``(goodput, interval_s)``,
+    from the library's goodput model (``dcp_volumes.goodput.GoodputModel``: a save blocks
+    ``blocking`` and commits ``in_flight`` later; a failure costs the restart and the work
+    since the last committed save; ``overhead``: the other time per unit of compute)."""
+    model = GoodputModel(failures_per_day=failures_per_day, restart_s=max(0.0, restart))
+    best = model.best(blocking, blocking + in_flight, overhead=overhead)
+    return best["best_goodput"], best["best_interval_s"]
 
 
 def _mean(xs: list[float]) -> float:

@@ -7,9 +7,11 @@ interval shorter than the commit lag stalls training for the difference too.
 Failures arrive at ``failures_per_day`` (default 8.6: Llama 3's 466
 interruptions in 54 days on 16k GPUs); each costs ``restart_s`` plus the work
 since the last *committed* checkpoint: on average half a cycle plus the commit
-lag. Goodput is the share of wall time spent on training that is kept::
+lag. ``overhead`` is the job's other time per second of training (input waits,
+bookkeeping; 0 by default). Goodput is the share of wall time spent on training
+that is kept::
 
-    cycle    = interval + stall
+    cycle    = interval * (1 + overhead) + stall
     stall    = blocking + max(0, (e2e - blocking) - interval)
     lost     = restart + cycle / 2 + (e2e - blocking)      # per failure
     goodput  = interval / cycle * (1 - lost / MTBF)
@@ -45,11 +47,12 @@ class GoodputModel:
     def mtbf_s(self) -> float:
         return SECONDS_PER_DAY / self.failures_per_day
 
-    def goodput(self, interval_s: float, blocking_s: float, e2e_s: float) -> float:
+    def goodput(self, interval_s: float, blocking_s: float, e2e_s: float, *,
+                overhead: float = 0.0) -> float:
         """The share of wall time that is kept training at this checkpoint interval."""
         lag = max(0.0, e2e_s - blocking_s)
         stall = blocking_s + max(0.0, lag - interval_s)
-        cycle = interval_s + stall
+        cycle = interval_s * (1 + max(0.0, overhead)) + stall
         lost = self.restart_s + cycle / 2 + lag
         return max(0.0, interval_s / cycle * (1 - lost / self.mtbf_s))
 
@@ -62,17 +65,18 @@ class GoodputModel:
         lo, hi = 0.0, math.log10(self.mtbf_s)
         return [10 ** (lo + (hi - lo) * i / (points - 1)) for i in range(points)]
 
-    def best(self, blocking_s: float, e2e_s: float) -> dict[str, float]:
+    def best(self, blocking_s: float, e2e_s: float, *,
+             overhead: float = 0.0) -> dict[str, float]:
         """The best interval on the grid, its goodput, and Young's interval for comparison."""
         grid = self.intervals()
-        values = [self.goodput(t, blocking_s, e2e_s) for t in grid]
+        values = [self.goodput(t, blocking_s, e2e_s, overhead=overhead) for t in grid]
         i = max(range(len(grid)), key=values.__getitem__)
         young = self.young_interval(blocking_s)
         return {
             "best_interval_s": grid[i],
             "best_goodput": values[i],
             "young_interval_s": young,
-            "goodput_at_young": self.goodput(young, blocking_s, e2e_s),
+            "goodput_at_young": self.goodput(young, blocking_s, e2e_s, overhead=overhead),
         }
 
     def curve(self, blocking_s: float, e2e_s: float) -> tuple[list[float], list[float]]:
