@@ -11,7 +11,9 @@ How the demo's figures map (the library cannot see what happens before its first
 process starts, nor tell the CPU time of a step from its wall time):
 
 * the window starts at the first rank process's start, not at the launcher's torchrun
-  start: that difference leaves the demo's start-up;
+  start: that difference leaves the demo's start-up; it holds the time between two
+  launches of a job (``--shrink``: a planned stop, then a new torchrun), which the
+  demo leaves out of its wall: a restart gap;
 * ``compute``: the kept steps from the demo's events, split the library's way: from one
   step's end (or the restore's) to the next step's end, less its input wait and the
   save before it (the demo's own table counts CPU time, and the loop's bookkeeping as
@@ -106,7 +108,7 @@ def compare(name: str, lib: GoodputReport, demo: Mapping[str, float]) -> Compari
 def demo_figures(*, wall: float, loop_compute: float, pre_loop: float, blocking: float,
                  input_wait: float, first_batches: float, startup: float, restart: float,
                  before_first_process: float, lost: float, lost_pre_loop: float = 0.0,
-                 preempt_tails: float = 0.0) -> dict[str, float]:
+                 preempt_tails: float = 0.0, between_legs: float = 0.0) -> dict[str, float]:
     """The demo's measurements in the library's rows, over the library's window
     (``other``: what the rows above leave of the wall)."""
     rows = {
@@ -114,10 +116,10 @@ def demo_figures(*, wall: float, loop_compute: float, pre_loop: float, blocking:
         ROWS[1][0]: blocking,
         ROWS[2][0]: input_wait + first_batches,
         ROWS[3][0]: (startup + restart - before_first_process - first_batches - pre_loop
-                     - lost_pre_loop - preempt_tails),
+                     - lost_pre_loop - preempt_tails + between_legs),
         ROWS[4][0]: lost + lost_pre_loop,
     }
-    window = wall - before_first_process
+    window = wall - before_first_process + between_legs
     return {"wall": window, **rows, ROWS[5][0]: window - sum(rows.values())}
 
 

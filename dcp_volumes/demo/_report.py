@@ -223,6 +223,9 @@ class RunStats:
     #: A preempted attempt's last step's end -> its exit (in ``restart`` here): there the
     #: attempt's own end (its last record), before the restart gap.
     preempt_tails: float = 0.0
+    #: A leg's end -> the launcher's next launch (a planned stop, then a new torchrun:
+    #: ``--shrink``), outside ``wall`` here; there a restart gap inside the run's window.
+    between_legs: float = 0.0
 
     @property
     def other(self) -> float:
@@ -267,6 +270,9 @@ def analyse(job: JobRecord) -> RunStats:
         first_tf = steps[0]["tf"]
         if i == 0 or next_attempt(trained, i - 1) is None:  # a leg the launcher started
             launch = prev_end = job.launches[att.leg]
+            ended = trained[i - 1].of("end") if i > 0 else []
+            if ended:  # the job's planned stop, then its new launch: not in ``wall`` here
+                stats.between_legs += max(0.0, launch - float(ended[0]["t"]))
             stats.startup += first_tf - prev_end
         else:
             stats.restart += first_tf - prev_end
@@ -865,7 +871,8 @@ def compare_with_library(runs: Mapping[str, RunStats],
             blocking=s.blocking, input_wait=s.input_wait, first_batches=s.first_batches,
             startup=s.startup, restart=s.restart,
             before_first_process=s.before_first_process, lost=s.lost,
-            lost_pre_loop=s.lost_pre_loop, preempt_tails=s.preempt_tails))
+            lost_pre_loop=s.lost_pre_loop, preempt_tails=s.preempt_tails,
+            between_legs=s.between_legs))
     return out
 
 
