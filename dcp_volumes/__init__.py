@@ -40,6 +40,7 @@ if _typing.TYPE_CHECKING:
     from dcp_volumes.data._cache import FileCache
     from dcp_volumes.data._dataset import VolumeDataset
     from dcp_volumes.data._loader import DataLoader
+    from dcp_volumes.goodput._report import GoodputReport, goodput_report
     from dcp_volumes.safetensors._export import export_safetensors
     from dcp_volumes.safetensors._reader import SafetensorsReader
     from dcp_volumes.safetensors._writer import SafetensorsWriter
@@ -64,6 +65,8 @@ _LAZY = {
     "SafetensorsReader": "dcp_volumes.safetensors._reader",
     "SafetensorsWriter": "dcp_volumes.safetensors._writer",
     "export_safetensors": "dcp_volumes.safetensors._export",
+    "GoodputReport": "dcp_volumes.goodput._report",
+    "goodput_report": "dcp_volumes.goodput._report",
 }
 
 
@@ -102,6 +105,7 @@ __all__ = [
     "EncryptionError",
     "EncryptionKeyError",
     "FileCache",
+    "GoodputReport",
     "RetryPolicy",
     "Route",
     "Routing",
@@ -120,6 +124,7 @@ __all__ = [
     "__version__",
     "active_routes",
     "export_safetensors",
+    "goodput_report",
     "route",
     "storage_error",
     "unroute",

@@ -624,6 +624,22 @@ def _demo(args: argparse.Namespace, out: Output) -> int:
     return EXIT_OK if report.ok else EXIT_FAILURE
 
 
+def _configure_goodput(p: argparse.ArgumentParser) -> None:
+    from dcp_volumes.goodput._cli import configure
+
+    configure(p)
+
+
+@command("goodput", "where a job's wall time went: compute, checkpoints, input, restarts, "
+         "lost work (from the records the manager keeps in ROOT/goodput/)", _configure_goodput)
+def _goodput(args: argparse.Namespace, out: Output) -> int:
+    from dcp_volumes.goodput._cli import run
+
+    report, doc = run(args, _storage_options(args.storage_options), out.line, out.as_json)
+    out.json(doc)
+    return EXIT_OK if report.attempts else EXIT_FAILURE
+
+
 def _benchmarks_cli() -> Any:
     """``benchmarks.cli`` of the repository checkout, or None outside one.
 

@@ -145,5 +145,8 @@ def test_goodput_model() -> None:
     assert model.goodput(5.0, 0.5, 10.0) < model.goodput(10.0, 0.5, 10.0)
     # Failures cost the restart and the work since the last committed checkpoint.
     assert model.goodput(600, 1, 1) == pytest.approx(600 / 601 * (1 - (300 + 300.5) / model.mtbf_s))
+    # Other time per second of compute (input waits) lengthens the cycle (the demo's use).
+    assert model.goodput(600, 1, 1, overhead=0.5) == pytest.approx(
+        600 / 901 * (1 - (300 + 450.5) / model.mtbf_s))
     with pytest.raises(ValueError, match="failures_per_day"):
         GoodputModel(failures_per_day=0)

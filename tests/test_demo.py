@@ -30,7 +30,8 @@ from dcp_volumes.demo._launcher import MARKER, busy_processes, claim, node_cpus
 from dcp_volumes.demo._report import CrashOutcome, RunStats, _node_check, restart_lines
 from testkit.ranks import process_running
 
-CORRECTNESS = ("crashes", "weights", "samples", "epochs", "complete", "lost")
+# "library": the library's goodput records agree with the demo's own measurements.
+CORRECTNESS = ("crashes", "weights", "samples", "epochs", "complete", "lost", "library")
 TIMING = ("blocking", "input", "goodput")
 
 
@@ -365,3 +366,30 @@ def test_importing_the_demo_package_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ), check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_library_check_holds_the_issues_tolerance() -> None:
+    """goodput within 1 percentage point, each category within 10% or 0.5 s; a job that ran
+    the library without records fails the check."""
+    from dcp_volumes.demo._launcher import JobRecord
+    from dcp_volumes.demo._library import ROWS, Comparison
+    from dcp_volumes.demo._report import library_check
+
+    def comparison(goodput: float, compute: float, lost: float) -> Comparison:
+        rows = [(label, 10.0, 10.0) for label, _ in ROWS]
+        rows[0] = (ROWS[0][0], 30.0, compute)
+        rows[4] = (ROWS[4][0], 2.0, lost)
+        return Comparison("dcp_volumes", (60.0, 60.0), (0.5, goodput), tuple(rows))
+
+    jobs = {"dcp_volumes": JobRecord("dcp_volumes", "dcp_volumes", "", []),
+            "naive": JobRecord("naive", "naive", "", [])}
+    # 2.9 s apart on 30 s is within 10%; 0.45 s apart on 2 s is within 0.5 s
+    ok = library_check(jobs, {"dcp_volumes": comparison(0.495, 27.1, 2.45)})
+    assert ok.ok, ok.detail
+    for bad, what in ((comparison(0.489, 30.0, 2.0), "goodput"),
+                      (comparison(0.5, 26.9, 2.0), "compute"),
+                      (comparison(0.5, 30.0, 2.6), "work lost")):
+        check = library_check(jobs, {"dcp_volumes": bad})
+        assert not check.ok and what in check.detail, check.detail
+    missing = library_check(jobs, {})
+    assert not missing.ok and "dcp_volumes: no goodput records" in missing.detail

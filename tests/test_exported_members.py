@@ -53,6 +53,9 @@ EXPECTED = {
     "active_routes",
     "route",
     "unroute",
+    # the goodput of the user's own job, from the records the manager and loader keep
+    "goodput_report",
+    "GoodputReport",
     "__version__",
 }
 
@@ -70,4 +73,4 @@ def test_private_modules_stay_private() -> None:
     public = {n for n in dir(dcp_volumes) if not n.startswith("_")}
     # Only exports, subpackages and the launcher (python -m dcp_volumes.run) may appear
     # without an underscore.
-    assert public - set(dcp_volumes.__all__) <= {"checkpoint", "data", "cli", "run"}
+    assert public - set(dcp_volumes.__all__) <= {"checkpoint", "data", "cli", "run", "goodput"}

@@ -186,10 +186,10 @@ def test_stock_dcp_checkpoints_are_listed_restored_and_retained(tmp_path: Path) 
     assert step == 2 and differences(state, state_for(2)) == []
     mgr.save(3, state_for(3))
     mgr.wait()  # keep_last=2 allows 2 and 3: the older stock one goes, step_2 stays
-    assert sorted(os.listdir(url)) == ["step-00000003", "step_2"]
+    assert sorted(os.listdir(url)) == ["goodput", "step-00000003", "step_2"]
     mgr.save(4, state_for(4))
     mgr.close()
-    assert sorted(os.listdir(url)) == ["step-00000003", "step-00000004"]
+    assert sorted(os.listdir(url)) == ["goodput", "step-00000003", "step-00000004"]
 
 
 def test_partial_checkpoints_are_skipped_with_a_warning_and_collected(
@@ -221,7 +221,8 @@ def test_partial_checkpoints_are_skipped_with_a_warning_and_collected(
             os.utime(f, (old, old))
     mgr.save(4, state_for(4))
     mgr.close()  # partials older than the newest complete (4) are gone, complete 1 is kept
-    assert sorted(os.listdir(url)) == ["step-00000001", "step-00000004"]
+    # retention leaves the goodput records (ROOT/goodput/) alone
+    assert sorted(os.listdir(url)) == ["goodput", "step-00000001", "step-00000004"]
 
 
 def test_verify_skips_a_checkpoint_whose_checksum_fails(

@@ -42,7 +42,7 @@ _MARK = "readme-test:"
 _BUCKET = re.compile(r"s3://([a-z0-9][a-z0-9.-]+)/")
 # The blocks the tests below run; a block added to DOCS needs a test here.
 TESTED = {"quickstart", "dcp_s3", "route_s3", "compression", "lifecycle", "data_s3",
-          "file_cache_s3", "memory_store"}
+          "file_cache_s3", "memory_store", "goodput"}
 TESTED |= {"encryption", "sse_s3"}  # docs/checkpoints.md, docs/volumes.md
 
 
@@ -124,7 +124,7 @@ def test_quickstart_resumes_where_the_first_run_ended(tmp_path: Path) -> None:
     assert "CheckpointInfo(step=200," in second
     # keep_last=2 of the saves at 125, 150, 175, 200
     assert sorted(p.name for p in (tmp_path / "runs" / "quickstart").iterdir()) == [
-        "step-00000175", "step-00000200"]
+        "goodput", "step-00000175", "step-00000200"]
 
 
 @pytest.mark.emulator
@@ -162,6 +162,15 @@ def test_lifecycle_block_lists_what_retention_kept(tmp_path: Path) -> None:
     assert out == ["latest: 1000"] + [
         f"{s} True {root}/step-{s:08d}" for s in (500, 750, 1000)]
     assert _run_block(script, tmp_path).splitlines() == out  # restored at 1000: nothing to do
+
+
+def test_goodput_block_reports_the_attempt_it_recorded(tmp_path: Path) -> None:
+    script = _script("goodput", tmp_path)
+    out = _run_block(script, tmp_path).splitlines()
+    assert out[0].startswith("goodput so far: ") and out[0].endswith("%")
+    assert out[1] == ("1 0 ['checkpoint_blocking', 'compute', 'input_wait', 'lost_work', "
+                      "'other', 'restart_gap', 'restore', 'startup']")
+    assert len(list((tmp_path / "runs" / "run2" / "goodput").iterdir())) == 1
 
 
 def _summary(out: str) -> dict[str, Any]:

@@ -78,8 +78,9 @@ def test_ddp_recipe_resumes_where_an_uninterrupted_run_ends(tmp_path: Path) -> N
     out = _run(_torchrun(str(script), str(resumed), "10"), cwd=tmp_path)
     assert "rank 0: resumed at step 6" in out and "rank 1: resumed at step 6" in out
     _run(_torchrun(str(script), str(straight), "10"), cwd=tmp_path)
-    # keep_last=2: steps 8 and 10 remain in each root.
-    assert sorted(p.name for p in resumed.iterdir()) == ["step-00000008", "step-00000010"]
+    # keep_last=2: steps 8 and 10 remain in each root (beside the job's goodput records).
+    assert sorted(p.name for p in resumed.iterdir()) == [
+        "goodput", "step-00000008", "step-00000010"]
     a = _as_torch(resumed / "step-00000010", tmp_path)
     b = _as_torch(straight / "step-00000010", tmp_path)
     assert a["training"]["step"] == 10
@@ -128,7 +129,8 @@ def test_titan_style_recipe_resumes_and_keeps_latest_k(tmp_path: Path) -> None:
     _run([sys.executable, loop, str(straight), "8", str(tmp_path / "b8.pt")], cwd=tmp_path)
     assert_same(torch.load(tmp_path / "a8.pt"), torch.load(tmp_path / "b8.pt"))
     # interval=3 and last steps: 3, 4, 6, 8 were saved; keep_latest_k=2 keeps 6 and 8.
-    assert sorted(p.name for p in root.iterdir()) == ["step-00000006", "step-00000008"]
+    assert sorted(p.name for p in root.iterdir()) == ["goodput", "step-00000006",
+                                                      "step-00000008"]
 
 
 def test_lightning_recipe_saves_and_resumes_through_volume_classes(tmp_path: Path) -> None:
@@ -170,7 +172,7 @@ def _preempt(tmp_path: Path, deliver: Callable[[subprocess.Popen[str], Path], No
     assert len(stops) == 1 and out.count("preempted at step") == 2, out[-4000:]
     stopped = int(stops[0])
     assert (root / f"step-{stopped:08d}" / METADATA_NAME).exists()  # 0 steps lost
-    assert not any(int(p.name[5:]) > stopped for p in root.iterdir())
+    assert not any(int(p.name[5:]) > stopped for p in root.iterdir() if p.name != "goodput")
     out = _run(_torchrun(str(script), str(root), str(stopped + 7)), cwd=tmp_path, env=env)
     for rank in (0, 1):
         assert f"rank {rank}: resumed at step {stopped}" in out

@@ -54,6 +54,7 @@ from dcp_volumes.checkpoint._layout import (
 )
 from dcp_volumes.checkpoint._manifest import Manifest, check_listing, verify_checksums
 from dcp_volumes.checkpoint._metadata_pickle import loads_metadata
+from dcp_volumes.goodput._records import GOODPUT_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -386,7 +387,8 @@ def scan(
     by_dir: dict[str, list[FileInfo]] = {}
     for f in volume.list("") if listing is None else listing:
         top, sep, _ = f.path.partition("/")
-        if sep and (unnumbered or parse_step(top) is not None):
+        # goodput/ holds the job's goodput records (dcp_volumes.goodput), never a checkpoint.
+        if sep and top != GOODPUT_DIR and (unnumbered or parse_step(top) is not None):
             by_dir.setdefault(top, []).append(f)
     by_dir = {
         name: files for name, files in by_dir.items()

@@ -86,6 +86,8 @@ from dcp_volumes.checkpoint._retention import (
 from dcp_volumes.checkpoint._state_copy import free_pooled_buffers
 from dcp_volumes.checkpoint._tiers import SOURCE_NAMES, FileSource
 from dcp_volumes.checkpoint._writer import VolumeWriter
+from dcp_volumes.goodput import _recorder as goodput_recording
+from dcp_volumes.goodput._report import GoodputReport
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +167,11 @@ class CheckpointManager:
             collective: call it once per step on every rank.
         preemption_grace_s: seconds from the signal within which the preemption
             save must commit (keep it below the platform's wait before SIGKILL).
+        goodput: record where this rank's time goes (start-up, restore, steps, input
+            waits, saves, commits, preemption, exit) for ``goodput()`` and
+            ``dcp-volumes goodput ROOT``: in memory, in a journal in the staging dir, and
+            in ``<root>/goodput/``, the new events as one small object with each save and
+            at close (no request per step). ``False``: nothing is recorded or written.
 
     Preemption, Orbax's shape (``save_interval_steps=500,
     preemption_signals=(signal.SIGTERM,)``)::
@@ -204,6 +211,7 @@ class CheckpointManager:
         preemption_signals: Sequence[int | signal.Signals] | None = None,
         preemption_grace_s: float = 25.0,
         encryption: Encryption | None = None,
+        goodput: bool = True,
     ) -> None:
         signals = signals_of(preemption_signals)
         self.options = ManagerOptions(
@@ -220,6 +228,7 @@ class CheckpointManager:
             encryption=encryption,
             save_interval_steps=save_interval_steps,
             preemption_grace_s=preemption_grace_s,
+            goodput=goodput,
         )
         # None stays None: each Volume then takes DCP_VOLUMES_STORAGE_OPTIONS.
         self.storage_options = None if storage_options is None else dict(storage_options)
@@ -257,6 +266,10 @@ class CheckpointManager:
         self._closed = False
         # Manifests never change once written: read each one once per manager.
         self._manifests: ManifestCache = {}
+        self._recorder: goodput_recording.Recorder | None = None
+        self._live: goodput_recording.LiveView | None = None
+        if self.options.goodput:
+            self._start_recording()
 
     # -- properties -----------------------------------------------------------------------
 
@@ -300,6 +313,8 @@ class CheckpointManager:
         With ``preemption_signals`` this is collective: call it once per step, on
         every rank, with the same step (the ranks agree through it).
         """
+        if self._recorder is not None:
+            self._recorder.step(step)
         interval = self.options.save_interval_steps
         due = interval is not None and step % interval == 0
         # A save step checks at once (every rank knows it is one): a notice never
@@ -307,6 +322,53 @@ class CheckpointManager:
         if self._watch is not None and self._watch.poll(step, now=due):
             return self._watch.agreed_step == step
         return due
+
+    def step(self, step: int) -> None:
+        """Mark the end of ``step`` for the goodput record, in loops that decide their saves
+        themselves (``should_save(step)`` marks it too: call either, once per step).
+        Local: no collective, no request to the store."""
+        if self._recorder is not None:
+            self._recorder.step(step)
+
+    def goodput(self) -> GoodputReport:
+        """The goodput of the run so far: the earlier attempts' records under
+        ``<root>/goodput/`` and this rank's record of this attempt (reads the store).
+
+        Raises:
+            ConfigurationError: the manager was created with ``goodput=False``.
+        """
+        if self._live is None:
+            raise ConfigurationError(
+                "This CheckpointManager records no goodput (goodput=False). Fix: create it "
+                "without goodput=False, or read earlier runs with "
+                "dcp_volumes.goodput_report(root)."
+            )
+        return self._live.report(refresh=True)
+
+    def _start_recording(self) -> None:
+        """Every rank: the attempt's id (the coordinator's), then this rank's recorder."""
+        attempt, started = self._coord.broadcast(
+            goodput_recording.new_attempt_id() if self.is_coordinator else None)
+        self._recorder = goodput_recording.Recorder(
+            self._volume, attempt=attempt, rank=self.rank, world=self.world_size,
+            journal=goodput_recording.journal_dir(self.staging_dir, self._volume.url),
+            recover=self._coord.local_rank == 0, started=started)
+        self._live = goodput_recording.LiveView(self._recorder)
+        goodput_recording.install(self._recorder)
+
+    def _record_commit(self, step: int) -> None:
+        """Background, after a commit: the record to the store; the coordinator logs the
+        breakdown so far."""
+        recorder = self._recorder
+        if recorder is None:
+            return
+        recorder.add("commit", step=step)
+        recorder.put("commit")
+        if self.is_coordinator and self._live is not None:
+            try:
+                goodput_recording.emit(self._live.report(), step)
+            except Exception as exc:  # a report must never fail a save
+                logger.warning("goodput: no live report after step %d: %s", step, exc)
 
     def reached_preemption(self, step: int) -> bool:
         """Whether the job is being preempted and the save made for it is committed.
@@ -328,6 +390,10 @@ class CheckpointManager:
         if error is not None:
             raise error
         survivor = self._committed_step
+        if self._recorder is not None and not self._recorder.preempted:
+            self._recorder.preempted = True
+            self._recorder.add("preempted", step=watch.agreed_step)
+            self._recorder.put("preempt")
         if survivor is not None and survivor == watch.agreed_step:
             logger.warning("preemption: step %d is committed at %s; stop now (%.1f s of "
                            "grace left)", survivor, self.url_of(survivor), watch.remaining_s())
@@ -351,6 +417,15 @@ class CheckpointManager:
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ConfigurationError(f"step={step!r} must be an integer >= 0.")
+        if self._recorder is None:
+            return self._save(step, state)
+        self._recorder.save_started(step)
+        try:
+            return self._save(step, state)
+        finally:
+            self._recorder.add("save1", step=step)
+
+    def _save(self, step: int, state: Mapping[str, Any]) -> str:
         self._drain()
         error = self._take_error()
         if self._abandoned and error is not None:
@@ -464,6 +539,7 @@ class CheckpointManager:
             ) from exc
         logger.info("checkpoint step %d committed at %s", step, url)
         self._committed_step = step
+        self._record_commit(step)
         if self._local is not None:
             self._local.keep_only(name)
         if self._peers is not None and not (self._watch is not None and self._watch.agreed):
@@ -543,11 +619,17 @@ class CheckpointManager:
         self._drain()
         if self._peers is not None:
             self._peers.wait()  # its group serves the restore next
+        if self._recorder is not None:
+            self._recorder.add("restore0")
         choice = self._agree_on_checkpoint(step)
         if choice is None:
             logger.info("no complete checkpoint under %s: starting fresh", self._volume.display_url)
+            if self._recorder is not None:
+                self._recorder.add("restore1", step=None, sources={})
             return None
         self._load_checkpoint(state, *choice, planner=planner)
+        if self._recorder is not None:
+            self._recorder.add("restore1", step=choice[0], sources=self.restore_sources)
         return choice[0]
 
     def _agree_on_checkpoint(self, step: int | None) -> tuple[int, str, bool] | None:
@@ -675,6 +757,10 @@ class CheckpointManager:
             self._executor.shutdown(wait=not self._abandoned, cancel_futures=True)
             self._close_writer()
             free_pooled_buffers()  # the job's saves are over: give the staging memory back
+            recorder, self._recorder = self._recorder, None
+            if recorder is not None:
+                recorder.close(clean=not self._unwinding)
+                goodput_recording.uninstall(recorder)
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -25,6 +25,7 @@ class ManagerOptions:
     partial_grace_s: float = 3600.0
     save_interval_steps: int | None = None
     preemption_grace_s: float = 25.0
+    goodput: bool = True
     writer_options: Mapping[str, Any] = field(default_factory=dict)
     reader_options: Mapping[str, Any] = field(default_factory=dict)
     encryption: Any = None  # an Encryption: the writer's and the reader's keys
@@ -56,6 +57,11 @@ class ManagerOptions:
                 f"preemption_grace_s={self.preemption_grace_s!r} must be a number of seconds "
                 "> 0: how long after the signal the preemption save may take (keep it below "
                 "the time the platform waits before SIGKILL, e.g. 25 for Kubernetes' 30)."
+            )
+        if not isinstance(self.goodput, bool):
+            raise ConfigurationError(
+                f"goodput={self.goodput!r} must be True (record where the job's time goes, "
+                "under <root>/goodput/) or False (record nothing)."
             )
         reserved = {"path", "storage_options", "staging_dir", "local_copy_dir", "retry"}
         for what, opts in (("writer_options", self.writer_options),

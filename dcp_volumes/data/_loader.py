@@ -42,6 +42,7 @@ from dcp_volumes.data._dataset import VolumeDataset
 from dcp_volumes.data._metrics import LoaderMetrics, worker_stats
 from dcp_volumes.data._order import ORDER_ALGORITHM, Plan
 from dcp_volumes.data._worker_exit import ExitWithTrainingProcess, starting_workers
+from dcp_volumes.goodput._recorder import note_input_wait
 
 logger = logging.getLogger(__name__)
 
@@ -501,6 +502,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                 self.metrics.record(
                     fetch_s=fetched - started, between_s=between, worker=stats, step=self._step
                 )
+                note_input_wait(fetched - started)  # the job's goodput record, if one is kept
                 handed = time.perf_counter()
                 yield item
         finally:

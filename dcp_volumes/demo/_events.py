@@ -39,6 +39,10 @@ import threading
 import time
 from typing import Any
 
+from dcp_volumes.goodput._records import process_start_time
+
+__all__ = ["EventLog", "process_start_time", "read_events"]
+
 
 class EventLog:
     """Appends events of one process; safe to call from several threads."""
@@ -80,17 +84,3 @@ def read_events(run_dir: str) -> list[list[dict[str, Any]]]:
             procs.append(events)
     procs.sort(key=lambda evs: (evs[0]["leg"], evs[0]["attempt"], evs[0]["rank"]))
     return procs
-
-
-def process_start_time() -> float:
-    """When this process started (wall clock, ~10 ms resolution on Linux)."""
-    try:
-        with open("/proc/self/stat") as f:
-            # Field 22 (starttime) in clock ticks since boot; the name (field 2) may hold spaces.
-            fields = f.read().rsplit(")", 1)[1].split()
-        ticks = int(fields[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return time.time()

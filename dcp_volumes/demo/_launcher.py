@@ -610,6 +610,7 @@ def busy_processes(count: int) -> Iterator[None]:
 
 
 def _run_demo(cfg: DemoConfig, say: Say, *, progress: bool, started: float) -> Report:
+    from dcp_volumes.demo._library import library_reports
     from dcp_volumes.demo._report import build_report
 
     workdir = cfg.workdir or tempfile.mkdtemp(prefix="dcp-volumes-demo-")
@@ -670,4 +671,6 @@ def _run_demo(cfg: DemoConfig, say: Say, *, progress: bool, started: float) -> R
         run("reference", "dcp_volumes", [], legs)
         if not cfg.quick:
             run("naive", "naive", crashes, [Leg(cfg.nodes, elastic=elastic)])
-    return build_report(cfg, jobs, workdir, shown, started=started)
+        # While the volume is up (the embedded server stops with the stack).
+        library = library_reports(jobs, root, options)
+    return build_report(cfg, jobs, workdir, shown, started=started, library=library)

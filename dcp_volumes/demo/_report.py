@@ -53,8 +53,16 @@ from dcp_volumes.demo._config import Crash, DemoConfig
 from dcp_volumes.demo._events import read_events
 from dcp_volumes.demo._faults import kill_marker
 from dcp_volumes.demo._launcher import JobRecord
-
-DAY_S = 86400.0
+from dcp_volumes.demo._library import (
+    CATEGORY_S,
+    CATEGORY_SHARE,
+    Comparison,
+    compare,
+    demo_figures,
+)
+from dcp_volumes.demo._library import render as render_library
+from dcp_volumes.goodput._model import GoodputModel
+from dcp_volumes.goodput._report import GoodputReport
 
 
 @dataclass
@@ -197,6 +205,27 @@ class RunStats:
     torn_restores: int = 0
     #: Whether any rank kept a complete replica of its peers' files (``local_replicas``).
     replicated: bool = False
+    #: For the comparison with the library's records (``_library.py``): the first batch
+    #: of each attempt (in ``restart``/``startup`` here), and the launcher's torchrun start
+    #: to the first rank process's start (in ``startup``).
+    first_batches: float = 0.0
+    before_first_process: float = 0.0
+    #: The kept steps as the library splits time, from this demo's own events (rank 0):
+    #: from one step's end (or the restore's) to the next, less its input wait and the
+    #: save before it; ``pre_loop``: each attempt's restore -> its first batch in hand,
+    #: less that batch's ``fetch`` (in ``startup``/``restart`` here, in the first kept
+    #: step there).
+    loop_compute: float = 0.0
+    pre_loop: float = 0.0
+    #: The same span of an attempt whose every step was lost (restore -> first batch,
+    #: in ``restart`` here): there it is part of a lost step, so lost work.
+    lost_pre_loop: float = 0.0
+    #: A preempted attempt's last step's end -> its exit (in ``restart`` here): there the
+    #: attempt's own end (its last record), before the restart gap.
+    preempt_tails: float = 0.0
+    #: A leg's end -> the launcher's next launch (a planned stop, then a new torchrun:
+    #: ``--shrink``), outside ``wall`` here; there a restart gap inside the run's window.
+    between_legs: float = 0.0
 
     @property
     def other(self) -> float:
@@ -241,6 +270,9 @@ def analyse(job: JobRecord) -> RunStats:
         first_tf = steps[0]["tf"]
         if i == 0 or next_attempt(trained, i - 1) is None:  # a leg the launcher started
             launch = prev_end = job.launches[att.leg]
+            ended = trained[i - 1].of("end") if i > 0 else []
+            if ended:  # the job's planned stop, then its new launch: not in ``wall`` here
+                stats.between_legs += max(0.0, launch - float(ended[0]["t"]))
             stats.startup += first_tf - prev_end
         else:
             stats.restart += first_tf - prev_end
@@ -257,6 +289,13 @@ def analyse(job: JobRecord) -> RunStats:
         keep_to = (nxt.restored or 0) if nxt is not None else math.inf
         kept = [e for e in steps if e["step"] <= keep_to]
         _count_kept(stats, kept, by_rank)
+        if kept:
+            stats.first_batches += kept[0]["fetch"]
+            _count_loop(stats, att, kept)
+        elif nxt is not None:
+            stats.lost_pre_loop += steps[0]["tf"] - _loop_start(att, steps)
+        if nxt is not None and att.preempted and att.of("exit"):
+            stats.preempt_tails += max(0.0, att.of("exit")[0]["t"] - steps[-1]["t1"])
         if nxt is None:
             _count_end(stats, att, launch)
             continue
@@ -264,6 +303,8 @@ def analyse(job: JobRecord) -> RunStats:
         stats.lost += outcome.lost_s
         stats.crashes.append(outcome)
         prev_end = t_stop
+    if trained:
+        stats.before_first_process = trained[0].start["t_proc"] - job.launches[trained[0].leg]
     stats.committed = len(committed)
     stats.torn_restores = sum(len(a.of("torn")) for a in attempts)
     stats.replicated = any(_replicas(a) for a in attempts)
@@ -291,6 +332,26 @@ def _count_kept(stats: RunStats, kept: list[dict[str, Any]],
     for e in kept:
         stats.samples[e["step"]] = [x for r in by_rank.values()
                                     for x in r.get(e["step"], {}).get("samples", [])]
+
+
+def _count_loop(stats: RunStats, att: Attempt, kept: list[dict[str, Any]]) -> None:
+    """Add an attempt's kept steps, split the library's way, to ``stats`` (rank 0)."""
+    prev = _loop_start(att, kept)
+    # The restart (or start-up) runs to the first batch in hand, ``tf``; its fetch is
+    # counted apart (``first_batches``).
+    stats.pre_loop += kept[0]["tf"] - kept[0]["fetch"] - prev
+    saved = 0.0
+    for e in kept:
+        stats.loop_compute += e["tc"] - prev - e["fetch"] - saved
+        saved = e["save"][1] - e["save"][0] if e["save"] else 0.0
+        prev = e["tc"]
+
+
+def _loop_start(att: Attempt, steps: list[dict[str, Any]]) -> float:
+    """Where an attempt's training begins on rank 0: its restore's end (else its first
+    step's start)."""
+    restored = att.of("restored")
+    return float(restored[0]["t1"]) if restored else float(steps[0]["t0"])
 
 
 def _count_end(stats: RunStats, att: Attempt, launch: float) -> None:
@@ -436,24 +497,13 @@ def _restart_parts(att: Attempt, since: float, requeued: bool = False) -> dict[s
 
 def project(*, blocking: float, in_flight: float, restart: float, overhead: float,
             failures_per_day: float) -> tuple[float, float]:
-    """Goodput of a long run at the best checkpoint interval: ``(goodput, interval_s)``.
-
-    Per interval ``T`` (wall seconds of training between saves) a save blocks
-    ``blocking``; a failure (rate ``failures_per_day``) costs the restart plus
-    the work since the last *committed* checkpoint, ``T/2 + in_flight`` on
-    average (a failure while a save is in flight falls back one interval more).
-    ``overhead`` is the other time per unit of compute (input wait, bookkeeping)::
-
-        goodput(T) = (1 - rate * (restart + T/2 + in_flight)) / (1 + overhead + blocking/T)
-    """
-    rate = failures_per_day / DAY_S
-    best = (0.0, 0.0)
-    for i in range(0, 2001):
-        t = 10 ** (-1 + 6 * i / 2000)  # 0.1 s .. 1e5 s
-        g = (1 - rate * (restart + t / 2 + in_flight)) / (1 + overhead + blocking / t)
-        if g > best[0]:
-            best = (g, t)
-    return best
+    """Goodput of a long run at the best checkpoint interval: ``(goodput, interval_s)``,
+    from the library's goodput model (``dcp_volumes.goodput.GoodputModel``: a save blocks
+    ``blocking`` and commits ``in_flight`` later; a failure costs the restart and the work
+    since the last committed save; ``overhead``: the other time per unit of compute)."""
+    model = GoodputModel(failures_per_day=failures_per_day, restart_s=max(0.0, restart))
+    best = model.best(blocking, blocking + in_flight, overhead=overhead)
+    return best["best_goodput"], best["best_interval_s"]
 
 
 def _mean(xs: list[float]) -> float:
@@ -681,6 +731,8 @@ class Report:
     json_path: str
     plot_path: str | None
     seconds: float
+    #: Per job: the library's goodput figures beside the demo's (``_library.py``).
+    library: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         runs = {}
@@ -692,7 +744,8 @@ class Report:
         return {"ok": self.ok, "checks": [asdict(c) for c in self.checks], "runs": runs,
                 "projections": self.projections, "table": self.table,
                 "command": self.command, "volume": self.volume, "workdir": self.workdir,
-                "json": self.json_path, "plot": self.plot_path, "seconds": self.seconds}
+                "json": self.json_path, "plot": self.plot_path, "seconds": self.seconds,
+                "library": self.library}
 
 
 def _seconds(x: float | None) -> str:
@@ -805,20 +858,61 @@ def command_line(cfg: DemoConfig, volume: str | None = None) -> str:
     return " ".join(parts)
 
 
+def compare_with_library(runs: Mapping[str, RunStats],
+                         library: Mapping[str, GoodputReport]) -> dict[str, Comparison]:
+    """The library's report of each job beside the demo's own figures (``_library.py``)."""
+    out = {}
+    for name, lib in library.items():
+        s = runs.get(name)
+        if s is None or not lib.attempts:
+            continue
+        out[name] = compare(name, lib, demo_figures(
+            wall=s.wall, loop_compute=s.loop_compute, pre_loop=s.pre_loop,
+            blocking=s.blocking, input_wait=s.input_wait, first_batches=s.first_batches,
+            startup=s.startup, restart=s.restart,
+            before_first_process=s.before_first_process, lost=s.lost,
+            lost_pre_loop=s.lost_pre_loop, preempt_tails=s.preempt_tails,
+            between_legs=s.between_legs))
+    return out
+
+
+def library_check(jobs: Mapping[str, JobRecord],
+                  comparisons: Mapping[str, Comparison]) -> Check:
+    """The library's goodput figures of each job that ran it agree with the demo's own
+    (goodput within 1 percentage point, each category within 10% or 0.5 s)."""
+    wanted = [name for name, job in jobs.items() if job.setup == "dcp_volumes"]
+    missing = [name for name in wanted if name not in comparisons]
+    bad = [f"{name}: {'; '.join(c.disagreements)}" for name, c in comparisons.items()
+           if c.disagreements]
+    bad += [f"{name}: no goodput records of the library" for name in missing]
+    agreed = ", ".join(f"{name} {c.goodput[0]:.1%} / {c.goodput[1]:.1%}"
+                       for name, c in comparisons.items())
+    detail = "; ".join(bad) if bad else (
+        f"goodput (library / demo) {agreed}; every category within "
+        f"{CATEGORY_SHARE:.0%} or {CATEGORY_S:g} s")
+    return Check("library", "the library's goodput report agrees with the demo's own figures",
+                 not bad, detail)
+
+
 def build_report(cfg: DemoConfig, jobs: Mapping[str, JobRecord], workdir: str, volume: str,
-                 *, started: float) -> Report:
+                 *, started: float, library: Mapping[str, GoodputReport] | None = None) -> Report:
     """Analyse every job, run the checks, write the JSON and the plot."""
     runs = {name: analyse(job) for name, job in jobs.items()}
     proj = {name: projection(s, cfg) for name, s in runs.items()}
     checks = run_checks(cfg, runs["dcp_volumes"], runs["reference"],
                         jobs["dcp_volumes"].crashes)
-    table = "\n".join([render_table(runs, proj, cfg), "", *restart_lines(runs)]).rstrip()
+    comparisons = compare_with_library(runs, library or {})
+    checks.append(library_check(jobs, comparisons))
+    table = "\n".join([render_table(runs, proj, cfg), "", *restart_lines(runs), "",
+                       render_library(comparisons)]).rstrip()
     plot_path = os.path.join(workdir, "timeline.png")
     from dcp_volumes.demo._plot import plot_timeline  # matplotlib: checked as the demo starts
 
     plot_timeline(jobs, runs, plot_path, title=command_line(cfg, volume))
     json_path = os.path.join(workdir, "report.json")
     report = Report(ok=all(c.ok for c in checks), checks=checks, runs=runs, projections=proj,
+                    library={n: {**c.to_json(), "report": (library or {})[n].to_json()}
+                             for n, c in comparisons.items()},
                     table=table, command=command_line(cfg, volume), volume=volume,
                     workdir=workdir,
                     json_path=json_path, plot_path=plot_path, seconds=time.time() - started)
