@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dcp_volumes import CheckpointManager, DataLoader, VolumeDataset
+from testkit.training import data_parallel_step
 from tests.test_data_support import read_id
 
 OPTS = json.loads(os.environ.get("GOODPUT_TEST", "{}"))
@@ -40,7 +41,7 @@ def slow_read(path: str) -> int:
 def main(data_url: str, root: str, total: int, out_dir: str) -> None:
     launch, attempt = OPTS.get("launch", 0), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     truth = open(os.path.join(out_dir, f"truth-{rank}.jsonl"), "a", buffering=1)  # noqa: SIM115
 
     def record(**fields: object) -> None:
@@ -70,13 +71,7 @@ def main(data_url: str, root: str, total: int, out_dir: str) -> None:
                 continue
             got = time.time()
             step += 1
-            loss = (model(ids.float().unsqueeze(1)) ** 2).mean()
-            optim.zero_grad()
-            loss.backward()
-            for p in model.parameters():  # data parallel by hand
-                dist.all_reduce(p.grad)
-                p.grad /= world
-            optim.step()
+            data_parallel_step(model, optim, ids)
             time.sleep(OPTS.get("step_s", 0.0))
             done = time.time()
             if preempt == [launch, step] and rank == 0:

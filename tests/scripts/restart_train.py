@@ -31,13 +31,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dcp_volumes import CheckpointManager, DataLoader, VolumeDataset  # noqa: E402
+from testkit.training import data_parallel_step  # noqa: E402
 from tests.test_data_support import read_id  # noqa: E402
 
 
 def main(data_url: str, root: str, total: int, out_dir: str) -> None:
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     log = open(os.path.join(out_dir, f"rank-{rank}.jsonl"), "a", buffering=1)  # noqa: SIM115
 
     def record(**fields: object) -> None:
@@ -71,13 +72,7 @@ def main(data_url: str, root: str, total: int, out_dir: str) -> None:
                 continue
             step += 1
             record(step=step, ids=ids.tolist())
-            loss = (model(ids.float().unsqueeze(1)) ** 2).mean()
-            optim.zero_grad()
-            loss.backward()
-            for p in model.parameters():  # data parallel by hand
-                dist.all_reduce(p.grad)
-                p.grad /= world
-            optim.step()
+            data_parallel_step(model, optim, ids)
             if step % 3 == 0:
                 mgr.save(step, state)
             if kill == [rank, step]:
