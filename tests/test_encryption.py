@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from dcp_volumes import (
     CheckpointCorruptError,
@@ -133,7 +134,8 @@ def _save_sharded(rank: int, world: int, plain: str, sealed: str) -> None:
     dcp.save(state, storage_writer=VolumeWriter(sealed, encryption=Encryption(key=KEY, key_id="k")))
 
 
-def test_two_ranks_save_a_resharded_load_reads_at_most_a_few_frames_more(tmp_path: Path) -> None:
+def test_two_ranks_save_a_resharded_load_reads_at_most_a_few_frames_more(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     plain, sealed = str(tmp_path / "plain"), str(tmp_path / "sealed")
     run_ranks(_save_sharded, 2, plain, sealed)
     full = torch.arange(2 * FRAME_SIZE, dtype=torch.float32).reshape(1024, -1)
@@ -153,6 +155,7 @@ def test_two_ranks_save_a_resharded_load_reads_at_most_a_few_frames_more(tmp_pat
     assert sealed_whole <= plain_whole * 1.02
     # Two items a rank: a header and a tag per frame beyond the plain bytes, no more.
     assert sealed_part - plain_part <= 4 * (2**20 + 64)
+    _check_direct_decryption(sealed, monkeypatch)
 
 
 def test_key_rotation_reads_both_and_refuses_a_key_it_lacks(tmp_path: Path) -> None:
@@ -248,6 +251,22 @@ def test_each_kind_of_tampering_fails_authentication() -> None:
         with pytest.raises(CheckpointTamperedError, match="authentication failed"):
             _open(enc, bad, desc)
         assert kind
+    # A tensor's place in the plaintext (what the direct path decrypts into the target by)
+    # is bound into the final frame: an altered tensor field in .metadata is refused.
+    ext = EncryptedStreams(enc)
+    buf = io.BytesIO()
+    tensor = torch.arange(3 * FRAME_SIZE // 8 + 5, dtype=torch.float64)
+    with ext.transform_to(buf) as w:
+        w.expect_tensor(tensor)  # type: ignore[attr-defined]
+        torch.save(tensor, w)
+    tdesc = w.descriptor  # type: ignore[attr-defined]
+    assert ";tensor=" in tdesc and tdesc.startswith("dcp_volumes.aes256gcm/2;")
+    assert torch.equal(torch.load(io.BytesIO(_open(enc, buf.getvalue(), tdesc))), tensor)
+    at = int(tdesc.rpartition("tensor=")[2].split(":")[0])
+    for bad_desc in (tdesc.replace(f"tensor={at}:", f"tensor={at + 8}:"),
+                     tdesc.replace(":float64:", ":int64:"), tdesc.rpartition(";")[0]):
+        with pytest.raises(CheckpointTamperedError, match="authentication failed"):
+            _open(enc, buf.getvalue(), bad_desc)
     # A whole item swapped for another (same length) does not match its .metadata entry.
     with pytest.raises(CheckpointTamperedError):
         _open(enc, other, desc)
@@ -353,3 +372,53 @@ def test_cli_inspect_and_verify_say_encrypted_and_authenticate_given_the_key(
     assert wrong.returncode == 1 and "is not the key" in wrong.stdout, wrong
     for result in (shown, plain, given, wrong):
         assert not any(t in result.stdout + result.stderr for t in _key_texts(KEY, OLD_KEY))
+
+
+def _count_direct(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Spy: the sizes of the targets decrypted straight into (``decrypt_tensor_into``)."""
+    done: list[int] = []
+    real = EncryptedStreams.decrypt_tensor_into
+
+    def spy(self: EncryptedStreams, stream: Any, target: memoryview) -> bool:
+        ok = real(self, stream, target)
+        if ok:
+            done.append(len(target))
+        return ok
+
+    monkeypatch.setattr(EncryptedStreams, "decrypt_tensor_into", spy)
+    return done
+
+
+def _check_direct_decryption(sealed: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors decrypt straight into their targets, resharded too; partial loads and other
+    dtypes go the whole way; a flipped byte on the direct path is refused."""
+    enc = Encryption(key=KEY, key_id="k")
+    full = torch.arange(2 * FRAME_SIZE, dtype=torch.float32).reshape(1024, -1)
+    direct = _count_direct(monkeypatch)
+    # Resharded: both ranks' row shards land in one process's full tensor, each decrypted
+    # straight into its rows.
+    out = {"w": torch.zeros_like(full), "b": torch.zeros(10)}
+    dcp.load(out, storage_reader=VolumeReader(sealed, encryption=enc))
+    assert torch.equal(out["w"], full) and torch.equal(out["b"], torch.arange(10.0))
+    assert sorted(direct) == [40, 4 * FRAME_SIZE, 4 * FRAME_SIZE]
+    # Partial ("b" not asked for) into another dtype: decrypted whole, then converted.
+    direct.clear()
+    part = {"w": torch.zeros(full.shape, dtype=torch.float64)}
+    dcp.load(part, storage_reader=VolumeReader(sealed, encryption=enc),
+             planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert torch.equal(part["w"], full.double()) and direct == []
+    # The stock reader with the extension loads the same bytes.
+    out = {"w": torch.zeros_like(full), "b": torch.zeros(10)}
+    stock = FileSystemReader(sealed, _extension_registry=enc.extension_registry())
+    dcp.load(out, storage_reader=stock)
+    assert torch.equal(out["w"], full)
+    # A flipped byte inside a tensor's data, read on the direct path: refused.
+    data_file = next(Path(sealed).glob("__1_*.distcp"))
+    blob = bytearray(data_file.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    data_file.write_bytes(blob)
+    direct.clear()
+    with pytest.raises(BaseException) as info:
+        dcp.load({"w": torch.zeros_like(full)}, storage_reader=VolumeReader(sealed, encryption=enc))
+    err = failure_of(info.value)
+    assert isinstance(err, CheckpointTamperedError) and data_file.name in str(err), err

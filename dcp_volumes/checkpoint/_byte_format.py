@@ -286,20 +286,29 @@ def write_item(
     descriptors: list[str] = []
     if transforms is not None:
         out, descriptors = transforms.transform_save_stream(item, cast(io.IOBase, file))
+    # An encrypting stream notes where a tensor's data lies in its plaintext, so that a
+    # reader can decrypt it straight into the target (``_encryption_stream``).
+    sealed: Any = out if descriptors and hasattr(out, "expect_tensor") else None
     if isinstance(data, io.BytesIO):
         out.write(data.getbuffer())
-    elif not descriptors and (frame := _frame_of(data)) is not None:
+    elif (not descriptors or sealed is not None) and (frame := _frame_of(data)) is not None:
         # torch.save's bytes without running it: its calls cost more than a small
         # tensor's data. A view's storage may be larger: only its own bytes are written.
-        file.write_framed(frame.head, frame.data_of(data), frame.tail)
+        if sealed is not None:
+            sealed.expect_tensor(data)
+        cast(Any, sealed or file).write_framed(frame.head, frame.data_of(data), frame.tail)
     else:
         # torch.save streams each storage as a memoryview: no copy in RAM.
         tensor = plain_cpu_tensor(data)
         if not descriptors:  # only untransformed data lies in the file as it is in memory
             file.expect_tensor(tensor)
+        elif sealed is not None:
+            sealed.expect_tensor(tensor)
         torch.save(tensor, out)
         del tensor
     if transforms is not None:
         out.close()  # ends the transform (a compressor's last frame); the file stays open
+    if sealed is not None:
+        descriptors = [sealed.descriptor]  # as it was, or with where the tensor's data lies
     # As stock: no descriptors field at all for an item without transforms.
     return descriptors or None

@@ -17,6 +17,14 @@ The item's descriptor in ``.metadata``
 stream id, so swapping two whole items' bytes is refused too. The key check
 (an HMAC of a constant) tells "wrong key" from "altered bytes".
 
+A contiguous tensor's item written by ``VolumeWriter`` also records where its
+data lies in the plaintext, with its dtype and shape (version 2:
+``...;tensor=OFFSET:NBYTES:DTYPE:SHAPE``), and binds that field into the final
+frame's associated data: ``VolumeReader`` then decrypts the data frames
+straight into the target tensor (no ``torch.load``, no buffer), and an altered
+field fails authentication like an altered frame. Stock readers given the
+extension decrypt the item whole and ``torch.load`` it as before.
+
 Compression composes inside one extension (compress, then encrypt): torch's
 readers undo a chain of extensions in the wrong order, so a chain could not be
 read back by them.
@@ -27,18 +35,25 @@ from __future__ import annotations
 import io
 import os
 import struct
+import sys
 import threading
 from typing import IO, Any, ClassVar, cast
 
+import numpy as np
+
 from dcp_volumes._exceptions import CheckpointTamperedError, EncryptionKeyError
+from dcp_volumes._streams import MemoryReader
 from dcp_volumes._torch.checkpoint import ExtensionRegistry, StreamTransformExtension
 from dcp_volumes.checkpoint._compression import ZstdCompression
 from dcp_volumes.checkpoint._encryption import Encryption, key_check, require_cipher
 
-__all__ = ["REGISTRY_NAME", "EncryptedStreams", "describe", "registry_for"]
+__all__ = ["REGISTRY_NAME", "EncryptedStreams", "describe", "registry_for", "tensor_field"]
 
 REGISTRY_NAME = "dcp_volumes.aes256gcm"
 FORMAT_VERSION = "1"
+# Items whose final frame binds where the tensor's data lies (the descriptor's tensor=).
+TENSOR_FORMAT_VERSION = "2"
+_READABLE_VERSIONS = frozenset({FORMAT_VERSION, TENSOR_FORMAT_VERSION})
 MAGIC = b"DCPVENC1"
 FRAME_SIZE = 1 << 20
 NONCE_BYTES = 12
@@ -83,24 +98,53 @@ def _parse_version(version: str) -> dict[str, str]:
 
 class _FrameWriter(io.RawIOBase):
     """Encrypts what is written to it into ``output``, frame by frame; ``close`` writes the
-    final frame (possibly empty) and leaves ``output`` open."""
+    final frame (possibly empty) and leaves ``output`` open.
 
-    def __init__(self, cipher: Any, header: bytes, output: IO[bytes]) -> None:
+    A tensor announced with ``expect_tensor`` (or written with ``write_framed``) has its
+    data's place in the plaintext noted: ``close`` binds it, with the dtype and shape,
+    into the final frame's associated data, and ``descriptor`` records it, so that a
+    reader may decrypt the data straight into its target tensor.
+    """
+
+    def __init__(self, cipher: Any, header: bytes, output: IO[bytes], descriptor: str) -> None:
         super().__init__()
         self._cipher = cipher
         self._header = header
         self._out = output
         self._buf = bytearray()
         self._index = 0
+        self._pos = 0  # plaintext bytes written so far
         self._sealed: bytearray | None = None  # reused for whole frames' ciphertext
+        self._expected: tuple[int, int, str] | None = None  # address, nbytes, dtype:shape
+        self._tensor: str | None = None  # the tensor field, once its data went by
+        self.descriptor = descriptor
         output.write(header)
 
     def writable(self) -> bool:
         return True
 
+    def expect_tensor(self, tensor: Any) -> None:
+        """The item is ``tensor`` (as ``torch.save`` writes it): note where its data lands."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self._expected = None
+        if nbytes and tensor.is_contiguous() and sys.byteorder == "little":
+            self._expected = (tensor.data_ptr(), nbytes, _tensor_kind(tensor.dtype, tensor.shape))
+
+    def write_framed(self, head: bytes, data: memoryview, tail: bytes) -> None:
+        """One contiguous tensor item as ``torch.save`` lays it out (``_byte_format._Frame``)."""
+        self.write(head)
+        self._note(data.nbytes, self._expected[2] if self._expected else None)
+        self.write(data)
+        self.write(tail)
+
+    def _note(self, nbytes: int, kind: str | None) -> None:
+        self._expected = None
+        if kind is not None and self._tensor is None:
+            self._tensor = f"{self._pos}:{nbytes}:{kind}"
+
     def _emit(self, data: Any, final: bool) -> None:
         nonce = os.urandom(NONCE_BYTES)
-        aad = self._header + _FRAME_AAD.pack(self._index, final)
+        aad = _frame_aad(self._header, self._index, final, self._tensor)
         self._out.write(nonce)
         if len(data) < FRAME_SIZE:  # a small item's only frame: no buffer to keep
             self._out.write(self._cipher.encrypt(nonce, data, aad))
@@ -115,11 +159,15 @@ class _FrameWriter(io.RawIOBase):
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         n = len(view)
+        expected = self._expected
+        if expected is not None and n == expected[1] and _address(view) == expected[0]:
+            self._note(n, expected[2])
         if self._buf:
             take = min(FRAME_SIZE - len(self._buf), len(view))
             self._buf += view[:take]
             view = view[take:]
             if not view:  # a full buffer may still be the final frame: hold it
+                self._pos += n
                 return n
             self._emit(self._buf, final=False)
             self._buf = bytearray()
@@ -128,16 +176,56 @@ class _FrameWriter(io.RawIOBase):
             self._emit(view[:FRAME_SIZE], final=False)
             view = view[FRAME_SIZE:]
         self._buf += view
+        self._pos += n
         return n
 
     def close(self) -> None:
         if not self.closed:
             try:
+                if self._tensor is not None:
+                    # Version 2: the final frame binds the tensor field (older readers
+                    # would fail its authentication, so they are told to upgrade).
+                    rest = self.descriptor.partition(";")[2]
+                    self.descriptor = (f"{REGISTRY_NAME}/{TENSOR_FORMAT_VERSION};{rest}"
+                                       f";tensor={self._tensor}")
                 self._emit(bytes(self._buf), final=True)
                 self._buf = bytearray()
                 self._out.flush()
             finally:
                 super().close()
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+def _tensor_kind(dtype: Any, shape: Any) -> str:
+    """``dtype:shape`` as the tensor field writes it (``float32:4x8``; a scalar: ``float32:``)."""
+    return f"{str(dtype).removeprefix('torch.')}:{'x'.join(str(int(d)) for d in shape)}"
+
+
+def _frame_aad(header: bytes, index: int, final: bool, tensor: str | None) -> bytes:
+    aad = header + _FRAME_AAD.pack(index, final)
+    if final and tensor is not None:
+        aad += b"tensor=" + tensor.encode("ascii")
+    return aad
+
+
+def tensor_field(descriptors: Any) -> tuple[int, int, str, tuple[int, ...]] | None:
+    """Where an encrypted item's plaintext holds its tensor's data, contiguous: (offset,
+    nbytes, dtype name, shape), from its descriptor; None: not recorded (or compressed)."""
+    for desc in descriptors or ():
+        if isinstance(desc, str) and desc.startswith(REGISTRY_NAME + "/"):
+            fields = _parse_version(desc.partition("/")[2])
+            if "zstd" in fields or "tensor" not in fields:
+                return None
+            try:
+                at, nbytes, dtype, shape = fields["tensor"].split(":")
+                dims = tuple(int(d) for d in shape.split("x")) if shape else ()
+                return int(at), int(nbytes), dtype, dims
+            except ValueError:
+                return None
+    return None
 
 
 class _Compressed(io.RawIOBase):
@@ -199,7 +287,7 @@ class EncryptedStreams(StreamTransformExtension):
     def from_descriptor(cls, version: str) -> EncryptedStreams:
         """The decrypter for one item's descriptor (its key id, stream id, compression)."""
         fields = _parse_version(version)
-        if fields["version"].partition(".")[0] != FORMAT_VERSION:
+        if fields["version"].partition(".")[0] not in _READABLE_VERSIONS:
             raise ValueError(
                 f"Unknown {REGISTRY_NAME} version {fields['version']!r}: this checkpoint was "
                 "written by a newer dcp_volumes; upgrade it to read the checkpoint."
@@ -239,8 +327,9 @@ class EncryptedStreams(StreamTransformExtension):
         key_id = enc.key_id.encode()
         header = _FIXED.pack(MAGIC, _ZSTD_FLAG if zstd else 0, FRAME_SIZE, key_check(enc.key),
                              stream_id, len(key_id)) + key_id
-        frames = _FrameWriter(require_cipher()(enc.key), header, output)
-        _WRITING.descriptor = _descriptor(enc.key_id, stream_id, zstd)
+        descriptor = _descriptor(enc.key_id, stream_id, zstd)
+        frames = _FrameWriter(require_cipher()(enc.key), header, output, descriptor)
+        _WRITING.descriptor = descriptor
         if self._compression is None:
             return cast(IO[bytes], frames)
         compressor = self._compression.transform_to(cast(IO[bytes], frames))
@@ -248,15 +337,27 @@ class EncryptedStreams(StreamTransformExtension):
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
         """``input`` (one stored item) authenticated, decrypted (and decompressed) into memory."""
-        # An item already in memory (fetched bytes, a BytesIO) is read in place.
-        whole = getattr(input, "getbuffer", None)
-        data = memoryview(whole()) if callable(whole) else memoryview(input.read())
-        plain = self._decrypt(data)
+        plain = MemoryReader(self._decrypt(_whole(input)))
         if self._compression is not None:
-            return self._compression.transform_from(plain)
-        return plain
+            return self._compression.transform_from(cast(IO[bytes], plain))
+        return cast(IO[bytes], plain)
 
-    def _decrypt(self, data: memoryview) -> io.BytesIO:
+    def decrypt_tensor_into(self, input: IO[bytes], target: memoryview) -> bool:
+        """Decrypt the item's tensor data straight into ``target`` (the bytes of a contiguous
+        tensor of the dtype and shape its descriptor's tensor field names); False: the item
+        has no such field (or ``target`` does not fit it), nothing was read."""
+        field = self._expected.get("tensor")
+        found = tensor_field([f"{REGISTRY_NAME}/x;tensor={field}"]) if field else None
+        if found is None or self._compression is not None or found[1] != len(target):
+            return False
+        self._decrypt(_whole(input), into=(found[0], target))
+        return True
+
+    def _decrypt(
+        self, data: memoryview, into: tuple[int, memoryview] | None = None
+    ) -> memoryview:
+        """The plaintext of ``data``; with ``into`` (offset, view): the plaintext bytes from
+        that offset land in the view instead (the rest in a scratch frame), nothing returned."""
         if len(data) < _FIXED.size or bytes(data[:8]) != MAGIC:
             raise _tampered("its encryption header is missing or damaged")
         _, flags, frame_size, check, stream_id, id_len = _FIXED.unpack_from(data)
@@ -281,15 +382,12 @@ class EncryptedStreams(StreamTransformExtension):
         body = data[header_end:]
         record = frame_size + _FRAME_OVERHEAD
         count = max(1, -(-len(body) // record))
-        # The plaintext is decrypted straight into the stream handed on (no copy after).
         total = max(0, len(body) - count * _FRAME_OVERHEAD)
-        plain = io.BytesIO()
-        if total:
-            plain.seek(total - 1)
-            plain.write(b"\0")
-            plain.seek(0)
-        out = plain.getbuffer()
+        # Uninitialised: every byte is decrypted into it (zero-filling costs a copy's time).
+        out = memoryview(np.empty(0 if into else total, dtype=np.uint8))  # type: ignore[arg-type]
+        scratch: memoryview | None = None
         wrong_check = check != key_check(key)
+        tensor = want.get("tensor")  # bound into the final frame by who wrote it
         from cryptography.exceptions import InvalidTag
 
         for i in range(count):
@@ -298,10 +396,19 @@ class EncryptedStreams(StreamTransformExtension):
             if len(frame) < _FRAME_OVERHEAD:
                 raise _tampered("it is truncated")
             size = len(frame) - _FRAME_OVERHEAD
+            pos = i * frame_size
+            edge = False
+            if into is None:
+                dest = out[pos:pos + size]
+            elif into[0] <= pos and pos + size <= into[0] + len(into[1]):
+                dest = into[1][pos - into[0]:pos - into[0] + size]  # wholly the tensor's data
+            else:
+                if scratch is None:
+                    scratch = memoryview(np.empty(frame_size, dtype=np.uint8))  # type: ignore[arg-type]
+                dest, edge = scratch[:size], True
             try:
                 cipher.decrypt_into(frame[:NONCE_BYTES], frame[NONCE_BYTES:],
-                                    header + _FRAME_AAD.pack(i, final),
-                                    out[i * frame_size:i * frame_size + size])
+                                    _frame_aad(header, i, final, tensor), dest)
             except InvalidTag:
                 if wrong_check:
                     raise EncryptionKeyError(
@@ -310,10 +417,23 @@ class EncryptedStreams(StreamTransformExtension):
                     ) from None
                 raise _tampered(f"authentication of frame {i} of {count} failed") from None
             wrong_check = False  # a frame opened: the key is right, the header was altered
-        out.release()  # the stream may be read (and resized) again
+            if into is not None and edge:
+                # The part of a head, tail or edge frame that is the tensor's data.
+                lo = max(pos, into[0])
+                hi = min(pos + size, into[0] + len(into[1]))
+                if lo < hi:
+                    into[1][lo - into[0]:hi - into[0]] = dest[lo - pos:hi - pos]
         if check != key_check(key):
             raise _tampered("its key check was altered")
-        return plain
+        if into is not None and total < into[0] + len(into[1]):
+            raise _tampered("it ends before its tensor's data")
+        return out
+
+
+def _whole(input: IO[bytes]) -> memoryview:
+    """One stored item's bytes: an item already in memory (fetched bytes, a BytesIO) in place."""
+    whole = getattr(input, "getbuffer", None)
+    return memoryview(whole()) if callable(whole) else memoryview(input.read())
 
 
 def _tampered(why: str) -> CheckpointTamperedError:

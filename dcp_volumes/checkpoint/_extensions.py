@@ -22,6 +22,7 @@ from typing import IO, Any
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_volumes._exceptions import CheckpointCorruptError, ConfigurationError, EncryptionError
+from dcp_volumes._streams import MemoryReader
 from dcp_volumes._torch.checkpoint import (
     ExtensionRegistry,
     SerializationFormat,
@@ -148,31 +149,13 @@ class ReaderTransforms:
         built raises ``ConfigurationError``; one that fails on the bytes,
         ``CheckpointCorruptError``.
         """
-        if ExtensionRegistry is None:  # pragma: no cover - torch < 2.7
-            raise CheckpointCorruptError(
-                f"{req.storage_index.fqn} in {where} was saved with stream transforms "
-                f"{list(descriptors)} that this torch cannot undo; load with torch >= 2.7."
-            )
-        registry: Any = (
-            self.registry if self.registry is not None else default_registry(self.encryption)
-        )
-        try:
-            extensions = registry.from_descriptor_list(descriptors)
-        except EncryptionError as exc:
-            raise type(exc)(f"{req.storage_index.fqn} in {where}: {exc}") from exc
-        except ValueError as exc:  # torch's registry: an unknown or unusable extension
-            raise ConfigurationError(
-                f"{req.storage_index.fqn} in {where} was saved with stream transforms "
-                f"{list(descriptors)} that cannot be undone here ({exc}). Fix: pass "
-                "VolumeReader(_extension_registry=...) with the extension registered, or "
-                "install its library (zstd: pip install 'dcp_volumes[zstd]')."
-            ) from exc
+        extensions = self._extensions(req, descriptors, where)
         try:
             # In the order torch's FileSystemReader applies them (stock's format).
             for ext in extensions:
                 if isinstance(ext, StreamTransformExtension):
                     stream = ext.transform_from(stream)
-            if isinstance(stream, io.BytesIO) and stream.tell() == 0:
+            if isinstance(stream, (io.BytesIO, MemoryReader)) and stream.tell() == 0:
                 return stream  # already in memory (our decoders' result): no copy
             return io.BytesIO(stream.read())
         except EncryptionError as exc:
@@ -183,6 +166,42 @@ class ReaderTransforms:
                 f"transforms {list(descriptors)} ({type(exc).__name__}: {exc}). The file is "
                 "damaged; load with verify=True to check it, or load an older checkpoint."
             ) from exc
+
+    def _extensions(self, req: ReadItem, descriptors: Sequence[str], where: str) -> list[Any]:
+        """The extensions that undo ``descriptors`` (errors name the item and file)."""
+        if ExtensionRegistry is None:  # pragma: no cover - torch < 2.7
+            raise CheckpointCorruptError(
+                f"{req.storage_index.fqn} in {where} was saved with stream transforms "
+                f"{list(descriptors)} that this torch cannot undo; load with torch >= 2.7."
+            )
+        registry: Any = (
+            self.registry if self.registry is not None else default_registry(self.encryption)
+        )
+        try:
+            return list(registry.from_descriptor_list(descriptors))
+        except EncryptionError as exc:
+            raise type(exc)(f"{req.storage_index.fqn} in {where}: {exc}") from exc
+        except ValueError as exc:  # torch's registry: an unknown or unusable extension
+            raise ConfigurationError(
+                f"{req.storage_index.fqn} in {where} was saved with stream transforms "
+                f"{list(descriptors)} that cannot be undone here ({exc}). Fix: pass "
+                "VolumeReader(_extension_registry=...) with the extension registered, or "
+                "install its library (zstd: pip install 'dcp_volumes[zstd]')."
+            ) from exc
+
+    def decrypt_into(
+        self, req: ReadItem, descriptors: Sequence[str], stream: IO[bytes], target: memoryview,
+        where: str,
+    ) -> bool:
+        """Decrypt an encrypted tensor item's data straight into ``target`` (its contiguous
+        bytes); False: not such an item (undo it with ``untransform``), nothing was read."""
+        extensions = self._extensions(req, descriptors, where)
+        if len(extensions) != 1 or not hasattr(extensions[0], "decrypt_tensor_into"):
+            return False
+        try:
+            return bool(extensions[0].decrypt_tensor_into(stream, target))
+        except EncryptionError as exc:
+            raise type(exc)(f"{req.storage_index.fqn} in {where}: {exc}") from exc
 
 
 def check_serialization_format(fmt: Any) -> None:

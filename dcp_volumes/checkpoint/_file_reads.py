@@ -43,6 +43,7 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._streams import FileSlice, MemoryReader
 from dcp_volumes._torch.checkpoint import load_tensor_in_place
 from dcp_volumes._volume import LAG_TOTAL_S, Volume, despite_lag, redact_url
+from dcp_volumes.checkpoint._encryption_stream import tensor_field
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, checksum_file
 from dcp_volumes.checkpoint._reader_options import DEFAULT_COALESCE_GAP
@@ -75,6 +76,8 @@ class FileRead:
     file: io.FileIO | None = None
     targets: dict[int, torch.Tensor] = field(default_factory=dict)  # req index -> target
     direct: dict[int, tuple[int, memoryview]] = field(default_factory=dict)  # -> data at, bytes
+    # Encrypted items decrypted straight into their target: req index -> the target's bytes.
+    sealed: dict[int, memoryview] = field(default_factory=dict)
     arrival: ThreadFuture[Arrived] | None = None  # the whole file, sent by a source
 
     @classmethod
@@ -207,6 +210,7 @@ class FileRead:
         (no resharding cut, no conversion); the rest are deserialised as usual.
         """
         self.direct = {}
+        self.plan_sealed(planner)
         tensors = self.record.tensors if self.record is not None else {}
         if not tensors:
             return
@@ -238,6 +242,34 @@ class FileRead:
             if array.flags.writeable:
                 self.direct[i] = (data[0], memoryview(array))  # type: ignore[arg-type]
                 taken.add(data[0])
+
+    def plan_sealed(self, planner: LoadPlanner) -> None:
+        """Pick the encrypted tensor items that can be decrypted straight into their target:
+        the writer bound where the data lies in the plaintext, its dtype and shape (the
+        descriptor's tensor field, authenticated with the item); the target must be a
+        contiguous CPU tensor of that dtype and exactly that shape (the whole piece)."""
+        self.sealed = {}
+        for i, (req, info) in enumerate(self.reqs):
+            if req.type != LoadItemType.TENSOR or any(req.storage_offsets):
+                continue
+            found = tensor_field(getattr(info, "transform_descriptors", None))
+            if found is None or tuple(req.lengths) != found[3]:
+                continue
+            target = self.target(planner, i)
+            if (
+                target.device.type != "cpu"
+                or str(target.dtype).removeprefix("torch.") != found[2]
+                or tuple(target.size()) != found[3]
+                or not target.is_contiguous()
+                or target.numel() * target.element_size() != found[1]
+            ):
+                continue
+            try:
+                array = target.reshape(-1).view(torch.uint8).numpy()
+            except (RuntimeError, TypeError):  # e.g. a tensor subclass without plain memory
+                continue
+            if array.flags.writeable:
+                self.sealed[i] = memoryview(array)  # type: ignore[arg-type]
 
     def target(self, planner: LoadPlanner, i: int) -> torch.Tensor:
         """The planner's target tensor for item ``i`` (resolved once per job)."""
@@ -351,9 +383,14 @@ class FileRead:
             view = _slice(self.pieces, starts, bounds, info.offset, info.length)
             return cast(IO[bytes], MemoryReader(view)), view
 
-        def decode(i: int) -> IO[bytes]:
+        def decode(i: int) -> IO[bytes] | None:
+            """Item ``i`` undone into memory; None: decrypted into its target already."""
             req, info = self.reqs[i]
             stream, _ = raw(info)
+            if i in self.sealed and self.transforms.decrypt_into(
+                req, info.transform_descriptors, stream, self.sealed[i], where
+            ):
+                return None
             return self.transforms.untransform(req, info.transform_descriptors, stream, where)
 
         coded = [
@@ -361,7 +398,7 @@ class FileRead:
             for i, (_, info) in enumerate(self.reqs)
             if i not in self.direct and getattr(info, "transform_descriptors", None)
         ]
-        ahead: dict[int, ThreadFuture[IO[bytes]]] = {}
+        ahead: dict[int, ThreadFuture[IO[bytes] | None]] = {}
         try:
             self._deliver(planner, raw, decode, coded, ahead, decoders, where)
         finally:
@@ -372,9 +409,9 @@ class FileRead:
         self,
         planner: LoadPlanner,
         raw: Callable[[Any], tuple[IO[bytes], memoryview | None]],
-        decode: Callable[[int], IO[bytes]],
+        decode: Callable[[int], IO[bytes] | None],
         coded: list[int],
-        ahead: dict[int, ThreadFuture[IO[bytes]]],
+        ahead: dict[int, ThreadFuture[IO[bytes] | None]],
         decoders: Decoders | None,
         where: str,
     ) -> None:
@@ -392,11 +429,17 @@ class FileRead:
                 # A transformed item is undone whole (as stock does), into memory,
                 # by the decoder threads a few items ahead of this one.
                 if decoders is None:
-                    stream = decode(i)
+                    undone = decode(i)
                 else:
                     queued = self._decode_ahead(decoders, decode, coded, queued, ahead)
-                    stream = ahead.pop(i).result()
-                if isinstance(stream, io.BytesIO) and req.type != LoadItemType.BYTE_IO:
+                    undone = ahead.pop(i).result()
+                if undone is None:  # decrypted straight into its target
+                    planner.commit_tensor(req, self.targets[i])
+                    continue
+                stream = undone
+                if isinstance(stream, (io.BytesIO, MemoryReader)) and (
+                    req.type != LoadItemType.BYTE_IO
+                ):
                     view = stream.getbuffer()  # deserialised in place: no copy
             else:
                 stream, view = raw(info)
@@ -417,10 +460,10 @@ class FileRead:
     def _decode_ahead(
         self,
         decoders: Decoders,
-        decode: Callable[[int], IO[bytes]],
+        decode: Callable[[int], IO[bytes] | None],
         coded: list[int],
         queued: int,
-        ahead: dict[int, ThreadFuture[IO[bytes]]],
+        ahead: dict[int, ThreadFuture[IO[bytes] | None]],
     ) -> int:
         """Hand the next transformed items (``coded[queued:]``) to the decoder threads;
         returns how many of ``coded`` are handed over now.
