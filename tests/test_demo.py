@@ -369,27 +369,50 @@ def test_importing_the_demo_package_does_not_import_torch() -> None:
 
 
 def test_the_library_check_holds_the_issues_tolerance() -> None:
-    """goodput within 1 percentage point, each category within 10% or 0.5 s; a job that ran
-    the library without records fails the check."""
+    """goodput within 1 percentage point, each category within 10% or 0.5 s (start-up,
+    restore and restart gaps each on its own); a job that ran the library without records
+    fails the check."""
     from dcp_volumes.demo._launcher import JobRecord
-    from dcp_volumes.demo._library import ROWS, Comparison
+    from dcp_volumes.demo._library import ROWS, Comparison, demo_figures
     from dcp_volumes.demo._report import library_check
 
-    def comparison(goodput: float, compute: float, lost: float) -> Comparison:
-        rows = [(label, 10.0, 10.0) for label, _ in ROWS]
-        rows[0] = (ROWS[0][0], 30.0, compute)
-        rows[4] = (ROWS[4][0], 2.0, lost)
+    labels = [label for label, _ in ROWS]
+    assert [keys for _, keys in ROWS] == [
+        ("compute",), ("checkpoint_blocking",), ("input_wait",), ("startup",), ("restore",),
+        ("restart_gap",), ("lost_work",), ("other",)]
+
+    def comparison(goodput: float = 0.5, **demo: float) -> Comparison:
+        lib = {"compute": 30.0, "lost_work": 2.0, "startup": 4.0, "restore": 3.0,
+               "restart_gap": 5.0}
+        rows = []
+        for label, (key,) in ROWS:
+            rows.append((label, lib.get(key, 10.0), demo.get(key, lib.get(key, 10.0))))
         return Comparison("dcp_volumes", (60.0, 60.0), (0.5, goodput), tuple(rows))
 
     jobs = {"dcp_volumes": JobRecord("dcp_volumes", "dcp_volumes", "", []),
             "naive": JobRecord("naive", "naive", "", [])}
     # 2.9 s apart on 30 s is within 10%; 0.45 s apart on 2 s is within 0.5 s
-    ok = library_check(jobs, {"dcp_volumes": comparison(0.495, 27.1, 2.45)})
+    ok = library_check(jobs, {"dcp_volumes": comparison(0.495, compute=27.1, lost_work=2.45,
+                                                        startup=4.45, restore=2.55,
+                                                        restart_gap=5.45)})
     assert ok.ok, ok.detail
-    for bad, what in ((comparison(0.489, 30.0, 2.0), "goodput"),
-                      (comparison(0.5, 26.9, 2.0), "compute"),
-                      (comparison(0.5, 30.0, 2.6), "work lost")):
+    # start-up and restore each 0.6 s off, the other way: their sum agrees, each does not
+    for bad, what in ((comparison(0.489), "goodput"),
+                      (comparison(compute=26.9), labels[0]),
+                      (comparison(lost_work=2.6), labels[6]),
+                      (comparison(startup=4.6, restore=2.4), labels[3]),
+                      (comparison(startup=4.6, restore=2.4), labels[4]),
+                      (comparison(restart_gap=5.6), labels[5])):
         check = library_check(jobs, {"dcp_volumes": bad})
         assert not check.ok and what in check.detail, check.detail
     missing = library_check(jobs, {})
     assert not missing.ok and "dcp_volumes: no goodput records" in missing.detail
+
+    # the demo's rows: its own spans, each in its row; ``other`` the rest of the window
+    figures = demo_figures(wall=100.0, loop_compute=50.0, blocking=5.0, input_wait=3.0,
+                           first_batches=1.0, pre_restore=6.0, restore=4.0, gaps=8.0,
+                           before_first_process=2.0, lost=7.0, lost_pre_loop=0.5,
+                           preempt_tails=1.5, between_legs=2.5)
+    assert figures == {"wall": 100.5, labels[0]: 50.0, labels[1]: 5.0, labels[2]: 4.0,
+                       labels[3]: 6.0, labels[4]: 4.0, labels[5]: 9.0, labels[6]: 7.5,
+                       labels[7]: 100.5 - 85.5}

@@ -20,11 +20,17 @@ process starts, nor tell the CPU time of a step from its wall time):
   other);
 * ``input_wait`` = input wait + each attempt's first batch (which the demo counts in its
   restart or start-up);
-* ``startup + restore + restart_gap`` = start-up + restarts (which run to each
-  attempt's first batch in hand), less those first batches and each restore's end ->
-  that batch (less its fetch), which the library counts in the first step; less a
-  preempted attempt's last step -> its exit (the library's ``other``: the attempt
-  ends at its last record, where the restart gap begins);
+* ``startup`` = each attempt's process start -> its restore call (the interpreter, the
+  torch import, the process group, the data listing: the demo's restart parts but the
+  restore; with no restore call, -> its first step's start); ``restore`` = each
+  attempt's restore call (around ``CheckpointManager.restore``, whose span the library
+  records); the restore's end -> the first batch in hand, which the demo counts in its
+  restart or start-up, the library counts in the first step (``input_wait`` above,
+  ``compute``);
+* ``restart_gap`` = each restart's kill -> the next attempt's process start (the demo's
+  "torchrun: kill -> new processes"), less a preempted attempt's last step -> its exit
+  (the library's ``other``: the attempt ends at its last record, where the restart gap
+  begins), plus a leg's end -> the next leg's first process start;
 * ``lost_work`` = lost work, plus the restore's end -> first batch of an attempt whose
   every step was lost (its first step, lost, holds it in the library);
 * ``checkpoint_blocking`` as it is; ``other``: the rest.
@@ -47,7 +53,9 @@ ROWS = (
     ("compute (kept steps, wall)", ("compute",)),
     ("checkpoint blocking", ("checkpoint_blocking",)),
     ("input wait (first batches too)", ("input_wait",)),
-    ("start-up, restore, restart gaps", ("startup", "restore", "restart_gap")),
+    ("start-up (process start -> restore)", ("startup",)),
+    ("restore", ("restore",)),
+    ("restart gaps (end -> next process start)", ("restart_gap",)),
     ("work lost and redone", ("lost_work",)),
     ("other (end of job, skew)", ("other",)),
 )
@@ -105,22 +113,23 @@ def compare(name: str, lib: GoodputReport, demo: Mapping[str, float]) -> Compari
                       (lib.goodput, demo[ROWS[0][0]] / wall if wall > 0 else 0.0), rows)
 
 
-def demo_figures(*, wall: float, loop_compute: float, pre_loop: float, blocking: float,
-                 input_wait: float, first_batches: float, startup: float, restart: float,
+def demo_figures(*, wall: float, loop_compute: float, blocking: float, input_wait: float,
+                 first_batches: float, pre_restore: float, restore: float, gaps: float,
                  before_first_process: float, lost: float, lost_pre_loop: float = 0.0,
                  preempt_tails: float = 0.0, between_legs: float = 0.0) -> dict[str, float]:
     """The demo's measurements in the library's rows, over the library's window
     (``other``: what the rows above leave of the wall)."""
     rows = {
-        ROWS[0][0]: loop_compute,
-        ROWS[1][0]: blocking,
-        ROWS[2][0]: input_wait + first_batches,
-        ROWS[3][0]: (startup + restart - before_first_process - first_batches - pre_loop
-                     - lost_pre_loop - preempt_tails + between_legs),
-        ROWS[4][0]: lost + lost_pre_loop,
+        "compute (kept steps, wall)": loop_compute,
+        "checkpoint blocking": blocking,
+        "input wait (first batches too)": input_wait + first_batches,
+        "start-up (process start -> restore)": pre_restore,
+        "restore": restore,
+        "restart gaps (end -> next process start)": gaps - preempt_tails + between_legs,
+        "work lost and redone": lost + lost_pre_loop,
     }
     window = wall - before_first_process + between_legs
-    return {"wall": window, **rows, ROWS[5][0]: window - sum(rows.values())}
+    return {"wall": window, **rows, ROWS[-1][0]: window - sum(rows.values())}
 
 
 def render(comparisons: Mapping[str, Comparison]) -> str:

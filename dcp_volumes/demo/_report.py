@@ -212,11 +212,16 @@ class RunStats:
     before_first_process: float = 0.0
     #: The kept steps as the library splits time, from this demo's own events (rank 0):
     #: from one step's end (or the restore's) to the next, less its input wait and the
-    #: save before it; ``pre_loop``: each attempt's restore -> its first batch in hand,
-    #: less that batch's ``fetch`` (in ``startup``/``restart`` here, in the first kept
-    #: step there).
+    #: save before it.
     loop_compute: float = 0.0
-    pre_loop: float = 0.0
+    #: ``startup`` and ``restart`` here, split the library's way (rank 0, every attempt
+    #: that trained): ``pre_restore``: process start -> the restore call (interpreter,
+    #: torch import, process group, data listing); ``restore_span``: the restore call
+    #: (else process start -> the first step's start); ``gaps``: a kill (or a preempted
+    #: attempt's last step's end, or a leg's launch) -> the next attempt's process start.
+    pre_restore: float = 0.0
+    restore_span: float = 0.0
+    gaps: float = 0.0
     #: The same span of an attempt whose every step was lost (restore -> first batch,
     #: in ``restart`` here): there it is part of a lost step, so lost work.
     lost_pre_loop: float = 0.0
@@ -274,11 +279,18 @@ def analyse(job: JobRecord) -> RunStats:
             if ended:  # the job's planned stop, then its new launch: not in ``wall`` here
                 stats.between_legs += max(0.0, launch - float(ended[0]["t"]))
             stats.startup += first_tf - prev_end
+            if i > 0:  # the launch of a later leg -> its first process start
+                stats.gaps += att.start["t_proc"] - launch
         else:
+            stats.gaps += att.start["t_proc"] - prev_end
             stats.restart += first_tf - prev_end
             stats.crashes[-1].restart_s = first_tf - prev_end
             stats.crashes[-1].restart_parts = _restart_parts(att, prev_end,
                                                              trained[i - 1].preempted)
+        loop_start = _loop_start(att, steps)
+        restore_t0 = float(att.of("restored")[0]["t0"]) if att.of("restored") else loop_start
+        stats.pre_restore += restore_t0 - att.start["t_proc"]
+        stats.restore_span += loop_start - restore_t0
         stats.restores.append((att.restored, sorted(committed), sorted(saved)))
         committed |= {int(e["step"]) for e in att.of("committed")}
         saved |= {int(e["step"]) for e in steps if e["save"]}
@@ -337,9 +349,6 @@ def _count_kept(stats: RunStats, kept: list[dict[str, Any]],
 def _count_loop(stats: RunStats, att: Attempt, kept: list[dict[str, Any]]) -> None:
     """Add an attempt's kept steps, split the library's way, to ``stats`` (rank 0)."""
     prev = _loop_start(att, kept)
-    # The restart (or start-up) runs to the first batch in hand, ``tf``; its fetch is
-    # counted apart (``first_batches``).
-    stats.pre_loop += kept[0]["tf"] - kept[0]["fetch"] - prev
     saved = 0.0
     for e in kept:
         stats.loop_compute += e["tc"] - prev - e["fetch"] - saved
@@ -867,9 +876,9 @@ def compare_with_library(runs: Mapping[str, RunStats],
         if s is None or not lib.attempts:
             continue
         out[name] = compare(name, lib, demo_figures(
-            wall=s.wall, loop_compute=s.loop_compute, pre_loop=s.pre_loop,
-            blocking=s.blocking, input_wait=s.input_wait, first_batches=s.first_batches,
-            startup=s.startup, restart=s.restart,
+            wall=s.wall, loop_compute=s.loop_compute, blocking=s.blocking,
+            input_wait=s.input_wait, first_batches=s.first_batches,
+            pre_restore=s.pre_restore, restore=s.restore_span, gaps=s.gaps,
             before_first_process=s.before_first_process, lost=s.lost,
             lost_pre_loop=s.lost_pre_loop, preempt_tails=s.preempt_tails,
             between_legs=s.between_legs))
