@@ -227,20 +227,10 @@ class FileRead:
             ):
                 continue
             target = self.target(planner, i)
-            if (
-                target.device.type != "cpu"
-                or target.dtype != saved_dtype(req.storage_index.fqn)
-                or tuple(target.size()) != tuple(req.lengths)
-                or not target.is_contiguous()
-                or target.numel() * target.element_size() != data[1]
-            ):
-                continue
-            try:
-                array = target.reshape(-1).view(torch.uint8).numpy()
-            except (RuntimeError, TypeError):  # e.g. a tensor subclass without plain memory
-                continue
-            if array.flags.writeable:
-                self.direct[i] = (data[0], memoryview(array))  # type: ignore[arg-type]
+            view = _memory_of(target, target.dtype == saved_dtype(req.storage_index.fqn),
+                              tuple(req.lengths), data[1])
+            if view is not None:
+                self.direct[i] = (data[0], view)
                 taken.add(data[0])
 
     def plan_sealed(self, planner: LoadPlanner) -> None:
@@ -256,20 +246,10 @@ class FileRead:
             if found is None or tuple(req.lengths) != found[3]:
                 continue
             target = self.target(planner, i)
-            if (
-                target.device.type != "cpu"
-                or str(target.dtype).removeprefix("torch.") != found[2]
-                or tuple(target.size()) != found[3]
-                or not target.is_contiguous()
-                or target.numel() * target.element_size() != found[1]
-            ):
-                continue
-            try:
-                array = target.reshape(-1).view(torch.uint8).numpy()
-            except (RuntimeError, TypeError):  # e.g. a tensor subclass without plain memory
-                continue
-            if array.flags.writeable:
-                self.sealed[i] = memoryview(array)  # type: ignore[arg-type]
+            view = _memory_of(target, str(target.dtype).removeprefix("torch.") == found[2],
+                              found[3], found[1])
+            if view is not None:
+                self.sealed[i] = view
 
     def target(self, planner: LoadPlanner, i: int) -> torch.Tensor:
         """The planner's target tensor for item ``i`` (resolved once per job)."""
@@ -624,3 +604,22 @@ def truncated_file_error(
         f"that .metadata points to (got {got} of {end - start} bytes from "
         f"{start}). The file was truncated; load an older checkpoint."
     )
+
+
+def _memory_of(target: torch.Tensor, dtype_matches: bool, shape: tuple[int, ...],
+               nbytes: int) -> memoryview | None:
+    """``target``'s memory as writable bytes, where the stored piece can land in it whole:
+    a contiguous CPU tensor of the stored dtype, ``shape`` and ``nbytes`` (else None)."""
+    if (
+        target.device.type != "cpu"
+        or not dtype_matches
+        or tuple(target.size()) != tuple(shape)
+        or not target.is_contiguous()
+        or target.numel() * target.element_size() != nbytes
+    ):
+        return None
+    try:
+        array = target.reshape(-1).view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):  # e.g. a tensor subclass without plain memory
+        return None
+    return memoryview(array) if array.flags.writeable else None  # type: ignore[arg-type]
