@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -264,6 +265,37 @@ def test_a_partial_leftover_of_the_same_step_is_replaced(tmp_path: Path) -> None
     Volume(url).publish("step-00000007/__9_9.distcp", b"left by a crashed save")
     with CheckpointManager(url) as mgr:
         mgr.save(7, state_for(7))
+    assert not os.path.exists(os.path.join(url, "step-00000007", "__9_9.distcp"))
+    with CheckpointManager(url) as mgr:
+        step, state = restored(mgr)
+    assert step == 7 and differences(state, state_for(7)) == []
+
+
+def test_a_save_after_the_restore_lists_no_step_directory_while_training_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restore's listing shows which step directories exist: a save into a new one
+    makes no LIST in the blocking path; one into a crashed save's directory still finds
+    and clears its files."""
+    url = str(tmp_path / "run")
+    Volume(url).publish("step-00000007/__9_9.distcp", b"left by a crashed save")
+    listed: list[str] = []
+    original = Volume.list
+
+    def spy(self: Volume, prefix: str = "", **kwargs: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            listed.append(prefix)
+        return original(self, prefix, **kwargs)
+
+    monkeypatch.setattr(Volume, "list", spy)
+    with CheckpointManager(url) as mgr:
+        assert mgr.restore(empty_state()) is None  # nothing complete; step 7 is partial
+        listed.clear()
+        mgr.save(5, state_for(5))
+        assert listed == []  # the save's blocking part: no request to find old files
+        mgr.save(7, state_for(7))
+        assert set(listed) == {"step-00000007"}  # the crashed save's: found, cleared
+        mgr.wait()
     assert not os.path.exists(os.path.join(url, "step-00000007", "__9_9.distcp"))
     with CheckpointManager(url) as mgr:
         step, state = restored(mgr)

@@ -132,28 +132,30 @@ class Coordinator:
         """Rank 0 of the group: it lists, deletes and decides."""
         return self.rank == 0
 
-    def agree(self, what: str, error: BaseException | None) -> None:
+    def agree(self, what: str, error: BaseException | None, *, flag: bool = False) -> bool:
         """Return on every rank if no rank failed; otherwise raise on every rank.
 
         A failed rank raises its own error; the others raise a ``CheckpointError``
-        naming the first failed rank and its error.
+        naming the first failed rank and its error. Returns whether any rank raised
+        ``flag``: a decision one rank made, known to all in the same exchange.
         """
         if not self.distributed:
             if error is not None:
                 raise error
-            return
-        mine = None if error is None else summary(error)
+            return flag
+        mine = (None if error is None else summary(error), flag)
         statuses: list[Any] = [None] * self.world_size
         dist.all_gather_object(statuses, mine, group=self.group)
         if error is not None:
             raise error
-        failed = [(rank, text) for rank, text in enumerate(statuses) if text is not None]
+        failed = [(rank, text) for rank, (text, _) in enumerate(statuses) if text is not None]
         if failed:
             rank, text = failed[0]
             raise CheckpointError(
                 f"Could not {what}: rank {rank} failed ({text}). Every rank stopped before "
                 "writing, so nothing was committed; fix that rank's error and retry."
             )
+        return any(flagged for _, flagged in statuses)
 
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every rank."""

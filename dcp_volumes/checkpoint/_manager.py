@@ -266,6 +266,10 @@ class CheckpointManager:
         self._closed = False
         # Manifests never change once written: read each one once per manager.
         self._manifests: ManifestCache = {}
+        #: The step directories this manager has seen listed or has saved into; None
+        #: before its first listing. A save into one outside it skips the coordinator's
+        #: LIST for a crashed save's files (a request in the blocking path).
+        self._known_dirs: set[str] | None = None
         self._recorder: goodput_recording.Recorder | None = None
         self._live: goodput_recording.LiveView | None = None
         if self.options.goodput:
@@ -297,6 +301,7 @@ class CheckpointManager:
         """All checkpoints under the root, complete or not, oldest first."""
         infos = scan(self._volume, manifests=self._manifests)
         names = {i.name for i in infos}
+        self._known_dirs = (self._known_dirs or set()) | names
         self._manifests = {k: m for k, m in self._manifests.items() if k[0] in names}
         return infos
 
@@ -454,15 +459,15 @@ class CheckpointManager:
             except Exception as exc:
                 error = exc
         what = f"save step {step} to {url}"
-        self._coord.agree(what, error)
-        if clear:
+        if self._coord.agree(what, error, flag=clear):
             # Only once every rank is ready: a failed rank must not cost the old checkpoint.
-            try:
-                logger.warning("removing %s before saving step %d", url, step)
-                delete_checkpoint(self._volume, name)
-            except Exception as exc:
-                error = exc
-        self._coord.agree(what, error)
+            if clear:
+                try:
+                    logger.warning("removing %s before saving step %d", url, step)
+                    delete_checkpoint(self._volume, name)
+                except Exception as exc:
+                    error = exc
+            self._coord.agree(what, error)
         if writer is None:  # unreachable (agree raised); keeps the type checker honest
             raise CheckpointError("internal: no writer")
         no_dist = not self._coord.distributed
@@ -495,6 +500,10 @@ class CheckpointManager:
 
     def _check_target(self, step: int, name: str) -> bool:
         """Coordinator: refuse a committed step (unless overwrite); True if it must be cleared."""
+        known = self._known_dirs
+        if known is not None and name not in known:
+            known.add(name)  # a step directory no listing showed and no save of ours made
+            return False
         files = {f.path for f in self._volume.list(name)}
         # A rank-local checkpoint (its __<rank>.metadata markers) is committed too.
         if any(is_commit_marker(f.rsplit("/", 1)[-1]) for f in files):
