@@ -62,3 +62,32 @@ def test_past_the_bound_the_save_is_abandoned_cleanly(tmp_path: Path) -> None:
     step, w = _restored(root, {}, 64)
     assert step == 6 and torch.equal(w, torch.full((64, 512, 512), 6.0))  # the previous one
     assert not (tmp_path / "run" / "step-00000007" / ".metadata").exists()
+
+
+EXIT_PROBE = """
+import atexit, gc, sys
+# Registered first, so it runs last: after the library's own exit handler.
+atexit.register(lambda: print("frozen objects at exit:", gc.get_freeze_count(), flush=True))
+import torch
+from dcp_volumes import CheckpointManager, DataLoader, VolumeDataset
+if sys.argv[2] == "manager":
+    CheckpointManager(sys.argv[1]).close()
+elif sys.argv[2] == "loader":
+    DataLoader(VolumeDataset(sys.argv[1]), global_batch_size=1)
+"""
+
+
+@pytest.mark.parametrize("built", ["manager", "loader", "nothing"])
+def test_a_job_process_exits_without_the_final_full_collection(
+    built: str, tmp_path: Path
+) -> None:
+    """A process that built the job's manager or loader skips the interpreter's last full
+    collection at exit (what a restart waits for); importing the package alone does not."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.bin").write_bytes(b"x")
+    url = str(tmp_path / ("run" if built == "manager" else "data"))
+    done = subprocess.run([sys.executable, "-c", EXIT_PROBE, url, built],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    frozen = int(done.stdout.rsplit(":", 1)[1])
+    assert (frozen > 0) == (built != "nothing"), done.stdout

@@ -61,6 +61,7 @@ from dcp_volumes._exceptions import (
     VolumeError,
     storage_error,
 )
+from dcp_volumes._prompt_exit import skip_final_collection
 from dcp_volumes._volume import RetryPolicy, Volume
 from dcp_volumes.checkpoint._coordination import Coordinator, Prestaged, summary, typed_errors
 from dcp_volumes.checkpoint._discovery import (
@@ -237,6 +238,7 @@ class CheckpointManager:
         self.staging_dir = os.fspath(staging_dir) if staging_dir is not None else None
         self._coord = Coordinator(process_group)
         self.rank, self.world_size = self._coord.rank, self._coord.world_size
+        skip_final_collection()  # a restart waits for this process's exit
         self._local: LocalTier | None = None
         if self.options.keep_local:
             directory = LocalTier.default_dir(

@@ -34,6 +34,7 @@ import torch.utils.data
 from torch.utils.data import default_collate
 
 from dcp_volumes._exceptions import ConfigurationError, DatasetChangedError
+from dcp_volumes._prompt_exit import skip_final_collection
 from dcp_volumes._torch.data import pin_batch
 from dcp_volumes._volume import choose_fsspec_after_fork
 from dcp_volumes._world import World, available_cpus
@@ -235,6 +236,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         )
         self._log_settings()
         self._start_fork_server_now()
+        skip_final_collection()  # a restart waits for this process's exit
 
     def _log_settings(self) -> None:
         per_rank = int(self.batch_size or 1)

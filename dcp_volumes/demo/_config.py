@@ -20,9 +20,9 @@ from dcp_volumes._world import available_cpus
 #: volume and before ``.metadata`` (the commit marker) is written; ``step``: a rank
 #: dies in the middle of training; ``node``: a node is lost in the middle of training:
 #: its torchrun agent and its ranks are SIGKILLed and its local directory (the
-#: checkpoints' local tier, staging, the input cache) is removed; a replacement node
-#: with an empty disk joins and torchrun's rendezvous brings the job back on the same
-#: world (with ``--shrink`` nothing replaces it: the job comes back on fewer ranks);
+#: checkpoints' local tier, staging, the input cache) is removed; the scheduler requeues
+#: the job on the same world, the lost node replaced by one with an empty disk (with
+#: ``--shrink`` nothing replaces it: torchrun brings the job back on fewer ranks);
 #: ``preempt``: the job is told to
 #: stop, as Kubernetes, SLURM or a spot notice tell it: SIGTERM to every torchrun agent,
 #: which forwards it to its ranks and SIGKILLs them after its grace period

@@ -25,7 +25,8 @@ Where a kill lands inside a save is seen from the library's own log records
 A ``node`` crash is a node loss: the first rank of the node named to die
 SIGKILLs its torchrun agent, the node's other ranks and itself, each rank with
 its process group (its loader workers); the launcher then wipes the node's
-local directory and, unless the job is to shrink, starts a replacement agent.
+local directory and, unless the job is to shrink, requeues the job with a
+replacement node (``_launcher``).
 
 If the library's messages change, the kills do not fire and the report says
 so (a planned crash that never happened fails the demo).

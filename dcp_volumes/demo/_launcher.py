@@ -18,9 +18,13 @@ reads them when the job is done. Nothing here supervises a rank.
 A node loss (a ``node`` crash) is the victim rank's to start: it SIGKILLs its
 torchrun agent and its node's ranks. Here the launcher plays the rest: it
 wipes the node's local directory (its disk: the checkpoints' local tier,
-staging, the input cache) and, unless the job is to shrink, starts a
-replacement agent for that node, which joins the rendezvous, so torchrun
-brings the job back on the same world.
+staging, the input cache). With ``--shrink`` the surviving agents bring the
+job back on fewer ranks by themselves. Otherwise the launcher plays the
+scheduler of a job that lost a node (SLURM's requeue, a Kubernetes JobSet's
+restart): once the surviving ranks have failed, it stops the job's agents and
+starts the job again on the same world, the lost node replaced by one with an
+empty disk. (A new agent that joins agents still running deadlocks torch's
+rendezvous over the shared store: ``docs/checkpoints.md``.)
 
 A preemption is the scheduler's part, played here: once rank 0 has trained
 the planned step, every agent of the job gets SIGTERM (what Kubernetes sends
@@ -68,8 +72,9 @@ PREFIXES = ("train", "ckpt")
 
 #: A job that takes longer than this is stopped (its agents' sessions are killed).
 JOB_TIMEOUT_S = 1800.0
-#: torchrun's opt-out of its shared rendezvous store (see ``needs_fresh_store``).
-FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+#: How long the surviving ranks of a lost node get to fail their next collective
+#: before the scheduler's stop reaches them.
+SURVIVORS_FAIL_S = 20.0
 
 Say = Callable[[str], None]
 
@@ -382,17 +387,6 @@ def _preempt(job: JobRecord, procs: list[subprocess.Popen[bytes]], crash: Crash,
         f"{crash.describe(job.setup)} (sent at step {step})")
 
 
-def needs_fresh_store(cfg: DemoConfig, job: JobRecord) -> bool:
-    """Whether ``job`` runs with torchrun's opt-out of its shared store, for what no
-    library in the ranks can mend: the naive setup's restarts (nothing clears the killed
-    attempt's addresses from the store: ``dcp_volumes._torchrun``), and a replaced node
-    (torch's agents deadlock re-admitting it over the shared store: the new agent waits
-    for the store's address under the new round, which the rank-0 agent publishes only
-    in its first round)."""
-    replaced = not cfg.shrink and any(c.kind == "node" for c in job.crashes)
-    return job.setup == "naive" or replaced
-
-
 def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
             options: Mapping[str, Any], workdir: str, say: Say, progress: bool) -> None:
     """Run ``job``'s legs one after the other under torchrun; raise if one fails.
@@ -402,8 +396,6 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
     os.makedirs(job.run_dir, exist_ok=True)
     base_env = dict(os.environ, DCP_VOLUMES_DEMO_OPTIONS=json.dumps(dict(options)),
                     OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if needs_fresh_store(cfg, job):
-        base_env[FRESH_STORE_ENV] = "1"
 
     monitor = _Progress(job.run_dir, cfg.steps, job.name, say, progress, len(job.crashes))
     # With --shrink the lost node stays lost (its agent's exit code is the kill's).
@@ -437,20 +429,20 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
                         cwd=job.run_dir, stdout=log, stderr=subprocess.STDOUT,
                         start_new_session=True)
 
-            replace = None if cfg.shrink else _NodeReplacer(job, workdir, start, say)
+            losses = None if cfg.shrink else _NodeLosses(job, workdir, say)
             try:
                 for node in range(len(leg.nodes)):
                     procs.append(start(node))
-                preempted = _wait_for_leg(job, i, procs, monitor, preempts, say, replace)
+                requeue = _wait_for_leg(job, i, procs, monitor, preempts, say, losses)
             finally:
                 _stop(procs, job.run_dir)
             job.exits.append(time.time())
             codes = [int(p.returncode) for p in procs]
             job.returncodes.append(codes)
             monitor.poll()
-            if preempted and i not in monitor.ended:
-                # Told to stop (agents that got SIGTERM exit non-zero): the scheduler's
-                # requeue. Whether the ranks stopped cleanly is the report's to check.
+            if requeue and i not in monitor.ended:
+                # Preempted or a node lost (agents that got SIGTERM exit non-zero): the
+                # scheduler's requeue. Whether the ranks stopped cleanly is the report's.
                 queue.insert(0, leg)
                 continue
             failed = [n for n, rc in enumerate(codes) if rc != 0 and n not in lost_nodes]
@@ -464,13 +456,14 @@ def run_job(cfg: DemoConfig, job: JobRecord, legs: list[Leg], root: str,
 
 def _wait_for_leg(job: JobRecord, leg_index: int, procs: list[subprocess.Popen[bytes]],
                   monitor: _Progress, preempts: list[Crash], say: Say,
-                  replace: _NodeReplacer | None = None) -> bool:
+                  losses: _NodeLosses | None = None) -> bool:
     """Wait for a leg's agents to exit, showing progress, sending the leg's planned
-    preemption when its step comes and replacing a lost node (``replace``); returns
-    whether it was preempted."""
+    preemption when its step comes and ending the leg when a node is lost
+    (``losses``); returns whether the scheduler requeues the leg (preempted, or a node
+    lost)."""
     from dcp_volumes.demo._faults import kills_so_far
 
-    losses = any(c.kind == "node" for c in job.crashes) and replace is not None
+    watch_losses = losses is not None and any(c.kind == "node" for c in job.crashes)
     preempted = False
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while any(p.poll() is None for p in procs):
@@ -479,8 +472,8 @@ def _wait_for_leg(job: JobRecord, leg_index: int, procs: list[subprocess.Popen[b
                 f"the {job.name} job did not finish in {JOB_TIMEOUT_S:.0f}s; its "
                 f"logs are in {job.run_dir}")
         monitor.poll()
-        if losses and replace is not None:
-            replace.poll(procs)
+        if watch_losses and losses is not None and losses.lost(procs):
+            return True
         if not preempted and preempts:
             attempt = kills_so_far(job.run_dir)
             crash = next((c for c in preempts if c.index == attempt), None)
@@ -488,30 +481,31 @@ def _wait_for_leg(job: JobRecord, leg_index: int, procs: list[subprocess.Popen[b
             if crash is not None and step >= crash.step:
                 _preempt(job, procs, crash, leg_index, step, say)
                 preempted = True
-        time.sleep(0.05 if preempts or losses else 0.25)
+        time.sleep(0.05 if preempts or watch_losses else 0.25)
     return preempted
 
 
-class _NodeReplacer:
-    """Replaces each node a ``node`` crash took down: its disk wiped, a new agent.
+class _NodeLosses:
+    """Sees each node a ``node`` crash took down, as the scheduler does, and wipes its disk.
 
-    ``poll`` sees the crash's kill marker (the victim writes it before it SIGKILLs
-    its agent and its node's ranks); once that agent is gone and no rank of the node
-    is left, the node's local directory is removed and ``start(node)`` starts the
-    replacement agent in the dead one's place in ``procs``.
+    ``lost`` sees the crash's kill marker (the victim writes it before it SIGKILLs its
+    agent and its node's ranks); once that agent is gone and no rank of the job is left
+    (the survivors fail their next collective), the node's local directory is removed
+    and the leg is to be requeued: its agents stopped, all started again, the lost
+    node's on an empty disk.
     """
 
-    def __init__(self, job: JobRecord, workdir: str,
-                 start: Callable[[int], subprocess.Popen[bytes]], say: Say) -> None:
+    def __init__(self, job: JobRecord, workdir: str, say: Say) -> None:
         from dcp_volumes.demo._faults import kill_marker
 
-        self.job, self.start, self.say = job, start, say
+        self.job, self.say = job, say
         self.local_dir = _local_dir(workdir, job)
-        # Node losses still to come (a requeued leg does not replace one of an earlier leg).
+        # Node losses still to come (a requeued leg does not see one of an earlier leg).
         self.pending = {c.index for c in job.crashes if c.kind == "node"
                         and not os.path.exists(kill_marker(job.run_dir, c.index))}
+        self.since: float | None = None
 
-    def poll(self, procs: list[subprocess.Popen[bytes]]) -> None:
+    def lost(self, procs: list[subprocess.Popen[bytes]]) -> bool:
         from dcp_volumes.demo._faults import kill_marker
 
         for index in sorted(self.pending):
@@ -521,18 +515,19 @@ class _NodeReplacer:
             with open(path) as f:
                 node = int(json.load(f)["node"])
             if procs[node].poll() is None:
-                continue  # the agent is being killed
-            left = _rank_pids(self.job.run_dir, node=node)
-            for pid in left:  # the victim kills them; they may not all be gone yet
+                return False  # the agent is being killed
+            self.since = self.since or time.monotonic()
+            for pid in _rank_pids(self.job.run_dir, node=node):  # the victim kills them
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
-            if left:
-                continue
+            if _rank_pids(self.job.run_dir) and time.monotonic() - self.since < SURVIVORS_FAIL_S:
+                return False
             self.pending.discard(index)
             shutil.rmtree(os.path.join(self.local_dir, f"node-{node}"), ignore_errors=True)
-            procs[node] = self.start(node)
-            self.say(f"  node {node} replaced at {time.strftime('%X')}: its local directory "
-                     "removed, a new torchrun agent (an empty disk) joins the rendezvous")
+            self.say(f"  node {node} lost at {time.strftime('%X')}: the job is stopped and "
+                     f"requeued, node {node} replaced by one with an empty disk")
+            return True
+        return False
 
 
 def _log_tail(run_dir: str, lines: int = 25) -> str:
@@ -653,9 +648,7 @@ def _run_demo(cfg: DemoConfig, say: Say, *, progress: bool, started: float) -> R
                             run_dir=os.path.join(workdir, "runs", name))
             jobs[name] = job
             note = f"{len(planned)} crash(es)" if planned else "no crash"
-            store = ("a fresh rendezvous store per attempt" if needs_fresh_store(cfg, job)
-                     else "torchrun's shared store")
-            say(f"\n== {name}: {setup} setup, {note}, {store}")
+            say(f"\n== {name}: {setup} setup, {note}")
             run_job(cfg, job, legs, root, options, workdir, say, progress)
 
         run("dcp_volumes", "dcp_volumes", crashes, [Leg(cfg.nodes, elastic=elastic)])

@@ -11,7 +11,11 @@
   newest file that loads, falling back past torn ones (a crash in the middle
   of an upload leaves one on a plain directory).
 
-Nothing here uses dcp_volumes: fsspec is what such a job would use.
+Nothing here uses dcp_volumes (fsspec is what such a job would use) but the one mend
+every job restarted under torchrun's defaults needs, which the library's manager makes
+for its jobs: the killed attempt's process-group addresses cleared from torchrun's shared
+store (``dcp_volumes._torchrun``, torch #135712). Without it the naive job's restarts
+would fail in ``init_process_group``, and there would be nothing to compare.
 """
 
 from __future__ import annotations
@@ -90,6 +94,9 @@ class NaiveSetup:
 
     def __init__(self, spec: Mapping[str, Any], options: Mapping[str, Any],
                  injector: CrashInjector, local: str) -> None:
+        from dcp_volumes._torchrun import forget_stale_addresses
+
+        forget_stale_addresses()  # see the module's docstring
         self.spec, self.options, self.injector = spec, dict(options), injector
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         data_fs, data_root = _fs(spec["data_url"], options)

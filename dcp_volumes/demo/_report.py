@@ -135,11 +135,12 @@ def attempts_of(run_dir: str) -> list[Attempt]:
 
 def next_attempt(attempts: list[Attempt], i: int) -> Attempt | None:
     """The attempt that continued ``attempts[i]``'s work: the next one of its leg, or
-    after a preemption the requeued one (the first of the next leg)."""
+    after a crash that ended the leg (a preemption, a node loss) the requeued one (the
+    first of the next leg)."""
     if i + 1 >= len(attempts):
         return None
     att, nxt = attempts[i], attempts[i + 1]
-    return nxt if nxt.leg == att.leg or att.preempted else None
+    return nxt if nxt.leg == att.leg or att.kill is not None else None
 
 
 @dataclass
@@ -580,8 +581,10 @@ def run_checks(cfg: DemoConfig, crashed: RunStats, ref: RunStats,
 def _crashes_check(crashed: RunStats, planned: list[Crash]) -> Check:
     """Every planned fault fired, and torchrun (or the requeue) brought the job back."""
     fired = sorted(int(c.crash.get("index", -1)) for c in crashed.crashes)
-    requeue = ", the scheduler requeued it after a preemption" \
-        if any(c.kind == "preempt" for c in planned) else ""
+    ends = [what for kind, what in (("node", "a node loss"), ("preempt", "a preemption"))
+            if any(c.kind == kind for c in planned)
+            and not (kind == "node" and crashed.world_change is not None)]
+    requeue = f", the scheduler requeued it after {' and '.join(ends)}" if ends else ""
     return Check(
         "crashes", f"every planned crash happened, torchrun restarted the job each time{requeue}",
         fired == [c.index for c in planned],
