@@ -553,11 +553,13 @@ class CheckpointManager:
         self._record_commit(step)
         if self._local is not None:
             self._local.keep_only(name)
-        if self._peers is not None and not (self._watch is not None and self._watch.agreed):
-            # Not a preempted job's last step: the job exits now, and a replica is for a node
-            # lost while it runs (the step is committed on the volume and in the local tier).
+        # A preempted job's last step: the job exits now, within its grace period. A replica
+        # is for a node lost while it runs (the step is committed on the volume and in the
+        # local tier), and the next attempt's first save applies retention.
+        last = self._watch is not None and self._watch.agreed
+        if self._peers is not None and not last:
             self._peers.submit(name)
-        if self.is_coordinator:
+        if self.is_coordinator and not last:
             try:
                 apply_retention(self._volume, keep_last=self.options.keep_last,
                                 protect=[name], manifests=self._manifests,
