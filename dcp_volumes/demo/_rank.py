@@ -268,8 +268,11 @@ def _train_steps(spec: Mapping[str, Any], setup: Setup, state: TrainState,
         injector.after_compute(step)
         saved = None
         if setup.should_save(step) or step == spec["steps"]:  # should_save: every step
+            # The save call itself, as the library's records time it (should_save's
+            # agreement, every step, is the step's).
+            ts = time.time()
             setup.save(step, state)
-            saved = [tc, time.time()]
+            saved = [ts, time.time()]
         events.write("step", step=step, t0=t0, tf=tf, tc=tc, t1=time.time(), fetch=fetch,
                      cpu=cpu, save=saved, samples=list(names),
                      loss=round(float(loss.item()), 5))
