@@ -37,6 +37,7 @@ from dcp_volumes import (
 )
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._encryption_stream import FRAME_SIZE, EncryptedStreams
+from dcp_volumes.checkpoint._extensions import TensorPlacingStream
 from testkit.ranks import run_ranks
 from tests.checkpoint_helpers import assert_same, blank_like, failure_of, stock_reader
 
@@ -257,9 +258,10 @@ def test_each_kind_of_tampering_fails_authentication() -> None:
     buf = io.BytesIO()
     tensor = torch.arange(3 * FRAME_SIZE // 8 + 5, dtype=torch.float64)
     with ext.transform_to(buf) as w:
-        w.expect_tensor(tensor)  # type: ignore[attr-defined]
+        assert isinstance(w, TensorPlacingStream)  # what the writer's byte format asks for
+        w.expect_tensor(tensor)
         torch.save(tensor, w)
-    tdesc = w.descriptor  # type: ignore[attr-defined]
+    tdesc = w.descriptor
     assert ";tensor=" in tdesc and tdesc.startswith("dcp_volumes.aes256gcm/2;")
     assert torch.equal(torch.load(io.BytesIO(_open(enc, buf.getvalue(), tdesc))), tensor)
     at = int(tdesc.rpartition("tensor=")[2].split(":")[0])

@@ -200,6 +200,11 @@ class ReaderTransforms:
         self.encryption = encryption
         self._default: Any | None = None  # default_registry(encryption), built once
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The default registry holds a class made for these keys (not picklable): it is
+        # built again after unpickling.
+        return {**self.__dict__, "_default": None}
+
     def untransform(
         self, req: ReadItem, descriptors: Sequence[str], stream: IO[bytes], where: str
     ) -> IO[bytes]:
