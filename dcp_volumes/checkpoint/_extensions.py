@@ -3,8 +3,8 @@
 ``FileSystemWriter(_extensions=[...])`` passes each item's bytes through the
 extensions' streams and records their descriptors in the item's
 ``_StorageInfo.transform_descriptors``; ``FileSystemReader`` looks the
-descriptors up in an ``ExtensionRegistry`` to undo them. ``VolumeWriter`` and
-``VolumeWriter`` uses torch's own writer-side transforms, and the reader
+descriptors up in an ``ExtensionRegistry`` to undo them. ``VolumeWriter``
+uses torch's own writer-side transforms, and the reader
 undoes them in the order torch's reader does, so the bytes and ``.metadata``
 are stock's, both ways. Torch (2.7+) marks the API experimental;
 on a torch without it, asking for an extension is refused with a message.
