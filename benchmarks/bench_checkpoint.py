@@ -638,7 +638,7 @@ def cipher_throughput(mib: int) -> dict[str, float]:
     target = np.empty(len(data), dtype=np.uint8)
     target[:] = 1  # a target's pages exist already
     t0 = time.process_time()
-    assert reader.decrypt_tensor_into(MemoryReader(stored), memoryview(target))
+    assert reader.decode_tensor_into(MemoryReader(stored), memoryview(target))
     into_s = time.process_time() - t0
     t0 = time.process_time()
     reader.transform_from(MemoryReader(stored))  # decrypted into a new buffer

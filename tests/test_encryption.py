@@ -37,6 +37,7 @@ from dcp_volumes import (
 )
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._encryption_stream import FRAME_SIZE, EncryptedStreams
+from dcp_volumes.checkpoint._extensions import TensorPlacingStream
 from testkit.ranks import run_ranks
 from tests.checkpoint_helpers import assert_same, blank_like, failure_of, stock_reader
 
@@ -257,9 +258,10 @@ def test_each_kind_of_tampering_fails_authentication() -> None:
     buf = io.BytesIO()
     tensor = torch.arange(3 * FRAME_SIZE // 8 + 5, dtype=torch.float64)
     with ext.transform_to(buf) as w:
-        w.expect_tensor(tensor)  # type: ignore[attr-defined]
+        assert isinstance(w, TensorPlacingStream)  # what the writer's byte format asks for
+        w.expect_tensor(tensor)
         torch.save(tensor, w)
-    tdesc = w.descriptor  # type: ignore[attr-defined]
+    tdesc = w.descriptor
     assert ";tensor=" in tdesc and tdesc.startswith("dcp_volumes.aes256gcm/2;")
     assert torch.equal(torch.load(io.BytesIO(_open(enc, buf.getvalue(), tdesc))), tensor)
     at = int(tdesc.rpartition("tensor=")[2].split(":")[0])
@@ -374,18 +376,20 @@ def test_cli_inspect_and_verify_say_encrypted_and_authenticate_given_the_key(
         assert not any(t in result.stdout + result.stderr for t in _key_texts(KEY, OLD_KEY))
 
 
-def _count_direct(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Spy: the sizes of the targets decrypted straight into (``decrypt_tensor_into``)."""
-    done: list[int] = []
-    real = EncryptedStreams.decrypt_tensor_into
+def _spy_direct(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Spy: (size, address) of each target decrypted straight into (``decode_tensor_into``)."""
+    import numpy as np
+
+    done: list[tuple[int, int]] = []
+    real = EncryptedStreams.decode_tensor_into
 
     def spy(self: EncryptedStreams, stream: Any, target: memoryview) -> bool:
         ok = real(self, stream, target)
         if ok:
-            done.append(len(target))
+            done.append((len(target), int(np.frombuffer(target, dtype=np.uint8).ctypes.data)))
         return ok
 
-    monkeypatch.setattr(EncryptedStreams, "decrypt_tensor_into", spy)
+    monkeypatch.setattr(EncryptedStreams, "decode_tensor_into", spy)
     return done
 
 
@@ -394,13 +398,15 @@ def _check_direct_decryption(sealed: str, monkeypatch: pytest.MonkeyPatch) -> No
     dtypes go the whole way; a flipped byte on the direct path is refused."""
     enc = Encryption(key=KEY, key_id="k")
     full = torch.arange(2 * FRAME_SIZE, dtype=torch.float32).reshape(1024, -1)
-    direct = _count_direct(monkeypatch)
+    direct = _spy_direct(monkeypatch)
     # Resharded: both ranks' row shards land in one process's full tensor, each decrypted
-    # straight into its rows.
+    # straight into its rows (the targets' own memory, no buffer between).
     out = {"w": torch.zeros_like(full), "b": torch.zeros(10)}
     dcp.load(out, storage_reader=VolumeReader(sealed, encryption=enc))
     assert torch.equal(out["w"], full) and torch.equal(out["b"], torch.arange(10.0))
-    assert sorted(direct) == [40, 4 * FRAME_SIZE, 4 * FRAME_SIZE]
+    w_at, half = out["w"].data_ptr(), 4 * FRAME_SIZE
+    assert sorted(direct) == sorted([(40, out["b"].data_ptr()), (half, w_at),
+                                     (half, w_at + half)])
     # Partial ("b" not asked for) into another dtype: decrypted whole, then converted.
     direct.clear()
     part = {"w": torch.zeros(full.shape, dtype=torch.float64)}

@@ -8,8 +8,9 @@ import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -35,6 +36,11 @@ from dcp_volumes import (
 )
 from dcp_volumes._volume import Volume
 from dcp_volumes.checkpoint._compression import ZstdCompression
+from dcp_volumes.checkpoint._extensions import (
+    TensorPlacement,
+    TensorPlacingExtension,
+    TensorPlacingStream,
+)
 from dcp_volumes.checkpoint._layout import MANIFEST_NAME, METADATA_NAME
 from dcp_volumes.checkpoint._manifest import Manifest, checksum_bytes
 from tests.checkpoint_helpers import (
@@ -183,6 +189,105 @@ def test_rot13_extension_both_ways(location: tuple[str, dict[str, Any]]) -> None
     for info in _metadata(ours, opts).storage_data.values():
         stored = _stored(ours, opts, info)
         assert stored.startswith(b"pk\x03\x04") and b"PK\x03\x04" not in stored
+
+
+# The addresses of the targets _PlacingCopy decoded straight into.
+_placed: list[int] = []
+
+
+class _PlacingCopy(TensorPlacingExtension, StreamTransformExtension):
+    """Stores each item as it is; its writer notes where a small tensor's data lies
+    (``;OFFSET:NBYTES:DTYPE:SHAPE``): the seam's types alone, nothing of encryption."""
+
+    def __init__(self, field: str = "") -> None:
+        super().__init__()
+        self._field = field
+
+    @staticmethod
+    def registry_name() -> str:
+        return "tests.placing_copy"
+
+    @staticmethod
+    def from_descriptor(version: str) -> _PlacingCopy:
+        return _PlacingCopy(version.partition(";")[2])
+
+    def get_descriptor(self) -> str:
+        return f"{self.registry_name()}/1"
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        return cast(IO[bytes], _PlacingWriter(output, self.get_descriptor()))
+
+    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        return input
+
+    def tensor_placement(self) -> TensorPlacement | None:
+        if not self._field:
+            return None
+        at, nbytes, dtype, shape = self._field.split(":")
+        dims = tuple(int(d) for d in shape.split("x") if d)
+        return TensorPlacement(int(at), int(nbytes), getattr(torch, dtype), dims)
+
+    def decode_tensor_into(self, input: IO[bytes], target: memoryview) -> bool:
+        placement = self.tensor_placement()
+        assert placement is not None
+        target[:] = input.read()[placement.offset:placement.offset + len(target)]
+        _placed.append(int(np.frombuffer(target, dtype=np.uint8).ctypes.data))
+        return True
+
+
+class _PlacingWriter(io.RawIOBase, TensorPlacingStream):
+    def __init__(self, output: IO[bytes], descriptor: str) -> None:
+        super().__init__()
+        self._out, self._pos, self._kind = output, 0, ""
+        self.descriptor = descriptor
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = memoryview(b).nbytes
+        self._out.write(b)
+        self._pos += n
+        return n
+
+    def expect_tensor(self, tensor: torch.Tensor) -> None:
+        shape = "x".join(str(d) for d in tensor.shape)
+        self._kind = f"{str(tensor.dtype).removeprefix('torch.')}:{shape}"
+
+    def write_framed(self, head: bytes, data: memoryview, tail: bytes) -> None:
+        self.write(head)
+        self.descriptor += f";{self._pos}:{data.nbytes}:{self._kind}"
+        self.write(data)
+        self.write(tail)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._out.close()  # torch's wrapper: flushes, leaves the file open
+            super().close()
+
+
+def test_a_transform_that_places_tensors_is_decoded_into_the_targets(tmp_path: Path) -> None:
+    """Any transform of the seam's types, not only encryption: small tensors' data is
+    decoded straight into the targets' memory; a big one (written by torch.save, nothing
+    noted) is undone whole; the stock reader undoes every item whole."""
+    state = {"small": torch.arange(1000, dtype=torch.float32),
+             "ids": torch.arange(64).reshape(8, 8), "big": torch.rand(512 * 1024),
+             "blob": b"abc" * 100}
+    ck = str(tmp_path / "ck")
+    dcp.save(state, storage_writer=VolumeWriter(ck, _extensions=[_PlacingCopy()]))
+    descriptors = {index.fqn: info.transform_descriptors
+                   for index, info in _metadata(ck, {}).storage_data.items()}
+    assert ";" in descriptors["small"][0] and descriptors["big"] == ["tests.placing_copy/1"]
+    registry = ExtensionRegistry()
+    registry.register(_PlacingCopy)
+    _placed.clear()
+    out = _blank(state)
+    dcp.load(out, storage_reader=VolumeReader(ck, _extension_registry=registry))
+    assert_same(out, state)
+    assert sorted(_placed) == sorted([out["small"].data_ptr(), out["ids"].data_ptr()])
+    out = _blank(state)
+    dcp.load(out, storage_reader=FileSystemReader(ck, _extension_registry=registry))
+    assert_same(out, state)
 
 
 def test_volume_reader_loads_stock_compressed_checkpoint(

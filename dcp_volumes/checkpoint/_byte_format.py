@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from dcp_volumes._torch.checkpoint import StreamTransforms
 from dcp_volumes._volume import pieces
+from dcp_volumes.checkpoint._extensions import TensorPlacingStream
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord
 
 # Slack per item on top of the raw tensor bytes (torch.save's zip headers).
@@ -286,29 +287,33 @@ def write_item(
     descriptors: list[str] = []
     if transforms is not None:
         out, descriptors = transforms.transform_save_stream(item, cast(io.IOBase, file))
-    # An encrypting stream notes where a tensor's data lies in its plaintext, so that a
-    # reader can decrypt it straight into the target (``_encryption_stream``).
-    sealed: Any = out if descriptors and hasattr(out, "expect_tensor") else None
+    # A transform that places tensors notes where a tensor's data lies in what it is
+    # given, so that a reader can decode it straight into the target (``_extensions``).
+    placing = out if isinstance(out, TensorPlacingStream) else None
     if isinstance(data, io.BytesIO):
         out.write(data.getbuffer())
-    elif (not descriptors or sealed is not None) and (frame := _frame_of(data)) is not None:
+    elif (not descriptors or placing is not None) and (frame := _frame_of(data)) is not None:
         # torch.save's bytes without running it: its calls cost more than a small
         # tensor's data. A view's storage may be larger: only its own bytes are written.
-        if sealed is not None:
-            sealed.expect_tensor(data)
-        cast(Any, sealed or file).write_framed(frame.head, frame.data_of(data), frame.tail)
+        if placing is not None:
+            placing.expect_tensor(data)
+            placing.write_framed(frame.head, frame.data_of(data), frame.tail)
+        else:
+            file.write_framed(frame.head, frame.data_of(data), frame.tail)
     else:
         # torch.save streams each storage as a memoryview: no copy in RAM.
         tensor = plain_cpu_tensor(data)
         if not descriptors:  # only untransformed data lies in the file as it is in memory
             file.expect_tensor(tensor)
-        elif sealed is not None:
-            sealed.expect_tensor(tensor)
+        elif placing is not None:
+            placing.expect_tensor(tensor)
         torch.save(tensor, out)
         del tensor
     if transforms is not None:
         out.close()  # ends the transform (a compressor's last frame); the file stays open
-    if sealed is not None:
-        descriptors = [sealed.descriptor]  # as it was, or with where the tensor's data lies
+    if placing is not None:
+        # The outermost transform's descriptor comes first: as it was, or with where the
+        # tensor's data lies.
+        descriptors[0] = placing.descriptor
     # As stock: no descriptors field at all for an item without transforms.
     return descriptors or None

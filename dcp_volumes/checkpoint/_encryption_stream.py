@@ -21,9 +21,11 @@ A contiguous tensor's item written by ``VolumeWriter`` also records where its
 data lies in the plaintext, with its dtype and shape (version 2:
 ``...;tensor=OFFSET:NBYTES:DTYPE:SHAPE``), and binds that field into the final
 frame's associated data: ``VolumeReader`` then decrypts the data frames
-straight into the target tensor (no ``torch.load``, no buffer), and an altered
-field fails authentication like an altered frame. Stock readers given the
-extension decrypt the item whole and ``torch.load`` it as before.
+straight into the target tensor (no ``torch.load``, no buffer; the writer's
+stream is a ``TensorPlacingStream``, the reader's extension a
+``TensorPlacingExtension``), and an altered field fails authentication like an
+altered frame. Stock readers given the extension decrypt the item whole and
+``torch.load`` it as before.
 
 Compression composes inside one extension (compress, then encrypt): torch's
 readers undo a chain of extensions in the wrong order, so a chain could not be
@@ -40,14 +42,20 @@ import threading
 from typing import IO, Any, ClassVar, cast
 
 import numpy as np
+import torch
 
 from dcp_volumes._exceptions import CheckpointTamperedError, EncryptionKeyError
 from dcp_volumes._streams import MemoryReader
 from dcp_volumes._torch.checkpoint import ExtensionRegistry, StreamTransformExtension
 from dcp_volumes.checkpoint._compression import ZstdCompression
 from dcp_volumes.checkpoint._encryption import Encryption, key_check, require_cipher
+from dcp_volumes.checkpoint._extensions import (
+    TensorPlacement,
+    TensorPlacingExtension,
+    TensorPlacingStream,
+)
 
-__all__ = ["REGISTRY_NAME", "EncryptedStreams", "describe", "registry_for", "tensor_field"]
+__all__ = ["REGISTRY_NAME", "EncryptedStreams", "describe", "registry_for"]
 
 REGISTRY_NAME = "dcp_volumes.aes256gcm"
 FORMAT_VERSION = "1"
@@ -96,7 +104,7 @@ def _parse_version(version: str) -> dict[str, str]:
     return fields
 
 
-class _FrameWriter(io.RawIOBase):
+class _FrameWriter(io.RawIOBase, TensorPlacingStream):
     """Encrypts what is written to it into ``output``, frame by frame; ``close`` writes the
     final frame (possibly empty) and leaves ``output`` open.
 
@@ -123,7 +131,7 @@ class _FrameWriter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def expect_tensor(self, tensor: Any) -> None:
+    def expect_tensor(self, tensor: torch.Tensor) -> None:
         """The item is ``tensor`` (as ``torch.save`` writes it): note where its data lands."""
         nbytes = tensor.numel() * tensor.element_size()
         self._expected = None
@@ -211,21 +219,21 @@ def _frame_aad(header: bytes, index: int, final: bool, tensor: str | None) -> by
     return aad
 
 
-def tensor_field(descriptors: Any) -> tuple[int, int, str, tuple[int, ...]] | None:
-    """Where an encrypted item's plaintext holds its tensor's data, contiguous: (offset,
-    nbytes, dtype name, shape), from its descriptor; None: not recorded (or compressed)."""
-    for desc in descriptors or ():
-        if isinstance(desc, str) and desc.startswith(REGISTRY_NAME + "/"):
-            fields = _parse_version(desc.partition("/")[2])
-            if "zstd" in fields or "tensor" not in fields:
-                return None
-            try:
-                at, nbytes, dtype, shape = fields["tensor"].split(":")
-                dims = tuple(int(d) for d in shape.split("x")) if shape else ()
-                return int(at), int(nbytes), dtype, dims
-            except ValueError:
-                return None
-    return None
+def _placement(fields: dict[str, str]) -> TensorPlacement | None:
+    """Where an item's plaintext holds its tensor's data, from its descriptor's fields
+    (the tensor field); None: not recorded, unreadable, or compressed."""
+    if "zstd" in fields or "tensor" not in fields:
+        return None
+    try:
+        at, nbytes, dtype_name, shape = fields["tensor"].split(":")
+        offset, size = int(at), int(nbytes)
+        dims = tuple(int(d) for d in shape.split("x")) if shape else ()
+    except ValueError:
+        return None
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        return None  # a dtype this torch lacks: the item is undone whole
+    return TensorPlacement(offset, size, dtype, dims)
 
 
 class _Compressed(io.RawIOBase):
@@ -253,7 +261,8 @@ class _Compressed(io.RawIOBase):
                 super().close()
 
 
-class EncryptedStreams(StreamTransformExtension):
+# The placing side first: on a torch without extensions, StreamTransformExtension is object.
+class EncryptedStreams(TensorPlacingExtension, StreamTransformExtension):
     """AES-256-GCM (after optional zstd) of every checkpoint item, as a DCP extension.
 
     Writers take an instance (``VolumeWriter(encryption=...)`` builds it);
@@ -342,15 +351,19 @@ class EncryptedStreams(StreamTransformExtension):
             return self._compression.transform_from(cast(IO[bytes], plain))
         return cast(IO[bytes], plain)
 
-    def decrypt_tensor_into(self, input: IO[bytes], target: memoryview) -> bool:
+    def tensor_placement(self) -> TensorPlacement | None:
+        """Where this item's plaintext holds its tensor's data (its descriptor's tensor
+        field, bound into its final frame); None: not recorded, or compressed."""
+        return None if self._compression is not None else _placement(self._expected)
+
+    def decode_tensor_into(self, input: IO[bytes], target: memoryview) -> bool:
         """Decrypt the item's tensor data straight into ``target`` (the bytes of a contiguous
         tensor of the dtype and shape its descriptor's tensor field names); False: the item
         has no such field (or ``target`` does not fit it), nothing was read."""
-        field = self._expected.get("tensor")
-        found = tensor_field([f"{REGISTRY_NAME}/x;tensor={field}"]) if field else None
-        if found is None or self._compression is not None or found[1] != len(target):
+        placement = self.tensor_placement()
+        if placement is None or placement.nbytes != len(target):
             return False
-        self._decrypt(_whole(input), into=(found[0], target))
+        self._decrypt(_whole(input), into=(placement.offset, target))
         return True
 
     def _decrypt(

@@ -3,22 +3,32 @@
 ``FileSystemWriter(_extensions=[...])`` passes each item's bytes through the
 extensions' streams and records their descriptors in the item's
 ``_StorageInfo.transform_descriptors``; ``FileSystemReader`` looks the
-descriptors up in an ``ExtensionRegistry`` to undo them. ``VolumeWriter`` and
-``VolumeWriter`` uses torch's own writer-side transforms, and the reader
+descriptors up in an ``ExtensionRegistry`` to undo them. ``VolumeWriter``
+uses torch's own writer-side transforms, and the reader
 undoes them in the order torch's reader does, so the bytes and ``.metadata``
 are stock's, both ways. Torch (2.7+) marks the API experimental;
 on a torch without it, asking for an extension is refused with a message.
 ``encryption=`` is one extension that compresses (if asked) and then
 encrypts (``_encryption_stream``): the one way to have both that stock
 readers undo in the right order.
+
+A transform may also place a tensor item's data itself, so that a load needs
+no intermediate buffer: its write stream is a ``TensorPlacingStream`` (told
+which tensor an item is, it records where the data lies in the item) and its
+reader a ``TensorPlacingExtension`` (it says where, as a ``TensorPlacement``,
+and decodes the data straight into the target). The byte format and the
+reader's file reads use these types, never a particular transform.
 """
 
 from __future__ import annotations
 
+import abc
 import io
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import IO, Any
 
+import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_volumes._exceptions import CheckpointCorruptError, ConfigurationError, EncryptionError
@@ -30,6 +40,55 @@ from dcp_volumes._torch.checkpoint import (
     StreamTransforms,
 )
 from dcp_volumes.checkpoint._compression import ZstdCompression, resolve
+
+
+class TensorPlacingStream(abc.ABC):
+    """A transform's write stream that notes where a tensor item's data lies in what
+    it is given, so that its reader can decode the data straight into the target
+    (``TensorPlacingExtension``).
+
+    ``descriptor`` is the item's transform descriptor, complete once the stream is
+    closed (it may then record where the data lies): the writer stores it in place
+    of the one the extension gave before the item was written.
+    """
+
+    descriptor: str
+
+    @abc.abstractmethod
+    def expect_tensor(self, tensor: torch.Tensor) -> None:
+        """The item is ``tensor``, written next by ``torch.save``: note where its data lands."""
+
+    @abc.abstractmethod
+    def write_framed(self, head: bytes, data: memoryview, tail: bytes) -> None:
+        """One contiguous tensor item as ``torch.save`` lays it out: ``head``, the
+        tensor's bytes (``data``), ``tail``; the data's place is noted."""
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """Where an item's decoded bytes hold its tensor's data, contiguous: ``nbytes``
+    from ``offset``, of a tensor of ``dtype`` and ``shape`` (the whole saved piece)."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class TensorPlacingExtension(abc.ABC):
+    """A reader-side stream transform (built from one item's descriptor) that can decode
+    the item's tensor data straight into a target tensor's memory."""
+
+    @abc.abstractmethod
+    def tensor_placement(self) -> TensorPlacement | None:
+        """Where the item's decoded bytes hold its tensor's data; None: not recorded
+        (the item is undone whole)."""
+
+    @abc.abstractmethod
+    def decode_tensor_into(self, input: IO[bytes], target: memoryview) -> bool:
+        """Decode the item (``input``, its stored bytes) and put its tensor's data in
+        ``target`` (the bytes of a contiguous tensor ``tensor_placement`` describes);
+        False: the item cannot be placed, nothing was read."""
 
 
 def writer_transforms(
@@ -139,6 +198,12 @@ class ReaderTransforms:
                 registry = mine
         self.registry = registry
         self.encryption = encryption
+        self._default: Any | None = None  # default_registry(encryption), built once
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The default registry holds a class made for these keys (not picklable): it is
+        # built again after unpickling.
+        return {**self.__dict__, "_default": None}
 
     def untransform(
         self, req: ReadItem, descriptors: Sequence[str], stream: IO[bytes], where: str
@@ -174,11 +239,8 @@ class ReaderTransforms:
                 f"{req.storage_index.fqn} in {where} was saved with stream transforms "
                 f"{list(descriptors)} that this torch cannot undo; load with torch >= 2.7."
             )
-        registry: Any = (
-            self.registry if self.registry is not None else default_registry(self.encryption)
-        )
         try:
-            return list(registry.from_descriptor_list(descriptors))
+            return list(self._registry().from_descriptor_list(descriptors))
         except EncryptionError as exc:
             raise type(exc)(f"{req.storage_index.fqn} in {where}: {exc}") from exc
         except ValueError as exc:  # torch's registry: an unknown or unusable extension
@@ -189,19 +251,47 @@ class ReaderTransforms:
                 "install its library (zstd: pip install 'dcp_volumes[zstd]')."
             ) from exc
 
-    def decrypt_into(
+    def _registry(self) -> Any:
+        """The registry the extensions are looked up in (the default one built once)."""
+        if self.registry is not None:
+            return self.registry
+        if self._default is None:
+            self._default = default_registry(self.encryption)
+        return self._default
+
+    def placement(self, descriptors: Sequence[str] | None) -> TensorPlacement | None:
+        """Where the decoded bytes of the item saved with ``descriptors`` hold its tensor's
+        data, if its one transform can put them straight into a target
+        (``TensorPlacingExtension``); None: undo the item whole with ``untransform``."""
+        if not descriptors or ExtensionRegistry is None:
+            return None
+        try:
+            placer = _placer(self._registry().from_descriptor_list(descriptors))
+        except Exception:  # untransform reports why, naming the item and the file
+            return None
+        return None if placer is None else placer.tensor_placement()
+
+    def decode_into(
         self, req: ReadItem, descriptors: Sequence[str], stream: IO[bytes], target: memoryview,
         where: str,
     ) -> bool:
-        """Decrypt an encrypted tensor item's data straight into ``target`` (its contiguous
-        bytes); False: not such an item (undo it with ``untransform``), nothing was read."""
-        extensions = self._extensions(req, descriptors, where)
-        if len(extensions) != 1 or not hasattr(extensions[0], "decrypt_tensor_into"):
+        """Decode a tensor item's data straight into ``target`` (the bytes of a contiguous
+        tensor as ``placement`` describes); False: not such an item (undo it with
+        ``untransform``), nothing was read."""
+        placer = _placer(self._extensions(req, descriptors, where))
+        if placer is None:
             return False
         try:
-            return bool(extensions[0].decrypt_tensor_into(stream, target))
+            return placer.decode_tensor_into(stream, target)
         except EncryptionError as exc:
             raise type(exc)(f"{req.storage_index.fqn} in {where}: {exc}") from exc
+
+
+def _placer(extensions: Sequence[Any]) -> TensorPlacingExtension | None:
+    """An item's one transform, if it places tensors (a chain is undone whole)."""
+    if len(extensions) == 1 and isinstance(extensions[0], TensorPlacingExtension):
+        return extensions[0]
+    return None
 
 
 def check_serialization_format(fmt: Any) -> None:

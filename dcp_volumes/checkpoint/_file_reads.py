@@ -15,7 +15,9 @@ Where the manifest says where a saved tensor's data lies in the file and the
 planner's target is a plain CPU tensor of the same dtype and shape, the data
 is read straight into the target: one copy from the socket (or page cache)
 instead of three, and no fresh memory. Only the zip headers around it go to a
-scratch buffer.
+scratch buffer. A transformed item whose transform says where its decoded bytes
+hold the tensor's data (``ReaderTransforms.placement``) is decoded straight into
+its target likewise.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._streams import FileSlice, MemoryReader
 from dcp_volumes._torch.checkpoint import load_tensor_in_place
 from dcp_volumes._volume import LAG_TOTAL_S, Volume, despite_lag, redact_url
-from dcp_volumes.checkpoint._encryption_stream import tensor_field
 from dcp_volumes.checkpoint._extensions import ReaderTransforms
 from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, checksum_file
 from dcp_volumes.checkpoint._reader_options import DEFAULT_COALESCE_GAP
@@ -76,8 +77,8 @@ class FileRead:
     file: io.FileIO | None = None
     targets: dict[int, torch.Tensor] = field(default_factory=dict)  # req index -> target
     direct: dict[int, tuple[int, memoryview]] = field(default_factory=dict)  # -> data at, bytes
-    # Encrypted items decrypted straight into their target: req index -> the target's bytes.
-    sealed: dict[int, memoryview] = field(default_factory=dict)
+    # Transformed items decoded straight into their target: req index -> the target's bytes.
+    placed: dict[int, memoryview] = field(default_factory=dict)
     arrival: ThreadFuture[Arrived] | None = None  # the whole file, sent by a source
 
     @classmethod
@@ -210,7 +211,7 @@ class FileRead:
         (no resharding cut, no conversion); the rest are deserialised as usual.
         """
         self.direct = {}
-        self.plan_sealed(planner)
+        self.plan_placed(planner)
         tensors = self.record.tensors if self.record is not None else {}
         if not tensors:
             return
@@ -233,23 +234,23 @@ class FileRead:
                 self.direct[i] = (data[0], view)
                 taken.add(data[0])
 
-    def plan_sealed(self, planner: LoadPlanner) -> None:
-        """Pick the encrypted tensor items that can be decrypted straight into their target:
-        the writer bound where the data lies in the plaintext, its dtype and shape (the
-        descriptor's tensor field, authenticated with the item); the target must be a
-        contiguous CPU tensor of that dtype and exactly that shape (the whole piece)."""
-        self.sealed = {}
+    def plan_placed(self, planner: LoadPlanner) -> None:
+        """Pick the transformed tensor items that can be decoded straight into their target:
+        their transform says where the data lies in the decoded item, with its dtype and
+        shape (``ReaderTransforms.placement``); the target must be a contiguous CPU tensor
+        of that dtype and exactly that shape (the whole piece)."""
+        self.placed = {}
         for i, (req, info) in enumerate(self.reqs):
             if req.type != LoadItemType.TENSOR or any(req.storage_offsets):
                 continue
-            found = tensor_field(getattr(info, "transform_descriptors", None))
-            if found is None or tuple(req.lengths) != found[3]:
+            placement = self.transforms.placement(getattr(info, "transform_descriptors", None))
+            if placement is None or tuple(req.lengths) != placement.shape:
                 continue
             target = self.target(planner, i)
-            view = _memory_of(target, str(target.dtype).removeprefix("torch.") == found[2],
-                              found[3], found[1])
+            view = _memory_of(target, target.dtype == placement.dtype, placement.shape,
+                              placement.nbytes)
             if view is not None:
-                self.sealed[i] = view
+                self.placed[i] = view
 
     def target(self, planner: LoadPlanner, i: int) -> torch.Tensor:
         """The planner's target tensor for item ``i`` (resolved once per job)."""
@@ -364,11 +365,11 @@ class FileRead:
             return cast(IO[bytes], MemoryReader(view)), view
 
         def decode(i: int) -> IO[bytes] | None:
-            """Item ``i`` undone into memory; None: decrypted into its target already."""
+            """Item ``i`` undone into memory; None: decoded into its target already."""
             req, info = self.reqs[i]
             stream, _ = raw(info)
-            if i in self.sealed and self.transforms.decrypt_into(
-                req, info.transform_descriptors, stream, self.sealed[i], where
+            if i in self.placed and self.transforms.decode_into(
+                req, info.transform_descriptors, stream, self.placed[i], where
             ):
                 return None
             return self.transforms.untransform(req, info.transform_descriptors, stream, where)
@@ -413,7 +414,7 @@ class FileRead:
                 else:
                     queued = self._decode_ahead(decoders, decode, coded, queued, ahead)
                     undone = ahead.pop(i).result()
-                if undone is None:  # decrypted straight into its target
+                if undone is None:  # decoded straight into its target
                     planner.commit_tensor(req, self.targets[i])
                     continue
                 stream = undone
