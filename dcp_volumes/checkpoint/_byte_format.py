@@ -297,9 +297,7 @@ def write_item(
         # tensor's data. A view's storage may be larger: only its own bytes are written.
         if placing is not None:
             placing.expect_tensor(data)
-            placing.write_framed(frame.head, frame.data_of(data), frame.tail)
-        else:
-            file.write_framed(frame.head, frame.data_of(data), frame.tail)
+        (placing or file).write_framed(frame.head, frame.data_of(data), frame.tail)
     else:
         # torch.save streams each storage as a memoryview: no copy in RAM.
         tensor = plain_cpu_tensor(data)

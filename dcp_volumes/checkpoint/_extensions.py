@@ -23,8 +23,9 @@ reader's file reads use these types, never a particular transform.
 from __future__ import annotations
 
 import abc
+import contextlib
 import io
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -215,7 +216,7 @@ class ReaderTransforms:
         ``CheckpointCorruptError``.
         """
         extensions = self._extensions(req, descriptors, where)
-        try:
+        with _decoding_errors(req, descriptors, where):
             # In the order torch's FileSystemReader applies them (stock's format).
             for ext in extensions:
                 if isinstance(ext, StreamTransformExtension):
@@ -223,14 +224,6 @@ class ReaderTransforms:
             if isinstance(stream, (io.BytesIO, MemoryReader)) and stream.tell() == 0:
                 return stream  # already in memory (our decoders' result): no copy
             return io.BytesIO(stream.read())
-        except EncryptionError as exc:
-            raise type(exc)(f"{req.storage_index.fqn} in {where}: {exc}") from exc
-        except Exception as exc:  # what a decoder raises on bad input is its own type
-            raise CheckpointCorruptError(
-                f"{req.storage_index.fqn} in {where} cannot be decoded by its stream "
-                f"transforms {list(descriptors)} ({type(exc).__name__}: {exc}). The file is "
-                "damaged; load with verify=True to check it, or load an older checkpoint."
-            ) from exc
 
     def _extensions(self, req: ReadItem, descriptors: Sequence[str], where: str) -> list[Any]:
         """The extensions that undo ``descriptors`` (errors name the item and file)."""
@@ -281,10 +274,24 @@ class ReaderTransforms:
         placer = _placer(self._extensions(req, descriptors, where))
         if placer is None:
             return False
-        try:
+        with _decoding_errors(req, descriptors, where):
             return placer.decode_tensor_into(stream, target)
-        except EncryptionError as exc:
-            raise type(exc)(f"{req.storage_index.fqn} in {where}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _decoding_errors(req: ReadItem, descriptors: Sequence[str], where: str) -> Iterator[None]:
+    """What an item's transforms raise on its bytes, naming the item and the file: an
+    encryption error as its own kind, anything else as a damaged file."""
+    try:
+        yield
+    except EncryptionError as exc:
+        raise type(exc)(f"{req.storage_index.fqn} in {where}: {exc}") from exc
+    except Exception as exc:  # what a decoder raises on bad input is its own type
+        raise CheckpointCorruptError(
+            f"{req.storage_index.fqn} in {where} cannot be decoded by its stream "
+            f"transforms {list(descriptors)} ({type(exc).__name__}: {exc}). The file is "
+            "damaged; load with verify=True to check it, or load an older checkpoint."
+        ) from exc
 
 
 def _placer(extensions: Sequence[Any]) -> TensorPlacingExtension | None:
