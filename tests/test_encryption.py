@@ -290,6 +290,79 @@ def test_tampered_files_on_disk_are_refused_by_both_readers(
     assert isinstance(err, CheckpointTamperedError), err
 
 
+def test_a_remote_load_decrypts_frames_as_their_gets_return_and_refuses_tampering(
+        memory_bucket: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """From a remote volume a tensor is decrypted into its target from the client's
+    buffers as its GETs return, cut at frame bounds; no file is then hashed, and every
+    kind of damage is still refused, typed, naming the file."""
+    from dcp_volumes.checkpoint._encryption_stream import _FrameDecoder
+
+    enc = Encryption(key=KEY, key_id="k")
+    url, state = memory_bucket[0] + "/ck", _state()
+    dcp.save(state, storage_writer=VolumeWriter(url, encryption=enc))
+    fed: dict[int, list[tuple[int, int]]] = {}
+    real_feed = _FrameDecoder.feed
+
+    def feed(self: _FrameDecoder, at: int, data: memoryview) -> None:
+        fed.setdefault(id(self), []).append((at, len(data)))
+        real_feed(self, at, data)
+
+    monkeypatch.setattr(_FrameDecoder, "feed", feed)
+    whole = _spy_direct(monkeypatch)
+
+    def load(key: Encryption = enc) -> BaseException | None:
+        out = blank_like(state)
+        reader = VolumeReader(url, encryption=key, part_size="1MiB")
+        with caplog.at_level(logging.DEBUG):
+            try:
+                dcp.load(out, storage_reader=reader)
+            except BaseException as exc:  # noqa: BLE001 - the rank's error is asserted
+                err = failure_of(exc)
+                logged = caplog.text + str(err) + repr(err)
+                assert not any(t in logged for t in _key_texts(KEY, OLD_KEY)), "a key leaked"
+                return err
+        assert_same(out, state)
+        return None
+
+    assert load() is None and whole == []
+    # The 3-MiB tensor arrived in several GETs, each a run of whole frames.
+    assert max(len(pieces) for pieces in fed.values()) >= 3
+    volume = Volume(url)
+    md = VolumeReader(url, encryption=enc).read_metadata()
+    big = next(info for index, info in md.storage_data.items() if index.fqn == "big")
+    rel, at = big.relative_path, big.offset
+    original = volume.read_bytes(rel)
+    header_len = len(b"DCPVENC1") + 1 + 4 + 8 + 16 + 1 + 1  # key id "k"
+    frame0 = at + header_len
+
+    def altered(*changes: tuple[int, bytes]) -> bytes:
+        blob = bytearray(original)
+        for pos, data in changes:
+            blob[pos:pos + len(data)] = data
+        return bytes(blob)
+
+    rec = FRAME_SIZE + 28
+    flip = lambda pos: (pos, bytes([original[pos] ^ 1]))  # noqa: E731
+    cases = [
+        ("authentication of frame 1 of 4", altered(flip(frame0 + rec + 500))),
+        ("header does not match", altered(flip(at))),
+        ("key check was altered", altered(flip(at + 13))),
+        ("authentication of frame ", altered(  # frames 0 and 1 swapped: either fails first
+            (frame0, original[frame0 + rec:frame0 + 2 * rec]),
+            (frame0 + rec, original[frame0:frame0 + rec]))),
+    ]
+    for says, blob in cases:
+        volume.publish(rel, blob)
+        err = load()
+        assert isinstance(err, CheckpointTamperedError) and says in str(err), (says, err)
+        assert rel in str(err) and "big" in str(err), err
+    volume.publish(rel, original)
+    err = load(Encryption(key=OLD_KEY, key_id="k"))
+    assert isinstance(err, EncryptionKeyError) and "is not the key" in str(err), err
+    assert load() is None
+
+
 def test_bad_keys_are_refused_at_construction(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigurationError, match="32 bytes"):
         Encryption(key=b"short", key_id="k")

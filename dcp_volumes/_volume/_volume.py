@@ -381,12 +381,22 @@ class Volume:
         another length comes back as that length, unread.
         """
         outs = [out] if isinstance(out, memoryview) else list(out)
-        full = self.full_path(relpath)
         if whole and start == 0:
             length = sum(len(o) for o in outs)
-            data = memoryview(self._call("read", relpath, lambda b: b.read_whole(full, length)))
+            data = self.read_span(relpath, 0, length, whole=True)
             return len(data) if len(data) != length else scatter(data, outs)
+        full = self.full_path(relpath)
         return self._call("read", relpath, lambda b: b.read_into(full, start, outs))
+
+    def read_span(self, relpath: str, start: int, end: int, *, whole: bool = False) -> memoryview:
+        """The bytes ``[start, end)`` in the buffer the store's client returns them in (no
+        copy of ours); shorter where the file ends sooner. ``whole``: that is the whole
+        file, asked for without a range (as ``read_into``; a file of another length comes
+        back as that length)."""
+        full = self.full_path(relpath)
+        if whole and start == 0:
+            return memoryview(self._call("read", relpath, lambda b: b.read_whole(full, end)))
+        return memoryview(self._call("read", relpath, lambda b: b.read(full, start, end)))
 
     def open_local(self, relpath: str) -> io.FileIO:
         """Open a file of a local volume for unbuffered reading (positioned reads, no copies)."""

@@ -34,6 +34,7 @@ read back by them.
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
 import struct
@@ -50,6 +51,7 @@ from dcp_volumes._torch.checkpoint import ExtensionRegistry, StreamTransformExte
 from dcp_volumes.checkpoint._compression import ZstdCompression
 from dcp_volumes.checkpoint._encryption import Encryption, key_check, require_cipher
 from dcp_volumes.checkpoint._extensions import (
+    PieceDecoder,
     TensorPlacement,
     TensorPlacingExtension,
     TensorPlacingStream,
@@ -73,6 +75,9 @@ _FRAME_AAD = struct.Struct(">QB")  # frame index, final flag
 # A header naming a larger frame is damage, not a format (and would ask for its memory).
 _MAX_FRAME_SIZE = 64 << 20
 
+_CHECK_AT = 8 + 1 + 4  # the key check's offset in the header (after magic, flags, frame size)
+# Each reading thread's scratch frame (_edge_frame).
+_EDGE = threading.local()
 # The descriptor of the item this thread is writing: torch asks for descriptors right
 # after transform_to, in the same thread, and the writer's threads share one extension.
 _WRITING = threading.local()
@@ -201,6 +206,13 @@ class _FrameWriter(io.RawIOBase, TensorPlacingStream):
                 self._out.flush()
             finally:
                 super().close()
+
+
+def _header(zstd: bool, key: bytes, stream_id: bytes, key_id: str) -> bytes:
+    """An item's header, as its writer writes it (and a piece decoder expects it)."""
+    encoded = key_id.encode()
+    return _FIXED.pack(MAGIC, _ZSTD_FLAG if zstd else 0, FRAME_SIZE, key_check(key),
+                       stream_id, len(encoded)) + encoded
 
 
 def _address(view: memoryview) -> int:
@@ -333,9 +345,7 @@ class EncryptedStreams(TensorPlacingExtension, StreamTransformExtension):
         enc = self._encryption
         stream_id = os.urandom(16)
         zstd = self._compression is not None
-        key_id = enc.key_id.encode()
-        header = _FIXED.pack(MAGIC, _ZSTD_FLAG if zstd else 0, FRAME_SIZE, key_check(enc.key),
-                             stream_id, len(key_id)) + key_id
+        header = _header(zstd, enc.key, stream_id, enc.key_id)
         descriptor = _descriptor(enc.key_id, stream_id, zstd)
         frames = _FrameWriter(require_cipher()(enc.key), header, output, descriptor)
         _WRITING.descriptor = descriptor
@@ -366,6 +376,15 @@ class EncryptedStreams(TensorPlacingExtension, StreamTransformExtension):
         self._decrypt(_whole(input), into=(placement.offset, target))
         return True
 
+    def piece_decoder(self, stored: int, target: memoryview) -> PieceDecoder | None:
+        """A decrypter of the item's tensor data into ``target`` from its ``stored`` bytes
+        as they arrive, a frame at a time (``_FrameDecoder``); None: as
+        ``decode_tensor_into`` (no tensor field, or ``target`` does not fit it)."""
+        placement = self.tensor_placement()
+        if placement is None or placement.nbytes != len(target):
+            return None
+        return _FrameDecoder(self._encryption, self._expected, stored, placement, target)
+
     def _decrypt(
         self, data: memoryview, into: tuple[int, memoryview] | None = None
     ) -> memoryview:
@@ -384,7 +403,7 @@ class EncryptedStreams(TensorPlacingExtension, StreamTransformExtension):
             or bool(flags & _ZSTD_FLAG) != ("zstd" in want if want else bool(flags & _ZSTD_FLAG))
             or not 0 < frame_size <= _MAX_FRAME_SIZE
         ):
-            raise _tampered("its encryption header does not match what .metadata records for it")
+            raise _header_mismatch()
         key = self._encryption.key_for(key_id)
         if key is None:
             raise EncryptionKeyError(
@@ -424,11 +443,8 @@ class EncryptedStreams(TensorPlacingExtension, StreamTransformExtension):
                                     _frame_aad(header, i, final, tensor), dest)
             except InvalidTag:
                 if wrong_check:
-                    raise EncryptionKeyError(
-                        f"the key given for key id {key_id!r} is not the key this item was "
-                        "encrypted with. Fix: pass the key that wrote the checkpoint."
-                    ) from None
-                raise _tampered(f"authentication of frame {i} of {count} failed") from None
+                    raise _wrong_key(key_id) from None
+                raise _frame_failed(i, count) from None
             wrong_check = False  # a frame opened: the key is right, the header was altered
             if into is not None and edge:
                 # The part of a head, tail or edge frame that is the tensor's data.
@@ -437,16 +453,165 @@ class EncryptedStreams(TensorPlacingExtension, StreamTransformExtension):
                 if lo < hi:
                     into[1][lo - into[0]:hi - into[0]] = dest[lo - pos:hi - pos]
         if check != key_check(key):
-            raise _tampered("its key check was altered")
+            raise _check_altered()
         if into is not None and total < into[0] + len(into[1]):
-            raise _tampered("it ends before its tensor's data")
+            raise _ends_early()
         return out
+
+
+class _FrameDecoder(PieceDecoder):
+    """Decrypts one item's frames straight into its tensor's bytes as they arrive, in any
+    order, from any thread.
+
+    Each frame authenticates on its own against the header the item must have (rebuilt
+    from its descriptor and the key), so no frame waits for the stored header; that
+    header, when it arrives, must equal the rebuilt one. Where the two differ only in
+    the key check, the frames tell a wrong key (none opens) from an altered check (they
+    open), whichever arrives first.
+    """
+
+    def __init__(self, encryption: Encryption, fields: dict[str, str], stored: int,
+                 placement: TensorPlacement, target: memoryview) -> None:
+        key_id = fields.get("key", "")
+        key = encryption.key_for(key_id)
+        if key is None:  # from_descriptor checked it: a key set changed since
+            raise EncryptionKeyError(f"no key is given for key id {key_id!r}.")
+        try:
+            stream_id = bytes.fromhex(fields.get("stream", ""))
+        except ValueError:
+            raise _header_mismatch() from None
+        self._key, self._key_id = key, key_id
+        self._header = _header(False, key, stream_id, key_id)
+        self._tensor = fields.get("tensor")
+        head, record = len(self._header), FRAME_SIZE + _FRAME_OVERHEAD
+        count = max(1, -(-(stored - head) // record))
+        last = stored - head - (count - 1) * record
+        if last < _FRAME_OVERHEAD:
+            raise _tampered("it is truncated")
+        if stored - head - count * _FRAME_OVERHEAD < placement.offset + placement.nbytes:
+            raise _ends_early()
+        self.cuts = [0, *(head + i * record for i in range(count)), stored]
+        self._count = count
+        self._data_at = placement.offset  # where the tensor's data starts in the plaintext
+        self._target = target
+        self._lock = threading.Lock()
+        self._fed = 0  # header and frames decoded so far
+        self._stored_header: bytes | None = None
+        self._opened = False  # a frame authenticated
+        self._failed: int | None = None  # the first frame that did not
+
+    def feed(self, at: int, data: memoryview) -> None:
+        cuts = self.cuts
+        unit = bisect.bisect_left(cuts, at)
+        if cuts[unit] != at or at + len(data) not in cuts:
+            raise ValueError(f"a piece [{at}, {at + len(data)}) not cut at a frame's bounds")
+        pos = 0
+        while pos < len(data):
+            size = cuts[unit + 1] - cuts[unit]
+            piece = data[pos:pos + size]
+            if unit == 0:
+                self._take_header(bytes(piece))
+            else:
+                self._open(unit - 1, piece)
+            pos += size
+            unit += 1
+
+    def finish(self) -> None:
+        with self._lock:
+            if self._fed != self._count + 1:
+                raise _tampered("not all of it arrived")
+            self._judge()
+
+    def _take_header(self, stored: bytes) -> None:
+        with self._lock:
+            self._stored_header = stored
+            self._fed += 1
+            self._judge()
+
+    def _open(self, index: int, frame: memoryview) -> None:
+        from cryptography.exceptions import InvalidTag
+
+        pos, size = index * FRAME_SIZE, len(frame) - _FRAME_OVERHEAD
+        lo, target = self._data_at, self._target
+        edge = not (lo <= pos and pos + size <= lo + len(target))
+        dest = _edge_frame()[:size] if edge else target[pos - lo:pos - lo + size]
+        final = index == self._count - 1
+        try:
+            require_cipher()(self._key).decrypt_into(
+                frame[:NONCE_BYTES], frame[NONCE_BYTES:],
+                _frame_aad(self._header, index, final, self._tensor), dest)
+        except InvalidTag:
+            with self._lock:
+                self._fed += 1
+                if self._failed is None:
+                    self._failed = index
+                self._judge()
+            return
+        if edge:  # the part of a head, tail or edge frame that is the tensor's data
+            a, b = max(pos, lo), min(pos + size, lo + len(target))
+            if a < b:
+                target[a - lo:b - lo] = dest[a - pos:b - pos]
+        with self._lock:
+            self._fed += 1
+            self._opened = True
+            self._judge()
+
+    def _judge(self) -> None:
+        """Raise what is known to be wrong (under the lock)."""
+        stored = self._stored_header
+        if stored is None:
+            return  # a frame that failed is judged once the header is known
+        expected = self._header
+        only_check = len(stored) == len(expected) and (
+            stored[:_CHECK_AT] + stored[_CHECK_AT + 8:]
+            == expected[:_CHECK_AT] + expected[_CHECK_AT + 8:]
+        )
+        if stored == expected:
+            if self._failed is not None:
+                raise _frame_failed(self._failed, self._count)
+        elif not only_check:
+            raise _header_mismatch()
+        elif self._failed is not None:
+            raise _wrong_key(self._key_id)
+        elif self._opened:
+            raise _check_altered()
+
+
+def _edge_frame() -> memoryview:
+    """This thread's frame of scratch, for frames only partly the tensor's data."""
+    frame = getattr(_EDGE, "frame", None)
+    if frame is None:
+        frame = _EDGE.frame = memoryview(np.empty(FRAME_SIZE, dtype=np.uint8))  # type: ignore[arg-type]
+    return cast(memoryview, frame)
 
 
 def _whole(input: IO[bytes]) -> memoryview:
     """One stored item's bytes: an item already in memory (fetched bytes, a BytesIO) in place."""
     whole = getattr(input, "getbuffer", None)
     return memoryview(whole()) if callable(whole) else memoryview(input.read())
+
+
+def _wrong_key(key_id: str) -> EncryptionKeyError:
+    return EncryptionKeyError(
+        f"the key given for key id {key_id!r} is not the key this item was "
+        "encrypted with. Fix: pass the key that wrote the checkpoint."
+    )
+
+
+def _frame_failed(index: int, count: int) -> CheckpointTamperedError:
+    return _tampered(f"authentication of frame {index} of {count} failed")
+
+
+def _header_mismatch() -> CheckpointTamperedError:
+    return _tampered("its encryption header does not match what .metadata records for it")
+
+
+def _check_altered() -> CheckpointTamperedError:
+    return _tampered("its key check was altered")
+
+
+def _ends_early() -> CheckpointTamperedError:
+    return _tampered("it ends before its tensor's data")
 
 
 def _tampered(why: str) -> CheckpointTamperedError:

@@ -76,9 +76,31 @@ class TensorPlacement:
     shape: tuple[int, ...]
 
 
+class PieceDecoder(abc.ABC):
+    """Decodes one stored item's tensor data into its target from the item's bytes as
+    they arrive: in pieces that start and end at ``cuts``, in any order, from any
+    thread (each piece once). ``finish`` then says whether the target holds the data."""
+
+    cuts: Sequence[int]  # offsets in the stored item where a piece may start or end
+
+    @abc.abstractmethod
+    def feed(self, at: int, data: memoryview) -> None:
+        """The item's stored bytes from ``at`` (both ends of ``data`` are in ``cuts``)."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Every piece was fed: raise unless the target holds the item's data."""
+
+
 class TensorPlacingExtension(abc.ABC):
     """A reader-side stream transform (built from one item's descriptor) that can decode
     the item's tensor data straight into a target tensor's memory."""
+
+    def piece_decoder(self, stored: int, target: memoryview) -> PieceDecoder | None:
+        """A decoder of the item's tensor data into ``target`` (as ``decode_tensor_into``)
+        from its ``stored`` bytes as they arrive in pieces; None: the item is decoded
+        whole, once all of it is in memory."""
+        return None
 
     @abc.abstractmethod
     def tensor_placement(self) -> TensorPlacement | None:
@@ -256,13 +278,18 @@ class ReaderTransforms:
         """Where the decoded bytes of the item saved with ``descriptors`` hold its tensor's
         data, if its one transform can put them straight into a target
         (``TensorPlacingExtension``); None: undo the item whole with ``untransform``."""
+        placer = self._placer(descriptors)
+        return None if placer is None else placer.tensor_placement()
+
+    def _placer(self, descriptors: Sequence[str] | None) -> TensorPlacingExtension | None:
+        """The item's one transform, if it places tensors; None also where it cannot be
+        built (``untransform`` and ``decode_into`` say why, naming the item and file)."""
         if not descriptors or ExtensionRegistry is None:
             return None
         try:
-            placer = _placer(self._registry().from_descriptor_list(descriptors))
-        except Exception:  # untransform reports why, naming the item and the file
+            return _placer(self._registry().from_descriptor_list(descriptors))
+        except Exception:
             return None
-        return None if placer is None else placer.tensor_placement()
 
     def decode_into(
         self, req: ReadItem, descriptors: Sequence[str], stream: IO[bytes], target: memoryview,
@@ -276,6 +303,40 @@ class ReaderTransforms:
             return False
         with _decoding_errors(req, descriptors, where):
             return placer.decode_tensor_into(stream, target)
+
+
+    def piece_decoder(
+        self, req: ReadItem, descriptors: Sequence[str], stored: int, target: memoryview,
+        where: str,
+    ) -> PieceDecoder | None:
+        """A decoder that puts a tensor item's data straight into ``target`` (as
+        ``decode_into``) from its ``stored`` bytes as they arrive, its errors naming the
+        item and the file; None: fetch the item and ``decode_into`` (or ``untransform``)
+        it whole, which also reports why it cannot be undone."""
+        placer = self._placer(descriptors)
+        if placer is None:
+            return None
+        with _decoding_errors(req, descriptors, where):
+            decoder = placer.piece_decoder(stored, target)
+        return None if decoder is None else _Named(decoder, req, descriptors, where)
+
+
+class _Named(PieceDecoder):
+    """A piece decoder whose errors name its item and file (``_decoding_errors``)."""
+
+    def __init__(self, inner: PieceDecoder, req: ReadItem, descriptors: Sequence[str],
+                 where: str) -> None:
+        self.cuts = inner.cuts
+        self._inner = inner
+        self._about = (req, descriptors, where)
+
+    def feed(self, at: int, data: memoryview) -> None:
+        with _decoding_errors(*self._about):
+            self._inner.feed(at, data)
+
+    def finish(self) -> None:
+        with _decoding_errors(*self._about):
+            self._inner.finish()
 
 
 @contextlib.contextmanager

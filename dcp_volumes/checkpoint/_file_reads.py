@@ -17,7 +17,12 @@ is read straight into the target: one copy from the socket (or page cache)
 instead of three, and no fresh memory. Only the zip headers around it go to a
 scratch buffer. A transformed item whose transform says where its decoded bytes
 hold the tensor's data (``ReaderTransforms.placement``) is decoded straight into
-its target likewise.
+its target likewise; fetched from a remote volume, it is decoded piece by piece
+as its GETs return (``ReaderTransforms.piece_decoder``: the GETs are cut where
+the decoder can take them), from the client's own buffer, with no scratch
+buffer of ours at all. Such items authenticate their bytes themselves, so a
+file whose items are streamed this way and that is fetched in several GETs
+is not hashed for its checksum (``verify=True`` keeps every file hashed).
 """
 
 from __future__ import annotations
@@ -45,8 +50,13 @@ from dcp_volumes._exceptions import (
 from dcp_volumes._streams import FileSlice, MemoryReader
 from dcp_volumes._torch.checkpoint import load_tensor_in_place
 from dcp_volumes._volume import LAG_TOTAL_S, Volume, despite_lag, redact_url
-from dcp_volumes.checkpoint._extensions import ReaderTransforms
-from dcp_volumes.checkpoint._manifest import Checksum, FileRecord, checksum_file
+from dcp_volumes.checkpoint._extensions import PieceDecoder, ReaderTransforms
+from dcp_volumes.checkpoint._manifest import (
+    Checksum,
+    FileRecord,
+    checksum_bytes,
+    checksum_file,
+)
 from dcp_volumes.checkpoint._reader_options import DEFAULT_COALESCE_GAP
 from dcp_volumes.checkpoint._supply import Arrived, PutBytes, Supply
 
@@ -79,6 +89,11 @@ class FileRead:
     direct: dict[int, tuple[int, memoryview]] = field(default_factory=dict)  # -> data at, bytes
     # Transformed items decoded straight into their target: req index -> the target's bytes.
     placed: dict[int, memoryview] = field(default_factory=dict)
+    # Of those, the ones decoded piece by piece as the GETs return: req index -> decoder.
+    streamed: dict[int, PieceDecoder] = field(default_factory=dict)
+    # Their stored bytes, (file offset, length, decoder) by offset.
+    sealed: list[tuple[int, int, PieceDecoder]] = field(default_factory=list)
+    verify: bool = False  # every whole file's checksum is checked (no streamed items)
     arrival: ThreadFuture[Arrived] | None = None  # the whole file, sent by a source
 
     @classmethod
@@ -99,7 +114,8 @@ class FileRead:
         whole = record is not None and spans == [(0, record.size)]
         if record is not None and verify:
             spans, whole = [(0, record.size)], True
-        return cls(rel, reqs, spans, record, whole, source, transforms=transforms)
+        return cls(rel, reqs, spans, record, whole, source, transforms=transforms,
+                   verify=verify)
 
     @property
     def nbytes(self) -> int:
@@ -129,11 +145,24 @@ class FileRead:
         return self.put
 
     def put(self, start: int, data: memoryview) -> None:
-        """Copy ``data``, the file's bytes from ``start`` on, into the buffers."""
-        pos = 0
-        for view in self.views(start, start + len(data)):
-            view[:] = data[pos:pos + len(view)]
-            pos += len(view)
+        """Copy ``data``, the file's bytes from ``start`` on, into the buffers; the bytes of
+        streamed items go to their decoders."""
+        end = start + len(data)
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        for at, buf in self.pieces[i:]:
+            if at >= end:
+                break
+            lo, hi = max(start, at), min(end, at + len(buf))
+            if lo < hi:
+                buf[lo - at:hi - at] = data[lo - start:hi - start]
+        sealed = self.sealed
+        i = max(0, bisect.bisect_right(sealed, start, key=lambda item: item[0]) - 1)
+        for at, length, decoder in sealed[i:]:
+            if at >= end:
+                break
+            lo, hi = max(start, at), min(end, at + length)
+            if lo < hi:
+                decoder.feed(lo - at, data[lo - start:hi - start])
 
     def fall_back_to(self, source: Volume) -> None:
         """Read the file from ``source``, the checkpoint's volume, after its copy failed
@@ -162,13 +191,16 @@ class FileRead:
         if self.source.capabilities.local_files:
             advise_willneed(self.source.full_path(self.rel), self.spans)
             return
+        self.plan_streamed()
         self.allocate()
         self.futures, self.digest = [], None
         part_size, at_most = split
         parts = [
             (s, e)
             for start, end in self.spans
-            for s, e in split_range(start, end, part_size, at_most=at_most)
+            for s, e in itertools.pairwise(
+                [self.cut_at(c) for c, _ in split_range(start, end, part_size, at_most=at_most)]
+                + [end])
             if e > s
         ]
         # A whole file in one GET is hashed by its fetch thread, off the thread
@@ -184,6 +216,14 @@ class FileRead:
         for f in self.futures:
             f.result()
 
+    @property
+    def checkable(self) -> bool:
+        """Whether the bytes read are checked against the manifest's checksum: a whole
+        file, held in buffers or hashed on arrival (streamed items authenticate their
+        own bytes: a file of them fetched in several GETs is not hashed)."""
+        return self.whole and self.record is not None and (
+            not self.sealed or self.digest is not None)
+
     def actual_checksum(self) -> str:
         """The checksum of the bytes read (of the whole file when ``whole``)."""
         if self.file is not None:
@@ -195,6 +235,8 @@ class FileRead:
         self.pieces.clear()
         self.starts.clear()
         self.targets.clear()
+        self.streamed.clear()
+        self.sealed.clear()
         self.close()
 
     def cancel(self) -> None:
@@ -252,6 +294,36 @@ class FileRead:
             if view is not None:
                 self.placed[i] = view
 
+    def plan_streamed(self) -> None:
+        """Of the placed items, those decoded piece by piece as their GETs return
+        (``ReaderTransforms.piece_decoder``); not where every whole file is hashed
+        (``verify``): their bytes are never held."""
+        self.streamed, self.sealed = {}, []
+        if self.verify:
+            return
+        where = redact_url(self.source.url_of(self.rel))
+        for i, target in self.placed.items():
+            req, info = self.reqs[i]
+            decoder = self.transforms.piece_decoder(
+                req, info.transform_descriptors, info.length, target, where)
+            if decoder is not None:
+                self.streamed[i] = decoder
+                self.sealed.append((info.offset, info.length, decoder))
+        self.sealed.sort(key=lambda item: item[0])
+
+    def cut_at(self, pos: int) -> int:
+        """``pos``, or the nearest place a streamed item it falls inside may be cut at."""
+        i = bisect.bisect_right(self.sealed, pos, key=lambda item: item[0]) - 1
+        if i < 0:
+            return pos
+        at, length, decoder = self.sealed[i]
+        if not at < pos < at + length:
+            return pos
+        cuts = decoder.cuts
+        j = bisect.bisect_left(cuts, pos - at)
+        near = min(cuts[j - 1], cuts[j], key=lambda c: abs(c - (pos - at)))
+        return at + near
+
     def target(self, planner: LoadPlanner, i: int) -> torch.Tensor:
         """The planner's target tensor for item ``i`` (resolved once per job)."""
         if i not in self.targets:
@@ -259,17 +331,22 @@ class FileRead:
         return self.targets[i]
 
     def allocate(self) -> None:
-        """Lay out ``pieces`` over the spans: direct targets, scratch buffers between them."""
-        direct = sorted(self.direct.values(), key=lambda d: d[0])
+        """Lay out ``pieces`` over the spans: direct targets, scratch buffers between them;
+        none for the stored bytes of streamed items (their decoders take them)."""
+        taken: list[tuple[int, int, memoryview | None]] = sorted(
+            [(at, len(view), view) for at, view in self.direct.values()]
+            + [(at, length, None) for at, length, _ in self.sealed],
+            key=lambda t: t[0])
         pieces: list[tuple[int, memoryview]] = []
         for start, end in self.spans:
             pos = start
-            for at, view in direct:
+            for at, length, view in taken:
                 if start <= at < end:
                     if at > pos:
                         pieces.append((pos, _scratch(at - pos)))
-                    pieces.append((at, view))
-                    pos = at + len(view)
+                    if view is not None:
+                        pieces.append((at, view))
+                    pos = at + length
             if end > pos:
                 pieces.append((pos, _scratch(end - pos)))
         self.pieces = pieces
@@ -295,12 +372,21 @@ class FileRead:
         # lags (a replica behind, a gateway's cache), so ask again for a moment
         # before calling it missing. Without a manifest nothing says it should exist.
         listed = self.record is not None
+        data: memoryview | None = None
         try:
-            got = despite_lag(
-                lambda: source.read_into(rel, start, self.views(start, end), whole=hash_it),
-                what=redact_url(source.url_of(rel)),
-                expected=listed,
-            )
+            if self.sealed:  # the client's buffer goes to the pieces and the decoders
+                data = despite_lag(
+                    lambda: source.read_span(rel, start, end, whole=hash_it),
+                    what=redact_url(source.url_of(rel)),
+                    expected=listed,
+                )
+                got = len(data)
+            else:
+                got = despite_lag(
+                    lambda: source.read_into(rel, start, self.views(start, end), whole=hash_it),
+                    what=redact_url(source.url_of(rel)),
+                    expected=listed,
+                )
         except BucketNotFoundError:
             raise
         except VolumeNotFoundError:
@@ -308,8 +394,10 @@ class FileRead:
             raise missing_file_error(source, rel, looked_s=looked) from None
         if got != end - start:
             raise truncated_file_error(source, rel, start, end, got)
+        if data is not None:
+            self.put(start, data)
         if hash_it:
-            self.digest = self.checksum()
+            self.digest = checksum_bytes(data) if data is not None else self.checksum()
 
     def take_arrival(self, arrival: ThreadFuture[Arrived]) -> None:
         """Wait for the sent file: in the pieces already, its checksum the one taken
@@ -377,7 +465,8 @@ class FileRead:
         coded = [
             i
             for i, (_, info) in enumerate(self.reqs)
-            if i not in self.direct and getattr(info, "transform_descriptors", None)
+            if i not in self.direct and i not in self.streamed
+            and getattr(info, "transform_descriptors", None)
         ]
         ahead: dict[int, ThreadFuture[IO[bytes] | None]] = {}
         try:
@@ -398,6 +487,10 @@ class FileRead:
     ) -> None:
         queued = 0  # coded[:queued] are submitted
         for i, (req, info) in enumerate(self.reqs):
+            if i in self.streamed:  # decoded into its target as its bytes arrived
+                self.streamed[i].finish()
+                planner.commit_tensor(req, self.targets[i])
+                continue
             if i in self.direct:
                 if self.file is not None:  # local: one positioned read into the target
                     at, dest = self.direct[i]

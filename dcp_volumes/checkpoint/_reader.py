@@ -621,7 +621,7 @@ class VolumeReader(AtLocation, StorageReader):
             self._submit(pool, job, planner)
             self._finish_read(pool, job, planner)
             return
-        if not job.whole or job.record is None:
+        if not job.checkable or job.record is None:
             return
         actual = job.actual_checksum()
         if actual == job.record.checksum:
