@@ -22,6 +22,7 @@ Usage::
     python benchmarks/bench_export.py --quick     # 256 MiB state, 64 MiB files
     python benchmarks/bench_export.py --quick --target radosgw
     python benchmarks/bench_export.py --size-mib 2048 --max-shard-mib 512
+    python benchmarks/bench_export.py --size-mib 2048 --max-shard-mib 512 --link remote
 
 Writes benchmarks/results/export.json (``--quick``: export_quick.json).
 """
@@ -233,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-mib", type=int, default=32)
     parser.add_argument("--target", choices=("moto", "radosgw"), default="moto",
                         help="the S3 server, started here on 127.0.0.1 (default: moto)")
+    parser.add_argument("--link", choices=("loopback", "remote"), default="loopback",
+                        help="what the exports and loads go through: loopback, or remote "
+                             "(a proxy adding 20 ms a request and 200 Mbit/s a connection; "
+                             "the checkpoint is saved over loopback first)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -240,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.size_mib, args.max_shard_mib, args.tensor_mib = 256, 64, 16
+    from benchmarks._common import link_endpoint
     from testkit.emulators import MotoServer
     from testkit.radosgw import RadosGW
     from testkit.ranks import run_ranks
@@ -248,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     server = (MotoServer(mode="process") if args.target == "moto"
               else RadosGW(memstore_bytes=max(2 << 30, 8 * args.size_mib * MiB)))
-    with server as s3:
+    with contextlib.ExitStack() as stack:
+        s3 = stack.enter_context(server)
         bucket = s3.create_bucket("bench-export")
         opts = s3.storage_options()
         src = f"{bucket}/step-1"
@@ -258,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                                  args.tensor_mib, "safetensors", timeout=1800))
         print(f"save, 2 ranks: VolumeWriter {dcp_save_s:.2f} s, SafetensorsWriter "
               f"{writer_s:.2f} s", flush=True)
+        opts = s3.storage_options(endpoint=stack.enter_context(link_endpoint(s3, args.link)))
         for method in ("floor", "ours", "torch"):
             r = _run_child(method, src, f"{bucket}/hf-{method}", opts, shard)
             rows.append({"method": method, **r})
@@ -271,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("$ python benchmarks/bench_export.py " + " ".join(sys.argv[1:]))
     print(f"state {args.size_mib} MiB fp32 (2 ranks, Shard(0)), output bfloat16, files of "
-          f"{args.max_shard_mib} MiB, {args.target} loopback")
+          f"{args.max_shard_mib} MiB, {args.target} {args.link}")
     print("| export | seconds | x floor | peak RSS MiB | local disk peak MiB |")
     print("|---|---|---|---|---|")
     for r in rows:
@@ -283,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| save, 2 ranks: VolumeWriter (fp32 DCP) | {dcp_save_s:.2f} | | | |")
     print(f"| save, 2 ranks: SafetensorsWriter (bf16 HF) | {writer_s:.2f} | | | |")
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    name = "export" + ("" if args.target == "moto" else f"_{args.target}")
+    name = ("export" + ("" if args.target == "moto" else f"_{args.target}")
+            + ("" if args.link == "loopback" else f"_{args.link}"))
     out = RESULTS_DIR / (name + ("_quick.json" if args.quick else ".json"))
     out.write_text(json.dumps({"args": vars(args), "exports": rows, "load_s": load_s,
                                "volume_writer_s": dcp_save_s, "safetensors_writer_s": writer_s,

@@ -32,7 +32,7 @@ import contextlib
 import io
 import itertools
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future as ThreadFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -148,13 +148,8 @@ class FileRead:
         """Copy ``data``, the file's bytes from ``start`` on, into the buffers; the bytes of
         streamed items go to their decoders."""
         end = start + len(data)
-        i = max(0, bisect.bisect_right(self.starts, start) - 1)
-        for at, buf in self.pieces[i:]:
-            if at >= end:
-                break
-            lo, hi = max(start, at), min(end, at + len(buf))
-            if lo < hi:
-                buf[lo - at:hi - at] = data[lo - start:hi - start]
+        for at, view in self.overlaps(start, end):
+            view[:] = data[at - start:at - start + len(view)]
         sealed = self.sealed
         i = max(0, bisect.bisect_right(sealed, start, key=lambda item: item[0]) - 1)
         for at, length, decoder in sealed[i:]:
@@ -354,15 +349,18 @@ class FileRead:
 
     def views(self, start: int, end: int) -> list[memoryview]:
         """The buffers that ``[start, end)`` of the file is read into, in order."""
-        out = []
+        return [view for _, view in self.overlaps(start, end)]
+
+    def overlaps(self, start: int, end: int) -> Iterator[tuple[int, memoryview]]:
+        """The parts of the buffers that hold bytes of ``[start, end)`` of the file, in
+        order, each with its file offset (none for streamed items' bytes)."""
         i = max(0, bisect.bisect_right(self.starts, start) - 1)
         for at, buf in self.pieces[i:]:
             if at >= end:
                 break
             lo, hi = max(start, at), min(end, at + len(buf))
             if lo < hi:
-                out.append(buf[lo - at : hi - at])
-        return out
+                yield lo, buf[lo - at : hi - at]
 
     def fetch(self, start: int, end: int, hash_it: bool) -> None:
         """Read ``[start, end)`` into its pieces; ``hash_it``: that is the whole file
