@@ -441,13 +441,23 @@ def get_ranges(
     store: RawStore, pool: ThreadPoolExecutor, key: str, out: bytearray, size: int
 ) -> None:
     """Download object ``key`` into ``out`` as ranged GETs of ``size`` bytes, several at once."""
-    view = memoryview(out)
+    get_objects(store, pool, [(key, out)], size)
 
-    def get(span: tuple[int, int]) -> None:
-        start, length = span
+
+def get_objects(
+    store: RawStore, pool: ThreadPoolExecutor, objects: list[tuple[str, bytearray]], size: int
+) -> None:
+    """Download each ``(key, out)`` into its ``out`` as ranged GETs of ``size`` bytes, those of
+    every object in flight together (object by object, a run of small objects would go one
+    connection at a time)."""
+
+    def get(task: tuple[str, memoryview, int, int]) -> None:
+        key, view, start, length = task
         data = store.get_range(key, start, length)
         if len(data) != length:
-            raise OSError(f"range at {start}: got {len(data)} bytes, expected {length}")
+            raise OSError(f"{key}: range at {start}: got {len(data)} bytes, expected {length}")
         view[start : start + length] = data
 
-    list(pool.map(get, spans(len(out), size)))
+    tasks = [(key, memoryview(out), start, length)
+             for key, out in objects for start, length in spans(len(out), size)]
+    list(pool.map(get, tasks))

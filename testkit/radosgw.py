@@ -96,6 +96,9 @@ class _Daemon:
 class RadosGW(S3Api, Emulator):
     """A private single-node Ceph cluster serving S3 through radosgw on 127.0.0.1.
 
+    ``disk_bytes``: the OSD keeps its data in BlueStore on a sparse file of that size in
+    the work dir instead of RAM (for data sets larger than RAM; slower to start).
+
     ``memstore_bytes`` is the OSD's capacity, 2 GiB by default. Memstore does not
     reserve it (RAM is used as data arrives), but once the OSD is ~95% full Ceph
     *blocks* writes: PUTs hang until the client times out, there is no error. rgw
@@ -117,12 +120,15 @@ class RadosGW(S3Api, Emulator):
         self,
         *,
         memstore_bytes: int = 2 * _GiB,
+        disk_bytes: int | None = None,
         region: str = "us-east-1",
         warm_up: bool = True,
         bin_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
         self.memstore_bytes = memstore_bytes
+        # Data larger than RAM: BlueStore on a sparse file of this size in the work dir.
+        self.disk_bytes = disk_bytes
         self.region = region
         self.warm_up = warm_up
         self._bin_dir = Path(bin_dir) if bin_dir else None
@@ -281,8 +287,7 @@ class RadosGW(S3Api, Emulator):
             "osd pool default pgp num": "8",
             "osd pool default pg autoscale mode": "off",
             "mon max pg per osd": "1000",
-            "osd objectstore": "memstore",
-            "memstore device bytes": str(self.memstore_bytes),
+            **self._store_settings(d),
             # Keep every file inside the work dir (defaults point into /var).
             "run dir": str(d / "run"),
             "crash dir": str(d / "crash"),
@@ -315,6 +320,23 @@ class RadosGW(S3Api, Emulator):
         (d / "run").mkdir(exist_ok=True)
         (d / "crash").mkdir(exist_ok=True)
         self.conf_path.write_text("\n".join(lines) + "\n")
+
+    def _store_settings(self, d: Path) -> dict[str, str]:
+        """The OSD's object store: memstore (RAM), or BlueStore on a sparse file."""
+        if self.disk_bytes is None:
+            return {"osd objectstore": "memstore",
+                    "memstore device bytes": str(self.memstore_bytes)}
+        return {
+            "osd objectstore": "bluestore",
+            "bluestore block path": str(d / "osd.0.block"),  # not inside: mkfs links it there
+            "bluestore block create": "true",
+            "bluestore block size": str(self.disk_bytes),
+            "bluestore fsck on mkfs": "false",
+            # A small cache: the point of the disk is to keep RAM for the benchmark.
+            "osd memory target": str(_GiB),
+            "bluestore cache autotune": "false",
+            "bluestore cache size": str(256 << 20),
+        }
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)

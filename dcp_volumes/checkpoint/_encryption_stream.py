@@ -474,8 +474,10 @@ class _FrameDecoder(PieceDecoder):
                  placement: TensorPlacement, target: memoryview) -> None:
         key_id = fields.get("key", "")
         key = encryption.key_for(key_id)
-        if key is None:  # from_descriptor checked it: a key set changed since
-            raise EncryptionKeyError(f"no key is given for key id {key_id!r}.")
+        if key is None:  # from_descriptor checked it already
+            raise EncryptionKeyError(
+                f"this item is encrypted with key id {key_id!r}, which the key given does not "
+                f"hold (it holds {encryption.key_ids}). Fix: pass the key that wrote it.")
         try:
             stream_id = bytes.fromhex(fields.get("stream", ""))
         except ValueError:

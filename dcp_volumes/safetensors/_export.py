@@ -48,7 +48,7 @@ logger = logging.getLogger("dcp_volumes.safetensors")
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 # How many bytes of source tensors one load asks the reader for (a tensor larger
 # than this is loaded alone): with one output file on disk, what the export holds.
-_WINDOW_BYTES = 256 * 2**20
+_WINDOW_BYTES = 128 * 2**20
 _METADATA = {"format": "pt"}
 
 #: The output head and the input embeddings it is tied to in transformers' models
