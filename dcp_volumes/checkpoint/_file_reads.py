@@ -370,26 +370,21 @@ class FileRead:
         # lags (a replica behind, a gateway's cache), so ask again for a moment
         # before calling it missing. Without a manifest nothing says it should exist.
         listed = self.record is not None
-        data: memoryview | None = None
+        read: Callable[[], int | memoryview]
+        if self.sealed:  # the client's buffer goes to the pieces and the decoders
+            read = lambda: source.read_span(rel, start, end, whole=hash_it)  # noqa: E731
+        else:
+            read = lambda: source.read_into(rel, start, self.views(start, end),  # noqa: E731
+                                            whole=hash_it)
         try:
-            if self.sealed:  # the client's buffer goes to the pieces and the decoders
-                data = despite_lag(
-                    lambda: source.read_span(rel, start, end, whole=hash_it),
-                    what=redact_url(source.url_of(rel)),
-                    expected=listed,
-                )
-                got = len(data)
-            else:
-                got = despite_lag(
-                    lambda: source.read_into(rel, start, self.views(start, end), whole=hash_it),
-                    what=redact_url(source.url_of(rel)),
-                    expected=listed,
-                )
+            result = despite_lag(read, what=redact_url(source.url_of(rel)), expected=listed)
         except BucketNotFoundError:
             raise
         except VolumeNotFoundError:
             looked = LAG_TOTAL_S if listed else 0.0
             raise missing_file_error(source, rel, looked_s=looked) from None
+        data = result if isinstance(result, memoryview) else None
+        got = len(data) if data is not None else cast(int, result)
         if got != end - start:
             raise truncated_file_error(source, rel, start, end, got)
         if data is not None:
