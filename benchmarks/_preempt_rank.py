@@ -5,7 +5,9 @@ which the CPU is free, plus a small gradient all-reduce as data parallelism
 makes) with ``should_save`` / ``reached_preemption`` on a ``CheckpointManager``,
 and writes what it saw as JSON lines to ``OUT/rank-R.jsonl``: each step's
 ``should_save`` time, the saves, and when the preemption's checkpoint
-committed (wall-clock time, comparable with the launcher's).
+committed (wall-clock time, comparable with the launcher's). With ``--naive`` it
+trains without the manager, as a job with no preemption handling does: SIGTERM ends
+it at once, so the launcher's SIGTERM -> exit is torchrun's own shutdown.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=0.1)
     p.add_argument("--preemption-signals", default="SIGTERM", help="comma-separated; '' for none")
     p.add_argument("--options", default="{}", help="storage options, JSON")
+    p.add_argument("--naive", action="store_true", help="no manager: SIGTERM ends the rank")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -48,6 +51,13 @@ def main() -> None:
     def event(kind: str, **data: object) -> None:
         log.write(json.dumps({"ev": kind, "t": time.time(), **data}) + "\n")
 
+    if args.naive:
+        event("start", pid=os.getpid())
+        for step in range(1, args.steps + 1):
+            time.sleep(args.step_s)
+            dist.all_reduce(grad)
+            event("step", step=step)
+        return
     with CheckpointManager(args.root, keep_last=2, storage_options=json.loads(args.options),
                            save_interval_steps=args.interval,
                            preemption_signals=signals) as mgr:

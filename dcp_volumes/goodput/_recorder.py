@@ -132,16 +132,17 @@ class Recorder:
                         "restart_count": _int_or_none(
                             os.environ.get("TORCHELASTIC_RESTART_COUNT"))}
         self._journal_path: str | None = None
-        self._journal: Any = None
+        self._journal: int | None = None  # a file descriptor
         try:
             os.makedirs(journal, exist_ok=True)
             if recover:
                 self._recover(journal)
             self._journal_path = os.path.join(journal, f"{attempt}-rank{rank:05d}.jsonl")
-            # Line-buffered: each event reaches the kernel at once, and survives a SIGKILL.
-            self._journal = open(self._journal_path, "a", buffering=1)  # noqa: SIM115
+            # Unbuffered: each event reaches the kernel at once, and survives a SIGKILL.
+            self._journal = os.open(self._journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                                    0o644)
             doc = RankRecord(source="journal", events=(), **self._header).header()
-            self._journal.write(json.dumps(doc, separators=(",", ":")) + "\n")
+            self._write_line(_line(doc))
         except OSError as exc:
             logger.warning("goodput: no node-local journal in %s (%s); a SIGKILLed attempt's "
                            "last steps will be estimated", journal, exc)
@@ -155,20 +156,29 @@ class Recorder:
         event = {"k": kind, "t": fields.pop("t", None) or time.time(), **fields}
         with self._lock:
             self._events.append(event)
-            if self._journal is not None:
-                try:
-                    self._journal.write(json.dumps(event, separators=(",", ":")) + "\n")
-                except (OSError, ValueError):
-                    self._journal = None  # a full or closed disk: the store's copy is enough
+            self._write_line(_line(event))
 
     def step(self, step: int) -> None:
-        """A step boundary (once per step, whichever of the manager's calls marks it)."""
+        """A step boundary (once per step, whichever of the manager's calls marks it).
+
+        On the training thread every step, so its journal line is formatted directly
+        (the same JSON as ``add`` writes, without ``json.dumps``)."""
         if step == self._last_step:
             return
         self._last_step = step
         self._trained = True
         wait, self.wait_s = self.wait_s, 0.0
-        self.add("step", step=step, wait=round(wait, 6))
+        t, wait = time.time(), round(wait, 6)
+        with self._lock:
+            self._events.append({"k": "step", "t": t, "step": step, "wait": wait})
+            self._write_line(b'{"k":"step","t":%a,"step":%d,"wait":%a}\n' % (t, step, wait))
+
+    def _write_line(self, line: bytes) -> None:
+        if self._journal is not None:
+            try:
+                os.write(self._journal, line)
+            except OSError:
+                self._journal = None  # a full or closed disk: the store's copy is enough
 
     def save_started(self, step: int) -> None:
         self._trained = True
@@ -206,7 +216,7 @@ class Recorder:
             journal, self._journal = self._journal, None
         if journal is not None:
             with contextlib.suppress(OSError):
-                journal.close()
+                os.close(journal)
             if stored and self._journal_path is not None:  # the store holds it all now
                 with contextlib.suppress(OSError):
                     os.remove(self._journal_path)
@@ -243,6 +253,10 @@ class Recorder:
                                 record.attempt, record.rank)
             with contextlib.suppress(OSError):
                 os.remove(path)
+
+
+def _line(doc: dict[str, Any]) -> bytes:
+    return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
 
 
 def _put_segment(volume: Volume, segment: RankRecord) -> bool:
