@@ -472,3 +472,22 @@ def test_rank_local_chunks_that_leave_a_hole_are_refused() -> None:
     assert len(_merged([rank(0), rank(2), rank(4)], "ck").state_dict_metadata["w"].chunks) == 3
     with pytest.raises(CheckpointCorruptError, match="'w' hold 12 of its 18 elements"):
         _merged([rank(0), rank(4)], "ck")
+
+
+def test_where_ranges_cost_the_whole_object_each_file_is_read_once(
+    tmp_path: Path, memory_bucket: Any
+) -> None:
+    tensors = _plain_model(tmp_path / "m")
+    url = f"{memory_bucket[0]}/m"
+    volume = Volume(url)
+    for f in sorted((tmp_path / "m").iterdir()):
+        volume.publish(f.name, f.read_bytes())
+    target = {"w": torch.zeros(ROWS, COLS), "v": torch.zeros(ROWS, COLS, dtype=torch.bfloat16),
+              "b": torch.zeros(ROWS, dtype=torch.float64)}  # b is cast from int64
+    reader = SafetensorsReader(url, storage_options={"ranged_reads_cost_whole_object": True})
+    dcp.load(target, storage_reader=reader, no_dist=True)
+    for k, v in tensors.items():
+        assert torch.equal(target[k], v.to(target[k].dtype)), k
+    # One GET per file (v and b share one), where parts would make one per span.
+    assert reader.stats.data_requests == 2
+    assert reader.stats.data_bytes == sum(v.numel() * v.element_size() for v in tensors.values())

@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
@@ -295,8 +296,10 @@ class SafetensorsReader(StorageReader):
             out under many concurrent GETs; a timeout is retried as transient).
         retry: retry policy for transient volume errors (timeouts, throttling, 5xx).
         part_size: largest single ranged read (bytes or e.g. ``"16MiB"``), as
-            ``VolumeReader``'s; ``None``: 16 MiB, or one GET per span where the
-            server reads the whole object for every range.
+            ``VolumeReader``'s; ``None``: 16 MiB. Where the server reads the whole
+            object for every range (``ranged_reads_cost_whole_object``), neither this
+            nor ``read_concurrency`` applies: each file's rows that the rank needs are
+            read in one GET per 512 MiB run, one run at a time.
     """
 
     def __init__(
@@ -358,14 +361,21 @@ class SafetensorsReader(StorageReader):
         if len(items) != len(plan.items):
             raise SafetensorsError("A safetensors model holds tensors only; the load plan asks "
                                    "for a non-tensor item.")
+        if self.volume.capabilities.ranged_reads_cost_whole_object:
+            self._read_runs(items, planner)
+        else:
+            self._read_parts(items, planner)
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _read_parts(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
+        """Each item's rows in parts of ``part_size``, ``read_concurrency`` at a time, into
+        the target where its bytes fit it."""
         with ThreadPoolExecutor(self.read_concurrency, thread_name_prefix="dcpv-st-read") as pool:
             batch: list[_Pending] = []
             held = 0
-            # Where the server reads the whole object for each range, a span is one GET.
-            whole = self.volume.capabilities.ranged_reads_cost_whole_object
-            part = self.part_size or max(
-                1, max((s.end - s.start for s in self._spans.values()), default=1)
-                if whole else _PART_BYTES)
+            part = self.part_size or _PART_BYTES
             for item in items:
                 span = self._spans[item.storage_index]
                 start, end, _ = _row_span(span, item)
@@ -387,22 +397,56 @@ class SafetensorsReader(StorageReader):
                     self._deliver(batch, planner)
                     batch, held = [], 0
             self._deliver(batch, planner)
-        done: torch.futures.Future[None] = torch.futures.Future()
-        done.set_result(None)
-        return done
+
+    def _read_runs(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
+        """Where the server reads the whole object for every ranged read: one read per run
+        of a file's rows that this rank needs (at most ``_WINDOW_BYTES``, or one item's),
+        one run at a time, each item copied out of it."""
+        runs: list[tuple[str, int, int, list[tuple[ReadItem, int, int]]]] = []
+        by_file: dict[str, list[tuple[int, int, ReadItem]]] = {}
+        for item in items:
+            span = self._spans[item.storage_index]
+            start, end, _ = _row_span(span, item)
+            by_file.setdefault(span.file, []).append((start, end, item))
+        for file, entries in by_file.items():
+            entries.sort(key=lambda e: e[0])
+            for start, end, item in entries:
+                if runs and runs[-1][0] == file and end - runs[-1][1] <= _WINDOW_BYTES:
+                    run_file, run_start, run_end, members = runs[-1]
+                    runs[-1] = (run_file, run_start, max(run_end, end), members)
+                else:
+                    runs.append((file, start, end, []))
+                runs[-1][3].append((item, start, end))
+        for file, start, end, members in runs:
+            data = self.volume.read_span(file, start, end)
+            self._count(file, start, end - start, len(data))
+            for item, first, last in members:
+                target = _narrow(planner.resolve_tensor(item).detach(), item.dest_offsets,
+                                 item.lengths)
+                rows = data[first - start:last - start]
+                span = self._spans[item.storage_index]
+                if _fits(target, span, item, last - first):
+                    target.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(rows, np.uint8)
+                else:  # a cast or a narrowing: torch reads from a buffer of its own
+                    self._copy(item, bytearray(rows), target)
+                planner.commit_tensor(item, target)
 
     def _read_part(self, span: TensorSpan, start: int, out: memoryview) -> int:
         got = self.volume.read_into(span.file, start, out)
-        if got != len(out):
+        self._count(span.file, start, len(out), got)
+        return got
+
+    def _count(self, file: str, start: int, expected: int, got: int) -> None:
+        """One read's bytes in the stats; a short read is a file shorter than its header."""
+        if got != expected:
             raise SafetensorsError(
-                f"{redact_url(self.volume.url_of(span.file))}: {len(out)} bytes expected at "
+                f"{redact_url(self.volume.url_of(file))}: {expected} bytes expected at "
                 f"byte {start}, {got} arrived; the file is shorter than its header says "
                 "(changed or truncated). Fix: re-upload or re-export the model."
             )
         with self._stats_lock:
             self.stats.data_requests += 1
             self.stats.data_bytes += got
-        return got
 
     def _deliver(self, batch: Sequence[_Pending], planner: LoadPlanner) -> None:
         for pending in batch:
