@@ -475,8 +475,10 @@ def test_rank_local_chunks_that_leave_a_hole_are_refused() -> None:
 
 
 def test_where_ranges_cost_the_whole_object_each_file_is_read_once(
-    tmp_path: Path, memory_bucket: Any
+    tmp_path: Path, memory_bucket: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from dcp_volumes.safetensors import _reader as safetensors_reader
+
     tensors = _plain_model(tmp_path / "m")
     url = f"{memory_bucket[0]}/m"
     volume = Volume(url)
@@ -491,3 +493,9 @@ def test_where_ranges_cost_the_whole_object_each_file_is_read_once(
     # One GET per file (v and b share one), where parts would make one per span.
     assert reader.stats.data_requests == 2
     assert reader.stats.data_bytes == sum(v.numel() * v.element_size() for v in tensors.values())
+    # Runs end at _RUN_BYTES: v (120 bytes) and b (80) no longer share one.
+    monkeypatch.setattr(safetensors_reader, "_RUN_BYTES", 150)
+    again = {k: torch.zeros_like(t) for k, t in target.items()}
+    dcp.load(again, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(again[k], target[k]) for k in target)
+    assert reader.stats.data_requests == 3

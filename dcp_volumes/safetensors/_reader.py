@@ -55,6 +55,9 @@ logger = logging.getLogger("dcp_volumes.safetensors")
 _PART_BYTES = 16 * 2**20
 # Bytes of spans in flight (read, not yet copied into their targets).
 _WINDOW_BYTES = 512 * 2**20
+# Where ranges cost the whole object: the most of a file's rows one GET reads (fewer
+# GETs, each costing the server the whole object, against enough of them in parallel).
+_RUN_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,17 @@ def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]
 
 
 @dataclass
+class _Run:
+    """Where ranges cost the whole object: one GET of a file's bytes [start, end) and the
+    items (with their rows' byte spans) copied out of it."""
+
+    file: str
+    start: int
+    end: int
+    members: list[tuple[ReadItem, int, int]] = field(default_factory=list)
+
+
+@dataclass
 class _Pending:
     """One read item in flight: its target, and its bytes when they need a copy."""
 
@@ -297,9 +311,9 @@ class SafetensorsReader(StorageReader):
         retry: retry policy for transient volume errors (timeouts, throttling, 5xx).
         part_size: largest single ranged read (bytes or e.g. ``"16MiB"``), as
             ``VolumeReader``'s; ``None``: 16 MiB. Where the server reads the whole
-            object for every range (``ranged_reads_cost_whole_object``), neither this
-            nor ``read_concurrency`` applies: each file's rows that the rank needs are
-            read in one GET per 512 MiB run, one run at a time.
+            object for every range (``ranged_reads_cost_whole_object``) it does not
+            apply: the rows a rank needs of each file are read in runs of up to
+            64 MiB, one GET each.
     """
 
     def __init__(
@@ -399,10 +413,11 @@ class SafetensorsReader(StorageReader):
             self._deliver(batch, planner)
 
     def _read_runs(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
-        """Where the server reads the whole object for every ranged read: one read per run
-        of a file's rows that this rank needs (at most ``_WINDOW_BYTES``, or one item's),
-        one run at a time, each item copied out of it."""
-        runs: list[tuple[str, int, int, list[tuple[ReadItem, int, int]]]] = []
+        """Where the server reads the whole object for every ranged read: a file's rows
+        that this rank needs are read in runs of at most ``_RUN_BYTES`` (or one item's
+        rows), one GET each, ``read_concurrency`` at a time within ``_WINDOW_BYTES``,
+        and each item is copied out of its run."""
+        runs: list[_Run] = []
         by_file: dict[str, list[tuple[int, int, ReadItem]]] = {}
         for item in items:
             span = self._spans[item.storage_index]
@@ -411,21 +426,34 @@ class SafetensorsReader(StorageReader):
         for file, entries in by_file.items():
             entries.sort(key=lambda e: e[0])
             for start, end, item in entries:
-                if runs and runs[-1][0] == file and end - runs[-1][1] <= _WINDOW_BYTES:
-                    run_file, run_start, run_end, members = runs[-1]
-                    runs[-1] = (run_file, run_start, max(run_end, end), members)
-                else:
-                    runs.append((file, start, end, []))
-                runs[-1][3].append((item, start, end))
-        for file, start, end, members in runs:
-            data = self.volume.read_span(file, start, end)
-            self._count(file, start, end - start, len(data))
-            for item, first, last in members:
+                run = runs[-1] if runs else None
+                if run is None or run.file != file or end - run.start > _RUN_BYTES:
+                    run = _Run(file, start, end)
+                    runs.append(run)
+                run.end = max(run.end, end)
+                run.members.append((item, start, end))
+        with ThreadPoolExecutor(self.read_concurrency, thread_name_prefix="dcpv-st-read") as pool:
+            batch: list[tuple[_Run, Future[memoryview]]] = []
+            held = 0
+            for run in runs:
+                batch.append((run, pool.submit(self.volume.read_span, run.file, run.start,
+                                               run.end)))
+                held += run.end - run.start
+                if held >= _WINDOW_BYTES:
+                    self._place_runs(batch, planner)
+                    batch, held = [], 0
+            self._place_runs(batch, planner)
+
+    def _place_runs(self, batch: Sequence[tuple[_Run, Future[memoryview]]],
+                    planner: LoadPlanner) -> None:
+        for run, reading in batch:
+            data = reading.result()
+            self._count(run.file, run.start, run.end - run.start, len(data))
+            for item, first, last in run.members:
                 target = _narrow(planner.resolve_tensor(item).detach(), item.dest_offsets,
                                  item.lengths)
-                rows = data[first - start:last - start]
-                span = self._spans[item.storage_index]
-                if _fits(target, span, item, last - first):
+                rows = data[first - run.start:last - run.start]
+                if _fits(target, self._spans[item.storage_index], item, last - first):
                     target.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(rows, np.uint8)
                 else:  # a cast or a narrowing: torch reads from a buffer of its own
                     self._copy(item, bytearray(rows), target)
