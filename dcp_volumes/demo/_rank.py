@@ -344,7 +344,13 @@ def train(spec: Mapping[str, Any]) -> None:
     if preempted:  # the job is requeued and resumes; it has not ended
         dist.destroy_process_group()
         events.write("exit", step=step)
-        return
+        # The step is committed and the manager closed: nothing is left to do, and the
+        # requeue waits for this process's end. Leave without the interpreter's teardown
+        # (torch's modules, the loader's iterator; its workers follow this process out).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     digest = params_digest(model) if rank == 0 else None
     events.write("end", step=step, digest=digest, final_wait=[w0, time.time()])
     dist.destroy_process_group()
