@@ -55,9 +55,11 @@ logger = logging.getLogger("dcp_volumes.safetensors")
 _PART_BYTES = 16 * 2**20
 # Bytes of spans in flight (read, not yet copied into their targets).
 _WINDOW_BYTES = 512 * 2**20
-# Where ranges cost the whole object: the most of a file's rows one GET reads (fewer
-# GETs, each costing the server the whole object, against enough of them in parallel).
+# Where ranges cost the whole object: the most of a file's rows one GET reads, and how
+# many such GETs are in flight (each costs the server a read of the whole object; more
+# in parallel keep a link busy, and overload the server).
 _RUN_BYTES = 64 * 2**20
+_RUNS_IN_FLIGHT = 4
 
 
 @dataclass(frozen=True)
@@ -313,7 +315,7 @@ class SafetensorsReader(StorageReader):
             ``VolumeReader``'s; ``None``: 16 MiB. Where the server reads the whole
             object for every range (``ranged_reads_cost_whole_object``) it does not
             apply: the rows a rank needs of each file are read in runs of up to
-            64 MiB, one GET each.
+            64 MiB, one GET each, at most 4 in flight.
     """
 
     def __init__(
@@ -415,8 +417,8 @@ class SafetensorsReader(StorageReader):
     def _read_runs(self, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
         """Where the server reads the whole object for every ranged read: a file's rows
         that this rank needs are read in runs of at most ``_RUN_BYTES`` (or one item's
-        rows), one GET each, ``read_concurrency`` at a time within ``_WINDOW_BYTES``,
-        and each item is copied out of its run."""
+        rows), one GET each, at most ``_RUNS_IN_FLIGHT`` (and ``read_concurrency``) at a
+        time within ``_WINDOW_BYTES``, and each item is copied out of its run."""
         runs: list[_Run] = []
         by_file: dict[str, list[tuple[int, int, ReadItem]]] = {}
         for item in items:
@@ -432,7 +434,8 @@ class SafetensorsReader(StorageReader):
                     runs.append(run)
                 run.end = max(run.end, end)
                 run.members.append((item, start, end))
-        with ThreadPoolExecutor(self.read_concurrency, thread_name_prefix="dcpv-st-read") as pool:
+        in_flight = min(self.read_concurrency, _RUNS_IN_FLIGHT)
+        with ThreadPoolExecutor(in_flight, thread_name_prefix="dcpv-st-read") as pool:
             batch: list[tuple[_Run, Future[memoryview]]] = []
             held = 0
             for run in runs:
