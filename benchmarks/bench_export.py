@@ -233,7 +233,6 @@ def _raw_read(url: str, opts: dict[str, Any]) -> tuple[float, int]:
     return time.perf_counter() - start, sum(f.size for f in files)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")

@@ -326,11 +326,7 @@ class EncryptedStreams(TensorPlacingExtension, StreamTransformExtension):
                     "reader, or set DCP_VOLUMES_ENCRYPTION_KEY."
                 ) from None
         if encryption.key_for(key_id) is None:
-            raise EncryptionKeyError(
-                f"this item is encrypted with key id {key_id!r}, and the key given holds "
-                f"only {encryption.key_ids}. Fix: add that key, e.g. "
-                f"Encryption(key=..., key_id=..., previous={{{key_id!r}: old_key}})."
-            )
+            raise _key_not_held(key_id, encryption)
         compression = ZstdCompression.from_descriptor("1") if "zstd" in fields else None
         return cls(encryption, compression, expected=fields)
 
@@ -405,11 +401,8 @@ class EncryptedStreams(TensorPlacingExtension, StreamTransformExtension):
         ):
             raise _header_mismatch()
         key = self._encryption.key_for(key_id)
-        if key is None:
-            raise EncryptionKeyError(
-                f"this item is encrypted with key id {key_id!r}, which the key given does "
-                f"not hold (it holds {self._encryption.key_ids})."
-            )
+        if key is None:  # from_descriptor checked it already
+            raise _key_not_held(key_id, self._encryption)
         cipher = require_cipher()(key)
         body = data[header_end:]
         record = frame_size + _FRAME_OVERHEAD
@@ -475,9 +468,7 @@ class _FrameDecoder(PieceDecoder):
         key_id = fields.get("key", "")
         key = encryption.key_for(key_id)
         if key is None:  # from_descriptor checked it already
-            raise EncryptionKeyError(
-                f"this item is encrypted with key id {key_id!r}, which the key given does not "
-                f"hold (it holds {encryption.key_ids}). Fix: pass the key that wrote it.")
+            raise _key_not_held(key_id, encryption)
         try:
             stream_id = bytes.fromhex(fields.get("stream", ""))
         except ValueError:
@@ -591,6 +582,14 @@ def _whole(input: IO[bytes]) -> memoryview:
     """One stored item's bytes: an item already in memory (fetched bytes, a BytesIO) in place."""
     whole = getattr(input, "getbuffer", None)
     return memoryview(whole()) if callable(whole) else memoryview(input.read())
+
+
+def _key_not_held(key_id: str, encryption: Encryption) -> EncryptionKeyError:
+    return EncryptionKeyError(
+        f"this item is encrypted with key id {key_id!r}, and the key given holds only "
+        f"{encryption.key_ids}. Fix: add that key, e.g. "
+        f"Encryption(key=..., key_id=..., previous={{{key_id!r}: old_key}})."
+    )
 
 
 def _wrong_key(key_id: str) -> EncryptionKeyError:
