@@ -7,6 +7,9 @@ from ``DCP_VOLUMES_ROUTE`` / ``DCP_VOLUMES_ROUTE_CONFIG`` or ``--route`` /
     DCP_VOLUMES_ROUTE=s3://bucket/ python -m dcp_volumes.run train.py --lr 1e-3
     torchrun --nproc-per-node 8 -m dcp_volumes.run train.py --lr 1e-3
     python -m dcp_volumes.run --route s3://bucket/ -m my_package.train
+
+At exit it lets the script's gloo threads finish before Python shuts down
+(``_prompt_exit.settle_threads_at_exit``).
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     if args.module is None and not args.target:
         _parser().error("give a script to run (or -m MODULE)")
+    from dcp_volumes._prompt_exit import settle_threads_at_exit
     from dcp_volumes.checkpoint._routing import route
 
     route(args.route, config=args.config)
+    settle_threads_at_exit()  # the script's process groups may outlive it
     if args.module is not None:
         sys.argv = [args.module, *args.target]
         runpy.run_module(args.module, run_name="__main__", alter_sys=True)

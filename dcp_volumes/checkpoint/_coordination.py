@@ -26,6 +26,7 @@ from dcp_volumes._exceptions import (
     rank_failures,
     storage_error,
 )
+from dcp_volumes._prompt_exit import settle_threads_at_exit
 from dcp_volumes._torchrun import forget_stale_addresses
 from dcp_volumes._world import World, distributed
 
@@ -91,6 +92,7 @@ class Coordinator:
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.distributed = distributed()
         if self.distributed:
+            settle_threads_at_exit()  # this group's threads outlive the job's last line
             if process_group is None:  # every rank is here (a group over the world follows)
                 forget_stale_addresses()
             self.group: dist.ProcessGroup | None = process_group or dist.new_group(
