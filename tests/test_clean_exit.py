@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -46,7 +45,7 @@ dist.destroy_process_group()
 
 def _exit_codes(tmp_path: Path, how: str, runs: int) -> list[tuple[int, str]]:
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(_SCRIPT))
+    script.write_text(_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable]
     if how == "runner":
@@ -58,7 +57,8 @@ def _exit_codes(tmp_path: Path, how: str, runs: int) -> list[tuple[int, str]]:
         )
         for i in range(runs)
     ]
-    return [(p.wait(timeout=240), p.stderr.read()[-2000:] if p.stderr else "") for p in procs]
+    errors = [p.communicate(timeout=240)[1] for p in procs]
+    return [(p.returncode, err[-2000:]) for p, err in zip(procs, errors, strict=True)]
 
 
 def _assert_all_clean(results: list[tuple[int, str]]) -> None:
