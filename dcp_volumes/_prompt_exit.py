@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
+import os
 import sys
 import threading
 import time
@@ -51,6 +53,16 @@ def settle_threads_at_exit() -> None:
     job registers later (a last collective in one of those included)."""
     if sys.version_info < (3, 14):  # from 3.14 such a thread waits instead of aborting
         _register_once("settle", time.sleep, _SETTLE_S)
+
+
+def leave_now(code: int) -> None:
+    """End this process at once with ``code``: the logs and standard streams flushed,
+    no atexit handler, no interpreter teardown (``os._exit``). For a process with nothing
+    left to do that something waits on (a requeue, a stuck worker's parent)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _register_once(name: str, handler: Callable[..., object], *args: object) -> None:

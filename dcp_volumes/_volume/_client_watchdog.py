@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from dcp_volumes import _env
+from dcp_volumes._prompt_exit import leave_now
 
 logger = logging.getLogger(__name__)
 
@@ -75,5 +76,4 @@ def _stuck(what: str, limit: float) -> None:
         f" Stopping this {stopping}." if stopping else "",
     )
     if stopping:
-        logging.shutdown()
-        os._exit(STUCK_EXIT_CODE)
+        leave_now(STUCK_EXIT_CODE)

@@ -42,6 +42,7 @@ import torch.distributed as dist  # noqa: E402
 
 T_IMPORT = time.time()
 
+from dcp_volumes._prompt_exit import leave_now  # noqa: E402
 from dcp_volumes._world import cpu_ids  # noqa: E402
 from dcp_volumes.demo._config import Crash  # noqa: E402
 from dcp_volumes.demo._faults import CrashInjector, SavePhases, kills_so_far  # noqa: E402
@@ -347,10 +348,7 @@ def train(spec: Mapping[str, Any]) -> None:
         # The step is committed and the manager closed: nothing is left to do, and the
         # requeue waits for this process's end. Leave without the interpreter's teardown
         # (torch's modules, the loader's iterator; its workers follow this process out).
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave_now(0)
     digest = params_digest(model) if rank == 0 else None
     events.write("end", step=step, digest=digest, final_wait=[w0, time.time()])
     dist.destroy_process_group()

@@ -426,10 +426,9 @@ class SafetensorsReader(StorageReader):
             start, end, _ = _row_span(span, item)
             by_file.setdefault(span.file, []).append((start, end, item))
         for file, entries in by_file.items():
-            entries.sort(key=lambda e: e[0])
-            for start, end, item in entries:
-                run = runs[-1] if runs else None
-                if run is None or run.file != file or end - run.start > _RUN_BYTES:
+            run: _Run | None = None
+            for start, end, item in sorted(entries, key=lambda e: e[0]):
+                if run is None or end - run.start > _RUN_BYTES:
                     run = _Run(file, start, end)
                     runs.append(run)
                 run.end = max(run.end, end)
